@@ -1,0 +1,241 @@
+"""Structured configs: the types, defaults and cross-checks of every key trainloop reads.
+
+Hydra merges conf/train.yaml and the chosen group options onto `TrainConfig`, so an unknown
+key or a value of the wrong type fails while the config is composed. `validate()` then checks
+what a type cannot say (choices, ranges, combinations) before anything is built.
+Only plain values live here; runtime objects are made by the build_* functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config that cannot work. The message names the key and what to change."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # tiny: built from the shape below; hf: loaded from name_or_path
+    arch: str = "llama"  # tiny only: llama or gpt2
+    name_or_path: Optional[str] = None  # hf only: a local directory, or a hub id when online
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    intermediate_size: Optional[int] = None  # None: 4 x hidden_size
+    max_position_embeddings: int = 1024
+    vocab_multiple: int = 64  # pad the embedding to a multiple of this (tensor-core friendly)
+    dropout: float = 0.0
+    attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = "pydoc"  # pydoc: Python's bundled documentation text; files: data.path
+    path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet
+    text_field: str = "text"
+    tokenizer: Optional[str] = None  # a local tokenizer directory; None: model's own or bytes
+    seq_len: int = 128
+    batch_size: int = 8  # per device, per micro-step
+    validation_fraction: float = 0.05
+    num_proc: Optional[int] = None  # processes for datasets.map
+    num_workers: int = 0
+    pin_memory: bool = True  # only takes effect when a CUDA device is used
+    persistent_workers: bool = False
+    prefetch_factor: Optional[int] = None
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    impl: str = "auto"  # adamw only: auto, fused, foreach, for_loop
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"  # cosine, linear, constant
+    warmup_steps: int = 0
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32, bf16, fp16
+    tf32: bool = False  # TF32 matmuls and convolutions on Ampere and newer GPUs
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 600  # optimizer steps
+    seed: int = 1234
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: Optional[float] = 1.0  # None: no clipping
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: Optional[int] = None  # None: the whole validation split
+    on_nonfinite: str = "stop"  # skip or stop, when the loss or gradient norm is NaN/Inf
+    auto_batch_size: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = None  # None: only at the end
+    keep_last: int = 2
+    resume: Optional[str] = None  # None, auto, or a checkpoint directory
+    save_final_model: bool = True  # write RUN_DIR/final in Hugging Face format
+
+
+@dataclass
+class LoggingConfig:
+    progress_bar: bool = True
+    telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
+
+
+@dataclass
+class DeepSpeedConfig:
+    stage: int = 0  # 0: DeepSpeed off; 1, 2, 3: ZeRO stage
+    offload_optimizer: str = "none"  # none, cpu, nvme
+    offload_param: str = "none"  # none, cpu, nvme (stage 3 only)
+    nvme_path: Optional[str] = None
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    gather_16bit_weights_on_model_save: bool = True
+    config_file: Optional[str] = None  # a user's DeepSpeed JSON, checked against this config
+
+
+@dataclass
+class CompileConfig:
+    backend: str = "none"  # none, inductor, aot_eager, eager, cudagraphs
+    mode: str = "default"  # default, reduce-overhead, max-autotune
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    regional: bool = False  # compile each transformer block instead of the whole model
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    deepspeed: DeepSpeedConfig = MISSING
+    compile: CompileConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="trainloop_schema", node=TrainConfig)
+
+
+CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+if not CONFIG_DIR.is_dir():  # a source checkout or editable install: conf/ beside the package
+    CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+CHOICES = {
+    "model.name": ("tiny", "hf"),
+    "model.arch": ("llama", "gpt2"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "data.name": ("pydoc", "files"),
+    "optimizer.name": ("adamw", "adafactor", "adamw8bit", "paged_adamw8bit", "sgd"),
+    "optimizer.impl": ("auto", "fused", "foreach", "for_loop"),
+    "scheduler.name": ("cosine", "linear", "constant"),
+    "precision.name": ("fp32", "bf16", "fp16"),
+    "trainer.on_nonfinite": ("skip", "stop"),
+    "deepspeed.stage": (0, 1, 2, 3),
+    "deepspeed.offload_optimizer": ("none", "cpu", "nvme"),
+    "deepspeed.offload_param": ("none", "cpu", "nvme"),
+    "compile.backend": ("none", "inductor", "aot_eager", "eager", "cudagraphs"),
+    "compile.mode": ("default", "reduce-overhead", "max-autotune"),
+}
+
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.num_heads", "model.max_position_embeddings",
+    "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
+    "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
+    "trainer.eval_every", "checkpoint.keep_last",
+)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def validate(cfg: Any) -> None:
+    """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
+    problems = []
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            problems.append(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
+
+    m, d = cfg.model, cfg.data
+    if m.name == "tiny" and m.hidden_size % m.num_heads:
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
+        )
+    if m.name == "hf" and not m.name_or_path:
+        problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
+    if not 0.0 <= m.dropout < 1.0:
+        problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    if d.name == "files" and not d.path:
+        problems.append("data=files needs data.path: a file, directory or glob of your text data")
+    if not 0.0 < d.validation_fraction < 1.0:
+        problems.append(f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
+    if d.num_workers < 0:
+        problems.append(f"data.num_workers={d.num_workers} must be 0 or more")
+    if d.num_workers == 0 and (d.persistent_workers or d.prefetch_factor is not None):
+        problems.append(
+            "data.persistent_workers and data.prefetch_factor need data.num_workers > 0"
+        )
+
+    ds = cfg.deepspeed
+    if ds.stage and cfg.optimizer.name in ("adamw8bit", "paged_adamw8bit") and ds.stage == 3:
+        problems.append(
+            f"optimizer={cfg.optimizer.name} (bitsandbytes) cannot run under deepspeed stage 3: "
+            "ZeRO-3 partitions the parameters the 8-bit optimizer must see whole; "
+            "use optimizer=adamw, or deepspeed=zero2"
+        )
+    if ds.offload_param != "none" and ds.stage != 3:
+        problems.append(
+            f"deepspeed.offload_param={ds.offload_param} needs deepspeed stage 3 "
+            f"(deepspeed.stage is {ds.stage})"
+        )
+    if ds.offload_optimizer != "none" and ds.stage == 0:
+        problems.append(
+            f"deepspeed.offload_optimizer={ds.offload_optimizer} needs DeepSpeed: "
+            "choose deepspeed=zero1, zero2 or zero3"
+        )
+    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
+        problems.append("deepspeed offload to nvme needs deepspeed.nvme_path=DIR on a fast local disk")
+    if ds.stage and cfg.compile.backend != "none":
+        problems.append(
+            "compile.backend with DeepSpeed is not supported by trainloop yet: "
+            "set compile=none, or deepspeed=none"
+        )
+
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

@@ -1,0 +1,141 @@
+"""Text in, packed token blocks out: the tokenizer, the datasets and their DataLoaders."""
+
+from __future__ import annotations
+
+import glob
+import os
+from itertools import chain
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from trainloop.config import ConfigError, DataConfig
+
+EOS = "<|endoftext|>"
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+            ".csv": "csv", ".parquet": "parquet"}
+
+
+def byte_level_tokenizer():
+    """256 byte tokens plus an end-of-text token: no training, no download, any text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    vocab[EOS] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=EOS
+    )
+
+
+def build_tokenizer(tokenizer_path: str | None, model_path: str | None):
+    """data.tokenizer if given, else the pretrained model's own, else the built-in bytes."""
+    from transformers import AutoTokenizer
+
+    path, key = (tokenizer_path, "data.tokenizer") if tokenizer_path else (model_path, "model.name_or_path")
+    if path is None:
+        return byte_level_tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{key}={path!r}: no tokenizer could be loaded from it ({err}). Give a local "
+            "directory with tokenizer files, or a hub id with HF_HUB_OFFLINE=0 and network access"
+        ) from None
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"{key}={path!r}: the tokenizer has no eos_token to separate documents")
+    return tokenizer
+
+
+def data_files(path: str) -> tuple[str, list[str]]:
+    """Expand data.path (file, directory or glob) into a `datasets` builder name and files."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.suffix in BUILDERS)
+    else:
+        files = sorted(glob.glob(str(p))) if any(c in path for c in "*?[") else [str(p)]
+        files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        raise ConfigError(f"data.path={path!r}: no such file, or no data files in it "
+                          f"(extensions read: {', '.join(sorted(BUILDERS))})")
+    builders = {BUILDERS.get(Path(f).suffix) for f in files}
+    if None in builders or len(builders) > 1:
+        raise ConfigError(f"data.path={path!r}: the files must all be one of the kinds "
+                          f"{', '.join(sorted(BUILDERS))}; found {sorted({Path(f).suffix for f in files})}")
+    return builders.pop(), files
+
+
+def load_texts(cfg: DataConfig):
+    """A `datasets.Dataset` with one document per row in column cfg.text_field."""
+    import datasets
+
+    if cfg.name == "pydoc":
+        from pydoc_data.topics import topics
+
+        return datasets.Dataset.from_dict({cfg.text_field: [topics[k] for k in sorted(topics)]})
+    builder, files = data_files(cfg.path)
+    extra = {"sample_by": "document"} if builder == "text" else {}
+    ds = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+    if cfg.text_field not in ds.column_names:
+        raise ConfigError(f"data.text_field={cfg.text_field!r} is not a column of {cfg.path}: "
+                          f"its columns are {ds.column_names}; set data.text_field=ONE_OF_THEM")
+    return ds
+
+
+class PackedBlocks(Dataset):
+    """Rows of a [num_blocks, seq_len] LongTensor: each row is both input and label."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.blocks[i]
+
+
+def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks, PackedBlocks]:
+    """Tokenize (cached by `datasets` for files), append EOS per document, pack, split."""
+    texts = load_texts(cfg)
+    field, eos, seq_len = cfg.text_field, tokenizer.eos_token_id, cfg.seq_len
+
+    def tokenize(batch):
+        ids = tokenizer([t or "" for t in batch[field]], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    def pack(batch):
+        stream = list(chain.from_iterable(batch["input_ids"]))
+        usable = len(stream) // seq_len * seq_len
+        return {"input_ids": [stream[i:i + seq_len] for i in range(0, usable, seq_len)]}
+
+    tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names,
+                       num_proc=cfg.num_proc, desc="tokenize")
+    packed = tokens.map(pack, batched=True, batch_size=10_000, num_proc=cfg.num_proc, desc="pack")
+    if len(packed) < 2:
+        raise ConfigError(f"the data holds {len(packed)} block(s) of data.seq_len={seq_len} tokens: "
+                          "too little to train and validate; add data or lower data.seq_len")
+    split = packed.train_test_split(test_size=cfg.validation_fraction, seed=seed)
+    as_tensor = lambda d: PackedBlocks(torch.tensor(d["input_ids"], dtype=torch.long))  # noqa: E731
+    return as_tensor(split["train"]), as_tensor(split["test"])
+
+
+def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memory: bool):
+    """Shuffled, full-batch training loader and an ordered validation loader.
+
+    Accelerate swaps the shuffling sampler for a seedable one (see distributed.py), so the
+    order is a function of (seed, epoch) on every rank and after every resume.
+    """
+    if len(train) < cfg.batch_size:
+        raise ConfigError(f"data.batch_size={cfg.batch_size} is larger than the "
+                          f"{len(train)} training blocks; lower it or add data")
+    workers = dict(num_workers=cfg.num_workers, pin_memory=pin_memory,
+                   persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
+    valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)
+    return train_loader, valid_loader

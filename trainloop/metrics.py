@@ -1,0 +1,60 @@
+"""What a run reports: metrics.jsonl and the progress bar, on the main process only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("trainloop")
+
+
+class Metrics:
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and drives the progress bar."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
+                 progress_bar: bool, world_size: int):
+        self.enabled = enabled
+        self.world_size = world_size
+        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.bar = None
+        if enabled and progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+        self.start = time.time()
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {**record, "world_size": self.world_size, "time": round(time.time() - self.start, 3)}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def train(self, step: int, **values) -> None:
+        self.write({"step": step, **values})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
+                                 tok_s=f"{values['tokens_per_s']:,.0f}", refresh=False)
+        elif self.enabled:
+            log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s", step, values["loss"],
+                     values["lr"], values["tokens_per_s"])
+
+    def eval(self, step: int, eval_loss: float, eval_ppl: float) -> None:
+        self.write({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
+        if self.enabled:
+            (self.bar.write if self.bar is not None else log.info)(
+                f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}")
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()

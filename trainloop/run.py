@@ -1,0 +1,83 @@
+"""One run: check the config, build everything from it, train, save. Called by __main__."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainloop.config import ConfigError, validate
+
+log = logging.getLogger("trainloop")
+
+
+def check_complete(cfg: DictConfig) -> None:
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError("required keys have no value: " + ", ".join(missing)
+                          + " (set them on the command line, e.g. KEY=VALUE)")
+
+
+def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
+    """Train with `cfg`, writing into `run_dir`; return the last validation loss."""
+    check_complete(cfg)
+    validate(cfg)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
+
+    from accelerate.utils import set_seed
+
+    from trainloop.checkpoint import Checkpointer
+    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.distributed import agree_run_dir, build_accelerator
+    from trainloop.export import export_model
+    from trainloop.loop import TrainState, train
+    from trainloop.metrics import Metrics
+    from trainloop.model import build_model, build_model_config, context_length
+    from trainloop.optim import build_optimizer, build_scheduler
+
+    accelerator = build_accelerator(cfg)
+    run_dir = agree_run_dir(accelerator, run_dir)
+    if not accelerator.is_main_process:
+        log.setLevel(logging.WARNING)
+    checkpointer = Checkpointer(cfg, accelerator, run_dir)
+    resume_from = checkpointer.find_resume()
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    model_config = build_model_config(cfg.model, len(tokenizer))
+    if cfg.data.seq_len > context_length(model_config):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
+                          f"{context_length(model_config)} tokens; lower data.seq_len")
+    with accelerator.main_process_first():
+        train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    train_loader, valid_loader = build_dataloaders(
+        cfg.data, train_set, valid_set, pin_memory=cfg.data.pin_memory and accelerator.device.type == "cuda")
+
+    set_seed(cfg.trainer.seed)
+    model = build_model(cfg.model, model_config)
+    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=accelerator.device.type == "cuda")
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+    # The scheduler is stepped by the loop once per optimizer step; accelerate would step a
+    # prepared one num_processes times, changing the schedule with the world size.
+    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
+    accelerator.register_for_checkpointing(scheduler)
+
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    log.info("run dir %s | %s | %d process(es), %s | model %.2fM parameters | %d train / %d valid blocks "
+             "of %d tokens", run_dir, accelerator.distributed_type, accelerator.num_processes,
+             accelerator.device, n_params / 1e6, len(train_set), len(valid_set), cfg.data.seq_len)
+    state = TrainState()
+    if resume_from is not None:
+        checkpointer.load(resume_from, state)
+    metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
+                      cfg.logging.progress_bar, accelerator.num_processes)
+    try:
+        eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
+                          state, metrics, checkpointer)
+    finally:
+        metrics.close()
+    if cfg.checkpoint.save_final_model:
+        export_model(accelerator, model, tokenizer, Path(run_dir) / "final")
+    accelerator.end_training()
+    return eval_loss
