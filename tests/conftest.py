@@ -1,0 +1,104 @@
+"""Shared fixtures: compose the REAL config from conf/, shrink it, and run it for real.
+
+- `compose(*overrides)`: the composed DictConfig, as `python -m trainloop OVERRIDES` would see it.
+- `train(tmp_path, *overrides)`: one in-process run of trainloop.run.run; returns the run dir.
+- `launch(args, ...)`: a subprocess (python -m trainloop, torchrun, accelerate, deepspeed)
+  with a clean environment; returns the CompletedProcess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+from trainloop.config import CONFIG_DIR, register_configs
+
+# Every test run is shrunk to this: a 2-layer, 64-wide model, 64-token blocks, a few steps.
+SMALL = ["+preset=smoke", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2",
+         "trainer.eval_batches=2", "logging.progress_bar=false"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def compose(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides))
+
+
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; a new in-process run needs them cleared."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def train(run_dir: Path, *overrides: str, small: bool = True):
+    """Run trainloop in this process with SMALL + overrides; returns the run dir."""
+    from trainloop.run import run
+
+    reset_accelerate()
+    cfg = compose(*(SMALL if small else []), *overrides)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run(cfg, run_dir=run_dir)
+    return run_dir
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment for a child process: offline, quiet, 1 thread per rank (2 cores here)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "PYTEST_"))}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def launch(args: list[str], cwd: Path | None = None, timeout: float = 600, check: bool = True,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command (args[0] 'python' means this interpreter); fail with its output if check."""
+    if args[0] == "python":
+        args = [sys.executable, *args[1:]]
+    elif args[0] in ("torchrun", "accelerate", "deepspeed"):
+        args = [str(Path(sys.executable).parent / args[0]), *args[1:]]
+    proc = subprocess.run(args, cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture
+def tiny_jsonl(tmp_path: Path) -> Path:
+    """A local jsonl dataset (field 'content') cut from Python's own documentation text."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path / "corpus.jsonl"
+    with path.open("w") as f:
+        for key in sorted(topics)[:40]:
+            f.write(json.dumps({"content": topics[key], "id": key}) + "\n")
+    return path
+
+
+@pytest.fixture
+def local_tokenizer(tmp_path: Path) -> Path:
+    """A tokenizer directory on disk, as a user would bring one."""
+    from trainloop.data import byte_level_tokenizer
+
+    path = tmp_path / "tokenizer"
+    byte_level_tokenizer().save_pretrained(path)
+    return path
