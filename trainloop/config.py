@@ -77,7 +77,7 @@ class PrecisionConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 600  # optimizer steps
+    max_steps: int = 500  # optimizer steps
     seed: int = 1234
     gradient_accumulation_steps: int = 1
     max_grad_norm: Optional[float] = 1.0  # None: no clipping

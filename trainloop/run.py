@@ -29,6 +29,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     from accelerate.utils import set_seed
 
     from trainloop.checkpoint import Checkpointer
+    from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
     from trainloop.distributed import agree_run_dir, build_accelerator
     from trainloop.export import export_model
@@ -37,6 +38,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     from trainloop.model import build_model, build_model_config, context_length
     from trainloop.optim import build_optimizer, build_scheduler
 
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
     accelerator = build_accelerator(cfg)
     run_dir = agree_run_dir(accelerator, run_dir)
     if not accelerator.is_main_process:
@@ -56,6 +58,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
 
     set_seed(cfg.trainer.seed)
     model = build_model(cfg.model, model_config)
+    compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
     optimizer = build_optimizer(cfg.optimizer, model, on_cuda=accelerator.device.type == "cuda")
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The scheduler is stepped by the loop once per optimizer step; accelerate would step a

@@ -1,0 +1,133 @@
+"""Every shipped config composes, validates and builds; bad input fails early and names the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import compose, launch, read_metrics, train
+from trainloop.config import CONFIG_DIR, ConfigError, validate
+
+GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("preset", "__pycache__"))
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONFIG_DIR / g).glob("*.yaml"))]
+PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
+NEEDS = {  # options whose required keys the user must give
+    ("model", "hf"): ["model.name_or_path=/some/model"],
+    ("data", "files"): ["data.path=/some/data.jsonl"],
+}
+
+
+def test_groups_are_the_ones_documented():
+    assert {"model", "data", "optimizer", "scheduler", "precision", "deepspeed", "compile"} <= set(GROUPS)
+    assert "smoke" in PRESETS
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option):
+    cfg = compose(f"{group}={option}", *NEEDS.get((group, option), []))
+    assert OmegaConf.missing_keys(cfg) == set()
+    if group == "deepspeed" and option != "none" and "nvme" in (cfg.deepspeed.offload_optimizer, cfg.deepspeed.offload_param):
+        cfg.deepspeed.nvme_path = "/tmp"
+    validate(cfg)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_and_validates(preset):
+    text = (CONFIG_DIR / "preset" / f"{preset}.yaml").read_text()
+    assert text.startswith("# @package _global_"), f"preset/{preset}.yaml must start with the global package line"
+    cfg = compose(f"+preset={preset}", "deepspeed.nvme_path=/tmp")
+    validate(cfg)
+
+
+def test_default_config_is_the_documented_one():
+    cfg = compose()
+    assert (cfg.model.name, cfg.data.name, cfg.optimizer.name, cfg.precision.name) == ("tiny", "pydoc", "adamw", "fp32")
+    assert (cfg.deepspeed.stage, cfg.compile.backend, cfg.model.dropout) == (0, "none", 0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tiny_model_builds_with_requested_shape(arch):
+    from trainloop.model import build_model, build_model_config
+
+    cfg = compose("+preset=smoke", f"model.arch={arch}")
+    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+    assert model.config.num_hidden_layers == cfg.model.num_layers
+    assert model.config.hidden_size == cfg.model.hidden_size
+    assert model.config.vocab_size % cfg.model.vocab_multiple == 0 and model.config.vocab_size >= 257
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_decay_groups_exclude_biases_and_norms():
+    from trainloop.model import build_model, build_model_config
+    from trainloop.optim import parameter_groups
+
+    cfg = compose("+preset=smoke", "model.arch=gpt2")
+    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+    decay, no_decay = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert no_decay["weight_decay"] == 0.0
+    assert any(n.endswith(".bias") for n in no_decay_names) and any("ln_" in n for n in no_decay_names)
+
+
+def test_trains_on_local_jsonl_with_local_tokenizer(tmp_path, tiny_jsonl, local_tokenizer):
+    from transformers import AutoTokenizer
+
+    run_dir = train(tmp_path / "run", "data=files", f"data.path={tiny_jsonl}", "data.text_field=content",
+                    f"data.tokenizer={local_tokenizer}")
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2, 3, 4]
+    assert AutoTokenizer.from_pretrained(run_dir / "final").get_vocab() == \
+        AutoTokenizer.from_pretrained(local_tokenizer).get_vocab()
+
+
+def test_fine_tunes_a_local_pretrained_model(tmp_path):
+    first = train(tmp_path / "first")
+    second = train(tmp_path / "second", "model=hf", f"model.name_or_path={first / 'final'}")
+    losses = [r["loss"] for r in read_metrics(second) if "loss" in r]
+    first_losses = [r["loss"] for r in read_metrics(first) if "loss" in r]
+    assert losses[0] < first_losses[0], "the pretrained weights should start below a fresh model"
+
+
+# --- bad input: caught before training, with the key named -------------------------------
+
+def run_cli(*overrides: str, cwd: Path):
+    return launch(["python", "-m", "trainloop", *overrides], cwd=cwd, check=False, timeout=300)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["optimizer=nope"], "optimizer"),
+    (["trainer.max_steps=abc"], "trainer.max_steps"),
+    (["trainer.no_such_key=1"], "no_such_key"),
+    (["data.seq_len=4096", "+preset=smoke"], "data.seq_len"),
+    (["data=files", "data.path=/no/such/file.jsonl"], "data.path"),
+    (["model=hf"], "model.name_or_path"),
+    (["precision.name=fp8"], "precision.name"),
+])
+def test_bad_input_exits_nonzero_naming_the_key(tmp_path, overrides, key):
+    proc = run_cli(*overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert key in err, err[-3000:]
+    assert "Traceback" not in err, "a known bad input gets one message, not a traceback"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "nothing may train on bad input"
+
+
+def test_text_field_missing_from_data_is_named(tmp_path, tiny_jsonl):
+    with pytest.raises(ConfigError, match=r"data.text_field='text'.*content"):
+        train(tmp_path / "run", "data=files", f"data.path={tiny_jsonl}")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_combinations_that_cannot_work_are_refused():
+    for overrides, match in [
+        (["deepspeed=zero3", "optimizer=adamw8bit"], "optimizer=adamw8bit"),
+        (["deepspeed=zero3", "deepspeed.offload_optimizer=nvme"], "deepspeed.nvme_path"),
+        (["deepspeed.offload_param=cpu"], "deepspeed.offload_param"),
+        (["model.hidden_size=100", "model.num_heads=3"], "model.num_heads"),
+        (["data.num_workers=0", "data.persistent_workers=true"], "data.num_workers"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            validate(compose(*overrides))
