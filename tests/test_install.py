@@ -1,0 +1,31 @@
+"""A plain (non-editable) `pip install .` ships the configs, and runs from any directory."""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+
+from conftest import REPO, clean_env, launch, read_metrics
+
+
+def test_wheel_ships_configs_and_runs_outside_the_checkout(tmp_path):
+    wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    launch([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(REPO)])
+    wheel = next(wheels.glob("trainloop-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"trainloop/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
+    assert shipped and shipped <= names, f"configs missing from the wheel: {sorted(shipped - names)}"
+
+    launch([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)])
+    env = clean_env(PYTHONPATH=str(target))
+    where = launch(["python", "-c", "import trainloop; print(trainloop.__file__)"], cwd=elsewhere, env=env)
+    assert where.stdout.strip().startswith(str(target)), "the installed copy, not the checkout, must run"
+    job = launch(["python", "-m", "trainloop", "+preset=smoke", "--cfg", "job"], cwd=elsewhere, env=env)
+    assert "hidden_size: 64" in job.stdout
+
+    run_dir = elsewhere / "run"
+    launch(["python", "-m", "trainloop", "+preset=smoke", "trainer.max_steps=2", "logging.progress_bar=false",
+            f"hydra.run.dir={run_dir}"], cwd=elsewhere, env=env)
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [2]
+    assert (run_dir / "final" / "model.safetensors").is_file()
