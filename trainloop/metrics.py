@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger("trainloop")
 
 
@@ -25,7 +27,7 @@ class Metrics:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
-        self.start = time.time()
+        self.start = psutil.Process().create_time()  # `time` counts from process start: start-up shows
 
     def write(self, record: dict) -> None:
         if not self.enabled:
