@@ -1,0 +1,43 @@
+"""Hydra multirun: every job in its own folder, a summary of their final eval losses at the end."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import SMALL, launch, read_metrics
+from test_report import COLORS, panel_colors
+
+
+def test_sweep_runs_each_job_and_summarises_them(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    # precision differs between jobs too: the jobs share one process, and accelerate refuses a
+    # second Accelerator with another mixed precision unless its state is reset between jobs.
+    proc = launch(["python", "-m", "trainloop", "-m", *SMALL, "checkpoint.save_final_model=false",
+                   "optimizer=adamw,sgd", "precision=fp32,bf16", f"hydra.sweep.dir={sweep_dir}"],
+                  cwd=tmp_path)
+
+    records = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
+    assert [r["job"] for r in records] == [0, 1, 2, 3]
+    table = (sweep_dir / "summary.md").read_text().strip()
+    assert table in proc.stdout
+    assert "Overrides of every job: +preset=smoke" in table
+    losses = set()
+    for record in records:
+        job_dir = sweep_dir / str(record["job"])
+        assert record["status"] == "COMPLETED" and record["dir"] == str(job_dir)
+        evals = [r["eval_loss"] for r in read_metrics(job_dir) if "eval_loss" in r]
+        assert record["eval_loss"] == evals[-1]  # run()'s return value is the last eval loss
+        losses.add(record["eval_loss"])
+        varying = [o for o in record["overrides"] if o.startswith(("optimizer=", "precision="))]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {record['job']} |"))
+        assert " ".join(varying) in row and f"{record['eval_loss']:.4f}" in row
+    assert len(losses) == 4  # four different trainings, not one result copied
+    best = min(records, key=lambda r: r["eval_loss"])
+    assert "(best)" in next(line for line in table.splitlines() if line.startswith(f"| {best['job']} |"))
+
+    again = launch(["python", "-m", "trainloop.sweep", str(sweep_dir)])
+    assert again.stdout.strip() == table
+
+    launch(["python", "-m", "trainloop.report", str(sweep_dir)])  # a sweep dir stands for its jobs
+    for colors in panel_colors(sweep_dir / "report.png"):
+        assert set(COLORS[:4]) <= colors
