@@ -25,40 +25,40 @@ class ModelConfig:
     name: str = "tiny"  # tiny: built from the shape below; hf: loaded from name_or_path
     arch: str = "llama"  # tiny only: llama or gpt2
     name_or_path: Optional[str] = None  # hf only: a local directory, or a hub id when online
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_heads: int = 4
+    num_layers: int = 4  # tiny only: transformer blocks
+    hidden_size: int = 256  # tiny only: width of the residual stream
+    num_heads: int = 4  # tiny only: attention heads; must divide hidden_size
     intermediate_size: Optional[int] = None  # None: 4 x hidden_size
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = 1024  # tiny only: the longest sequence the model accepts
     vocab_multiple: int = 64  # pad the embedding to a multiple of this (tensor-core friendly)
-    dropout: float = 0.0
+    dropout: float = 0.0  # tiny only: in [0, 1); 0 lets runs on 1 and N processes agree
     attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
 
 
 @dataclass
 class DataConfig:
     name: str = "pydoc"  # pydoc: Python's bundled documentation text; files: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet
-    text_field: str = "text"
+    text_field: str = "text"  # the column that holds the text (json, jsonl, csv, parquet)
     tokenizer: Optional[str] = None  # a local tokenizer directory; None: model's own or bytes
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per training block; documents are packed, separated by EOS
     batch_size: int = 8  # per device, per micro-step
-    validation_fraction: float = 0.05
+    validation_fraction: float = 0.05  # share of the blocks held out for evaluation
     num_proc: Optional[int] = None  # processes for datasets.map
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
     pin_memory: bool = True  # only takes effect when a CUDA device is used
-    persistent_workers: bool = False
-    prefetch_factor: Optional[int] = None
+    persistent_workers: bool = False  # keep the workers between epochs (needs num_workers > 0)
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (needs num_workers > 0)
 
 
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    lr: float = 1e-3  # peak learning rate, reached after scheduler.warmup_steps
+    weight_decay: float = 0.1  # on matrices and embeddings; never on biases and norm weights
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
+    eps: float = 1e-8  # Adam's denominator term
     momentum: float = 0.9  # sgd only
     impl: str = "auto"  # adamw only: auto, fused, foreach, for_loop
 
@@ -66,7 +66,7 @@ class OptimizerConfig:
 @dataclass
 class SchedulerConfig:
     name: str = "cosine"  # cosine, linear, constant
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to optimizer.lr
 
 
 @dataclass
@@ -78,11 +78,11 @@ class PrecisionConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 500  # optimizer steps
-    seed: int = 1234
-    gradient_accumulation_steps: int = 1
+    seed: int = 1234  # model init, data order and dropout
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     max_grad_norm: Optional[float] = 1.0  # None: no clipping
-    log_every: int = 10
-    eval_every: int = 100
+    log_every: int = 10  # optimizer steps between train lines in metrics.jsonl
+    eval_every: int = 100  # optimizer steps between evaluations; the last step always evaluates
     eval_batches: Optional[int] = None  # None: the whole validation split
     on_nonfinite: str = "stop"  # skip or stop, when the loss or gradient norm is NaN/Inf
     auto_batch_size: bool = False
@@ -98,7 +98,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on the main process; false: a log line every log_every steps
     telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
 
 
@@ -107,14 +107,14 @@ class DeepSpeedConfig:
     stage: int = 0  # 0: DeepSpeed off; 1, 2, 3: ZeRO stage
     offload_optimizer: str = "none"  # none, cpu, nvme
     offload_param: str = "none"  # none, cpu, nvme (stage 3 only)
-    nvme_path: Optional[str] = None
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    gather_16bit_weights_on_model_save: bool = True
+    nvme_path: Optional[str] = None  # the folder for nvme offload, on a fast local disk
+    overlap_comm: bool = True  # overlap the gradient reduction with the backward pass
+    contiguous_gradients: bool = True  # copy gradients into one buffer as they come: less fragmentation
+    reduce_bucket_size: int = 500_000_000  # elements reduced at once; smaller: less memory, more messages
+    allgather_bucket_size: int = 500_000_000  # elements gathered at once (stages 1 and 2)
+    stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: parameter elements fetched ahead of their use
+    stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller parameters stay whole on every rank
+    gather_16bit_weights_on_model_save: bool = True  # stage 3: gather the full weights to write RUN_DIR/final
     config_file: Optional[str] = None  # a user's DeepSpeed JSON, checked against this config
 
 
@@ -122,8 +122,8 @@ class DeepSpeedConfig:
 class CompileConfig:
     backend: str = "none"  # none, inductor, aot_eager, eager, cudagraphs
     mode: str = "default"  # default, reduce-overhead, max-autotune
-    fullgraph: bool = False
-    dynamic: Optional[bool] = None
+    fullgraph: bool = False  # fail at a graph break instead of splitting the graph there
+    dynamic: Optional[bool] = None  # None: torch decides; true/false: compile for dynamic/static shapes
     regional: bool = False  # compile each transformer block instead of the whole model
 
 
