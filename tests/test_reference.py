@@ -1,0 +1,73 @@
+"""docs/config-reference.md is generated from trainloop/config.py and conf/, and kept current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from conftest import REPO, compose, launch
+from trainloop.config import CONFIG_DIR
+from trainloop.reference import DOCS_FILE, field_docs, render
+
+
+def test_committed_reference_is_current():
+    assert DOCS_FILE == REPO / "docs" / "config-reference.md"
+    assert DOCS_FILE.read_text() == render(), (
+        "docs/config-reference.md is stale: run `python -m trainloop.reference --write` and commit it")
+
+
+def test_reference_lists_every_key_option_and_preset():
+    text = render()
+    keys = [k for k in _flat_keys(OmegaConf.to_container(compose()))]
+    assert len(keys) > 50
+    for key in keys:
+        assert f"| `{key}` |" in text, f"{key} is missing from the reference"
+    for group in sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir()):
+        heading = "presets" if group.name == "preset" else group.name
+        section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+        for option in group.glob("*.yaml"):
+            assert f"| `{option.stem}` |" in section, f"{group.name}={option.stem} is missing"
+
+
+def test_every_key_and_option_is_described():
+    undocumented = [row.split("|")[1].strip() for row in render().splitlines()
+                    if row.startswith("| `") and not row.rstrip(" |").split("|")[-1].strip()]
+    assert not undocumented, (f"no description for {undocumented}: add a trailing comment to the field "
+                              "in trainloop/config.py, or a leading comment to the conf/ file")
+
+
+def test_descriptions_come_from_trailing_or_preceding_comments():
+    source = '''
+@dataclass
+class Example:
+    size: int = 4  # blocks in the model
+    # the name of a file,
+    # on a local disk
+    path: Optional[str] = None
+    plain: bool = False
+
+    # not a field's description
+'''
+    docs = field_docs(source)
+    assert docs["Example", "size"] == ("int", "blocks in the model")
+    assert docs["Example", "path"] == ("Optional[str]", "the name of a file, on a local disk")
+    assert docs["Example", "plain"] == ("bool", "")
+
+
+def test_cli_writes_and_checks(tmp_path):
+    out = tmp_path / "ref.md"
+    launch(["python", "-m", "trainloop.reference", "--write", str(out)])
+    assert out.read_text() == render()
+    assert launch(["python", "-m", "trainloop.reference", "--check", str(out)], check=False).returncode == 0
+    out.write_text(out.read_text().replace("| `trainer.max_steps` |", "| `trainer.steps` |"))
+    stale = launch(["python", "-m", "trainloop.reference", "--check", str(out)], check=False)
+    assert stale.returncode == 1 and "stale" in stale.stderr
+
+
+def _flat_keys(node: dict, prefix: str = ""):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _flat_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
