@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import ast
+import re
 
 from omegaconf import OmegaConf
 
@@ -63,6 +64,25 @@ def test_cli_writes_and_checks(tmp_path):
     out.write_text(out.read_text().replace("| `trainer.max_steps` |", "| `trainer.steps` |"))
     stale = launch(["python", "-m", "trainloop.reference", "--check", str(out)], check=False)
     assert stale.returncode == 1 and "stale" in stale.stderr
+
+
+def test_troubleshooting_quotes_trainloop_as_it_speaks():
+    """The bold code fragments in docs/troubleshooting.md are trainloop's own message text."""
+    quotes = re.findall(r"\*\*`([^`]+)`\*\*", (REPO / "docs" / "troubleshooting.md").read_text())
+    assert len(quotes) >= 20
+    messages = [text for path in sorted((REPO / "trainloop").glob("*.py"))
+                for text in _string_literals(path.read_text())]
+    missing = [quote for quote in quotes if not any(quote in text for text in messages)]
+    assert not missing, f"docs/troubleshooting.md quotes messages trainloop no longer has: {missing}"
+
+
+def _string_literals(source: str):
+    """Every string in the code, implicit concatenations joined, f-string fields as {}."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, ast.JoinedStr):
+            yield "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
 
 
 def _flat_keys(node: dict, prefix: str = ""):
