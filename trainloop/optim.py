@@ -8,12 +8,18 @@ from trainloop.config import ConfigError, OptimizerConfig, SchedulerConfig
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; never biases or norm weights (the 1-D parameters)."""
+    """Decay matrices and embeddings; never biases or norm weights (the 1-D parameters).
+
+    Under ZeRO-3 every parameter is an empty 1-D placeholder; ds_shape is its real shape.
+    An empty group is left out: DeepSpeed drops it, and the scheduler must see the same groups.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [
+        {"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+        {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def _bitsandbytes():
