@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from trainloop.telemetry import Telemetry
+
 
 @dataclass
 class TrainState:
@@ -65,6 +67,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
     tc = cfg.trainer
     tokens_per_batch = cfg.data.batch_size * cfg.data.seq_len * accelerator.num_processes
     batches = batches_forever(accelerator, train_loader, state)
+    telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     micro, wait, tokens = 0, 0.0, 0  # since the last log line
     eval_loss, t_log = None, time.perf_counter()
@@ -92,6 +95,8 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
             scheduler.step()
         state.step += 1
         metrics.advance()
+        if telemetry.due(state.step):  # before the log line below resets the data-wait window
+            telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
         last = state.step == tc.max_steps
         if state.step % tc.log_every == 0 or last:
             elapsed = time.perf_counter() - t_log

@@ -51,6 +51,10 @@ class Metrics:
             (self.bar.write if self.bar is not None else log.info)(
                 f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}")
 
+    def telemetry(self, step: int, **values) -> None:
+        """A sample of the machine (trainloop.telemetry): its own line, event=telemetry."""
+        self.write({"step": step, "event": "telemetry", **values})
+
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(steps)
