@@ -85,7 +85,8 @@ class TrainerConfig:
     eval_every: int = 100  # optimizer steps between evaluations; the last step always evaluates
     eval_batches: Optional[int] = None  # None: the whole validation split
     on_nonfinite: str = "stop"  # skip or stop, when the loss or gradient norm is NaN/Inf
-    auto_batch_size: bool = False
+    auto_batch_size: bool = False  # find the largest per-device batch that fits; keep the effective batch
+    auto_batch_size_budget_mb: Optional[float] = None  # memory a step may add to the loaded model; None: all free
 
 
 @dataclass
@@ -219,6 +220,11 @@ def validate(cfg: Any) -> None:
             "ZeRO-3 partitions the parameters the 8-bit optimizer must see whole; "
             "use optimizer=adamw, or deepspeed=zero2"
         )
+    if ds.stage and ds.offload_optimizer != "none" and cfg.optimizer.name != "adamw":
+        problems.append(
+            f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "
+            "the offloaded optimizer is DeepSpeed's CPU Adam; use optimizer=adamw"
+        )
     if ds.offload_param != "none" and ds.stage != 3:
         problems.append(
             f"deepspeed.offload_param={ds.offload_param} needs deepspeed stage 3 "
@@ -231,6 +237,18 @@ def validate(cfg: Any) -> None:
         )
     if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
         problems.append("deepspeed offload to nvme needs deepspeed.nvme_path=DIR on a fast local disk")
+    c = cfg.compile
+    if c.mode != "default" and c.backend != "inductor":
+        problems.append(f"compile.mode={c.mode} is an inductor setting; use compile=inductor "
+                        f"(compile.backend is {c.backend})")
+    if c.regional and c.backend == "none":
+        problems.append("compile.regional=true needs a compile backend: add compile=inductor")
+    if cfg.trainer.auto_batch_size and ds.stage:
+        problems.append("trainer.auto_batch_size with DeepSpeed: ZeRO fixes the micro-batch in its engine; "
+                        "set data.batch_size yourself, or deepspeed=none")
+    budget = cfg.trainer.auto_batch_size_budget_mb
+    if budget is not None and budget <= 0:
+        problems.append(f"trainer.auto_batch_size_budget_mb={budget} must be greater than 0, or null")
     if ds.stage and cfg.compile.backend != "none":
         problems.append(
             "compile.backend with DeepSpeed is not supported by trainloop yet: "

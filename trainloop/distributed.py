@@ -35,6 +35,12 @@ def check_device_support(cfg, on_cuda: bool) -> None:
                           "use precision=fp16 (or fp32)")
     if cfg.precision.tf32 and not on_cuda:
         log.warning("precision.tf32=true has no effect without a CUDA GPU")
+    elif cfg.precision.tf32 and torch.cuda.get_device_capability()[0] < 8:
+        log.warning("precision.tf32=true has no effect on %s: TF32 needs an Ampere or newer GPU",
+                    torch.cuda.get_device_name())
+    if cfg.compile.backend == "cudagraphs" and not on_cuda:
+        raise ConfigError("compile=cudagraphs records CUDA graphs and needs a CUDA GPU; "
+                          "on this machine use compile=inductor (or aot_eager to debug)")
 
 
 def build_accelerator(cfg):

@@ -67,6 +67,10 @@ def build_model(cfg: ModelConfig, config):
     if model.get_input_embeddings().num_embeddings < config.vocab_size:
         model.resize_token_embeddings(config.vocab_size)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing: works with torch.compile and with inputs that need no grad.
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,6 +29,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
 
     from accelerate.utils import set_seed
 
+    from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer
     from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
@@ -53,13 +55,24 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     with accelerator.main_process_first():
         train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
-    train_loader, valid_loader = build_dataloaders(
-        cfg.data, train_set, valid_set, pin_memory=cfg.data.pin_memory and accelerator.device.type == "cuda")
 
+    on_cuda = accelerator.device.type == "cuda"
     set_seed(cfg.trainer.seed)
     model = build_model(cfg.model, model_config)
+    make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
+                             cpu_offload=bool(cfg.deepspeed.stage) and cfg.deepspeed.offload_optimizer != "none")
+    batch_search = None
+    if cfg.trainer.auto_batch_size:  # sets data.batch_size and the accumulation in cfg
+        batch_search = settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume_from)
+    advice = batch_size_advice({"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
+                                "hidden size": model_config.hidden_size, "vocab size": model_config.vocab_size},
+                               tensor_core_multiple(cfg.precision.name, accelerator.device))
+    if advice:
+        log.warning(advice)
+    train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
+                                                   pin_memory=cfg.data.pin_memory and on_cuda)
     compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
-    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=accelerator.device.type == "cuda")
+    optimizer = make_optimizer()
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The scheduler is stepped by the loop once per optimizer step; accelerate would step a
     # prepared one num_processes times, changing the schedule with the world size.
@@ -75,6 +88,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
         checkpointer.load(resume_from, state)
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, accelerator.num_processes)
+    if batch_search is not None:
+        metrics.write(batch_search.record(accelerator.num_processes))
     try:
         eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
                           state, metrics, checkpointer)

@@ -1,0 +1,237 @@
+"""Batch size: advice on tensor-core friendly shapes, and the search for the largest batch that fits.
+
+`settle_batch_size` (trainer.auto_batch_size=true) runs real training steps at candidate
+per-device batches, largest first, halving on out-of-memory as accelerate's
+find_executable_batch_size does, and keeps the effective batch (data.batch_size x
+trainer.gradient_accumulation_steps) by raising accumulation. The out-of-memory errors are the
+allocator's own: on a GPU the caching allocator is capped to the budget; on CPU the process's
+data segment (RLIMIT_DATA) is, so an allocation past it fails inside torch instead of the kernel
+swapping or killing the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from trainloop.config import ConfigError
+
+log = logging.getLogger("trainloop")
+
+TRIAL_STEPS = 2  # the second step runs with the optimizer state of the first in memory
+
+
+def tensor_core_multiple(precision: str, device: torch.device) -> int:
+    """The multiple the guide recommends: 64 on A100-class GPUs in fp16/bf16, otherwise 8."""
+    if device.type == "cuda" and precision in ("fp16", "bf16"):
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 8 and minor == 0:  # data-centre parts: A100 (8.0), H100 (9.0), B200 (10.0)
+            return 64
+    return 8
+
+
+def batch_size_advice(sizes: dict[str, int], multiple: int) -> str | None:
+    """One warning naming every size that is not a multiple of `multiple`, or None."""
+    off = [f"{name}={value}" for name, value in sizes.items() if value % multiple]
+    if not off:
+        return None
+    return (f"{', '.join(off)} not a multiple of {multiple}: GPU matrix multiplies (tensor cores) "
+            f"run fastest when batch, sequence, hidden and vocabulary sizes are multiples of {multiple}")
+
+
+@dataclass
+class BatchSearch:
+    """What the search tried and where it settled."""
+
+    per_device_effective: int  # data.batch_size x gradient_accumulation_steps, kept fixed
+    batch_size: int = 0
+    tried: list[dict] = field(default_factory=list)  # {"batch_size", "fits", "error"}
+
+    @property
+    def accumulation(self) -> int:
+        return self.per_device_effective // self.batch_size
+
+    def record(self, world_size: int) -> dict:
+        """The metrics.jsonl line that states the decision."""
+        return {"event": "auto_batch_size", "batch_size": self.batch_size,
+                "gradient_accumulation_steps": self.accumulation,
+                "effective_batch_size": self.per_device_effective * world_size, "tried": self.tried}
+
+
+def candidates(effective: int, limit: int):
+    """Divisors of `effective` from the largest <= limit, each at most half the one before."""
+    size = max(d for d in range(1, min(effective, limit) + 1) if effective % d == 0)
+    while True:
+        yield size
+        if size == 1:
+            return
+        size = max(d for d in range(1, size // 2 + 1) if effective % d == 0)
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def memory_budget(device: torch.device, budget: int | None):
+    """Allocations past `budget` bytes beyond what the process holds now fail with a real OOM.
+
+    budget None: on a GPU its own capacity; on CPU the memory the system has available.
+    """
+    if device.type == "cuda":
+        if budget is None:
+            yield
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        held = torch.cuda.memory_reserved(device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (held + budget) / total), device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    import resource
+
+    budget = budget if budget is not None else _mem_available()
+    held = _proc_status_bytes("VmData")
+    if budget is None or held is None:  # not Linux: no way to cap the process here
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = held + budget
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)) or should_reduce_batch_size(err)
+
+
+def trial_steps(model, make_optimizer, batch: torch.Tensor, autocast) -> None:
+    """TRIAL_STEPS forward/backward/optimizer steps that leave the model's weights unchanged.
+
+    A throwaway optimizer (learning rate 0, gradients zeroed before its step) allocates its real
+    state; with zero gradients and a zero rate every update is exactly zero.
+    """
+    optimizer = make_optimizer()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        for _ in range(TRIAL_STEPS):
+            with autocast():
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        model.zero_grad(set_to_none=True)
+        del optimizer
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def search_batch_size(model, make_optimizer, samples, effective: int, device: torch.device,
+                      autocast, budget: int | None) -> BatchSearch:
+    """Try per-device batches (divisors of `effective`), largest first, until one fits."""
+    search = BatchSearch(per_device_effective=effective)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # dropout in the trials must not shift training's RNG
+        # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
+        # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
+        trial_steps(model, make_optimizer, samples[0][None].to(device), autocast)
+        for size in candidates(effective, len(samples)):
+            batch = torch.stack([samples[i] for i in range(size)]).to(device)
+            error = None
+            try:
+                with memory_budget(device, budget):
+                    trial_steps(model, make_optimizer, batch, autocast)
+            except (RuntimeError, MemoryError) as err:
+                if not is_out_of_memory(err):
+                    raise
+                error = str(err).splitlines()[0][:200]
+            del batch
+            _release(device)
+            search.tried.append({"batch_size": size, "fits": error is None, "error": error})
+            if error is None:
+                search.batch_size = size
+                return search
+    return search
+
+
+def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume_from=None) -> BatchSearch:
+    """trainer.auto_batch_size: find the batch, agree on it across ranks, write it into `cfg`.
+
+    Sets data.batch_size and trainer.gradient_accumulation_steps (and the accelerator's) so that
+    their product, the per-device effective batch, is unchanged. Runs before torch.compile and
+    outside DDP, so each rank searches alone (DDP's gradient buckets are not in the trial); the
+    ranks then take the smallest batch any of them found. A resumed run takes the batch its
+    checkpoint was trained with, since the data order depends on it.
+    """
+    effective = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps
+    if resume_from is not None:
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.load(os.path.join(resume_from, "config.yaml")).data.batch_size
+        if effective % saved:
+            raise ConfigError(f"checkpoint {resume_from} ran at per-device batch {saved}, which does not "
+                              f"divide data.batch_size x trainer.gradient_accumulation_steps = {effective}")
+        search = BatchSearch(effective, saved)  # tried stays empty: nothing was searched
+    else:
+        budget_mb = cfg.trainer.auto_batch_size_budget_mb
+        model.to(accelerator.device)
+        search = search_batch_size(model, make_optimizer, train_set, effective, accelerator.device,
+                                   accelerator.autocast, None if budget_mb is None else int(budget_mb * 2**20))
+        if accelerator.num_processes > 1:
+            found = torch.tensor([search.batch_size], device=accelerator.device)
+            search.batch_size = int(accelerator.gather(found).min().item())
+        if search.batch_size == 0:
+            tried = ", ".join(f"{t['batch_size']} ({t['error']})" for t in search.tried)
+            raise ConfigError(f"trainer.auto_batch_size: not even a batch of 1 fits (tried {tried}); turn on "
+                              "model.gradient_checkpointing, lower data.seq_len, choose a smaller optimizer "
+                              "state (optimizer=adamw8bit or adafactor), or raise trainer.auto_batch_size_budget_mb")
+    cfg.data.batch_size = search.batch_size
+    cfg.trainer.gradient_accumulation_steps = search.accumulation
+    accelerator.gradient_accumulation_steps = search.accumulation
+    tried = ", ".join(f"{t['batch_size']} ({'fits' if t['fits'] else 'out of memory'})"
+                      for t in search.tried) or f"none, resumed from {resume_from}"
+    log.info("auto batch size: per-device batch %d x %d accumulation steps = %d per device, effective batch "
+             "%d over %d process(es); tried %s", search.batch_size, search.accumulation, effective,
+             effective * accelerator.num_processes, accelerator.num_processes, tried)
+    return search
