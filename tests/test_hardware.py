@@ -10,7 +10,8 @@ import torch
 
 from conftest import launch
 from trainloop.doctor import main as doctor
-from trainloop.hardware import (GpuReading, direct_io_works, gpu_warnings, host_facts, parse_link,
+from trainloop import doctor as doctor_module
+from trainloop.hardware import (GpuReading, GpuReport, direct_io_works, gpu_warnings, host_facts, parse_link,
                                 parse_smi_csv, parse_topology, throttle_reasons, topology_warnings)
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -144,11 +145,17 @@ def test_a_lowered_power_limit_is_warned():
     assert "lowered to 250 W" in warning
 
 
-def test_nvidia_smi_query_rows_become_readings():
-    fields = ["index", "name", "uuid", "pci.bus_id", "memory.total", "memory.used", "temperature.gpu",
+SMI_FIELDS = ["index", "name", "uuid", "pci.bus_id", "memory.total", "memory.used", "temperature.gpu",
               "power.draw", "power.limit", "power.default_limit", "clocks.sm", "clocks.max.sm",
               "utilization.gpu", "compute_cap", "clocks_throttle_reasons.active"]
-    h100, rtx, t4 = parse_smi_csv((DATA / "smi_query_h100_3090.csv").read_text(), fields)
+
+
+def smi_readings() -> list[GpuReading]:
+    return parse_smi_csv((DATA / "smi_query_h100_3090.csv").read_text(), SMI_FIELDS)
+
+
+def test_nvidia_smi_query_rows_become_readings():
+    h100, rtx, t4 = smi_readings()
     assert (h100.name, h100.memory_total, h100.compute_capability, h100.bf16) == \
         ("NVIDIA H100 80GB HBM3", 81559 * 1024**2, (9, 0), True)
     assert h100.throttle_mask == GPU_IDLE and gpu_warnings(h100) == []
@@ -215,3 +222,21 @@ def test_doctor_reports_missing_libraries_instead_of_failing():
 def test_doctor_refuses_bad_overrides(capsys):
     assert doctor(["deepspeed.stage=7"]) == 2
     assert "deepspeed.stage=7" in capsys.readouterr().err
+
+
+def test_doctor_report_for_a_pcie_gpu_server_under_zero3(capsys):
+    """The doctor's GPU sections and warnings, from real-format readings of another machine."""
+    cfg = doctor_module.compose(["+preset=zero3"])
+    facts = doctor_module.examine(["+preset=zero3"])
+    gpus = GpuReport(smi_readings()[:2] + [GpuReading(index=2, name="NVIDIA GeForce RTX 3090"),
+                                           GpuReading(index=3, name="NVIDIA GeForce RTX 3090")],
+                     "nvidia-smi", topology("topo_pcie_4gpu.txt"), "nvidia-smi topo -m")
+    facts["gpu"] = gpus.to_dict()
+    facts["warnings"] = doctor_module.warnings(facts, gpus, cfg)
+    text = doctor_module.render(facts)
+    assert "GPU1 NVIDIA GeForce RTX 3090: 24.0 GiB" in text and "compute 8.6, bf16 yes" in text
+    assert "throttle: sw_power_cap, sw_thermal_slowdown" in text
+    assert "interconnect (from nvidia-smi topo -m)" in text and "PIX: at most a single PCIe bridge" in text
+    assert any("ZeRO stage 3" in w and "GPU0-GPU2 (SYS)" in w for w in facts["warnings"])
+    assert any("86 C" in w for w in facts["warnings"])
+    json.dumps(facts)  # --json prints the same data

@@ -128,7 +128,8 @@ def examine(overrides: list[str]) -> dict:
         },
         "gpu": gpus.to_dict(),
         "host": hardware.host_facts({"run dir (cwd)": os.getcwd()}),
-        "config": {"deepspeed.stage": cfg.deepspeed.stage, "deepspeed.offload_optimizer": cfg.deepspeed.offload_optimizer,
+        "config": {"deepspeed.stage": cfg.deepspeed.stage,
+                   "deepspeed.offload_optimizer": cfg.deepspeed.offload_optimizer,
                    "deepspeed.offload_param": cfg.deepspeed.offload_param, "precision": cfg.precision.name},
     }
     facts["async_io"] = async_io_facts(cfg.deepspeed.nvme_path, facts["versions"]["deepspeed"])
@@ -210,7 +211,8 @@ def render(facts: dict) -> str:
         lines.append(
             f"  GPU{gpu['index']} {gpu['name']}: {_gib(gpu['memory_total'])} ({_gib(gpu['memory_used'])} used), "
             f"compute {'.'.join(map(str, cc)) if cc else '?'}, bf16 {_yes(gpu['bf16'])}, tf32 {_yes(gpu['tf32'])}, "
-            f"{_num(gpu['temperature_c'], 'C')}, power {_num(gpu['power_w'], 'W')} of {_num(gpu['power_limit_w'], 'W')}, "
+            f"{_num(gpu['temperature_c'], 'C')}, "
+            f"power {_num(gpu['power_w'], 'W')} of {_num(gpu['power_limit_w'], 'W')}, "
             f"SM {_num(gpu['sm_clock_mhz'], 'MHz')} of {_num(gpu['max_sm_clock_mhz'], 'MHz')}, "
             f"throttle: {', '.join(gpu['throttle_reasons']) or 'none'}")
     if g["gpus"]:

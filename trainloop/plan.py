@@ -209,7 +209,8 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     compute (autocast or a 16-bit model). Under autocast, every layer also keeps the 16-bit
     copy of its weights that the matmuls used.
     """
-    h, i, heads, kv, V = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads * shape.hidden // shape.heads, shape.vocab
+    h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
+    kv = shape.kv_heads * h // heads  # the width of the key and value projections
     tokens = batch * seq
     if shape.family == "llama":
         per_token = (30 * h + 4 * kv + 8 * i + 4 * heads + 8) if half else (32 * h + 8 * kv + 16 * i + 4 * heads + 8)
@@ -241,7 +242,8 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if stage == 0:
         grads_held = cfg.trainer.gradient_accumulation_steps > 1  # kept between micro-batches
         add(Line("parameters", 4 * n, dev, note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
-        add(Line("gradients", 4 * n, dev, None if grads_held else "optimizer step", note="fp32"))
+        add(Line("gradients", 4 * n, dev, None if grads_held else "optimizer step",
+                 note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
         add(Line("optimizer states", optimizer_state_bytes(opt.name, shape.shapes, opt.momentum), dev,
                  note=opt.name))
         add(Line("optimizer step temporaries", step_temporaries(opt.name, opt.impl, device == "cuda", shape.shapes),
@@ -316,7 +318,8 @@ GPU_USABLE = 0.92  # the CUDA context, NCCL and allocator fragmentation take the
 RUNTIME_RAM = 1 * GIB  # python, torch and the data of one process: what the lines above leave out
 
 
-def read_machine(cfg, device: str = "auto", gpu_memory_gib: float | None = None) -> Machine:
+def read_machine(cfg, device: str = "auto", gpu_memory_gib: float | None = None,
+                 cpu_memory_gib: float | None = None) -> Machine:
     from trainloop import hardware
 
     report = hardware.read_gpus(with_topology=False) if gpu_memory_gib is None and device != "cpu" else None
@@ -326,13 +329,17 @@ def read_machine(cfg, device: str = "auto", gpu_memory_gib: float | None = None)
     if device == "auto":
         device = "cuda" if gpus or gpu_memory_gib else "cpu"
     if gpu_memory_gib is not None:
-        memory, name, source = int(gpu_memory_gib * GIB), f"{gpu_memory_gib:g} GiB GPU (--gpu-memory)", "given"
+        memory, name, source = int(gpu_memory_gib * GIB), f"GPUs of {gpu_memory_gib:g} GiB", "--gpu-memory"
     elif gpus and all(g.memory_total for g in gpus):
         small = min(gpus, key=lambda g: g.memory_total)
         memory, name, source = small.memory_total, small.name, report.source
     else:
         memory, name, source = None, None, "no GPU found" if not gpus else report.source
-    return Machine(device, memory, name, host["ram_available"], host["ram_total"], nvme, source)
+    ram_available, ram_total = host["ram_available"], host["ram_total"]
+    if cpu_memory_gib is not None:
+        ram_available = ram_total = int(cpu_memory_gib * GIB)
+        source += ", --cpu-memory"
+    return Machine(device, memory, name, ram_available, ram_total, nvme, source)
 
 
 def verdict(plan: MemoryPlan, machine: Machine) -> tuple[bool | None, list[str]]:
@@ -448,9 +455,10 @@ def without_preset(overrides: list[str]) -> list[str]:
 
 
 def build_report(overrides: list[str], world_size: int, procs_per_node: int | None, device: str,
-                 gpu_memory_gib: float | None, compare_presets: bool = True) -> dict:
+                 gpu_memory_gib: float | None, cpu_memory_gib: float | None = None,
+                 compare_presets: bool = True) -> dict:
     cfg = compose_config(overrides)
-    machine = read_machine(cfg, device, gpu_memory_gib)
+    machine = read_machine(cfg, device, gpu_memory_gib, cpu_memory_gib)
     cache: dict[str, ModelShape] = {}
 
     def shape_of(c) -> ModelShape:
@@ -486,7 +494,7 @@ def render(report: dict) -> str:
     out = [f"trainloop plan: {plan.num_params / 1e6:,.1f}M parameters, {plan.world_size} process(es) "
            f"({plan.procs_per_node} per node), training on {plan.device}", ""]
     out.append(f"  {'per process':<28}{'bytes':>14}  {'where':<6} {'when':<18} note")
-    for x in plan.lines:
+    for x in (x for x in plan.lines if x.bytes):
         where = {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}[x.where]
         out.append(f"  {x.what + ('' if x.exact else ' ~'):<28}{_gib(x.bytes):>14}  {where:<6} "
                    f"{x.phase or 'all along':<18} {x.note}")
@@ -496,7 +504,7 @@ def render(report: dict) -> str:
             out.append(f"  peak {name}: {_gib(plan.peak(w))} per process")
     out += [f"  {note}" for note in plan.notes]
     out.append("  (~: an estimate; the rest is exact for a plain run, the ZeRO paper's formula under DeepSpeed)")
-    out += ["", f"this machine ({m.source}): " + (f"GPU {m.gpu_name}, {_gib(m.gpu_memory)}; " if m.gpu_memory else "")
+    out += ["", f"this machine ({m.source}): " + (f"{m.gpu_name} ({_gib(m.gpu_memory)}); " if m.gpu_memory else "")
             + f"RAM {_gib(m.ram_available)} available of {_gib(m.ram_total)}"
             + (f"; NVMe {_gib(m.nvme_free)} free" if m.nvme_free is not None else "")]
     out.append(f"  the config: {_fits(c['fits'])}")
@@ -535,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="plan for GPUs or for CPU training (auto: what this machine has)")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="plan for GPUs of this size instead of this machine's")
+    parser.add_argument("--cpu-memory", type=float, default=None, metavar="GIB",
+                        help="plan for nodes with this much RAM instead of this machine's available RAM")
     parser.add_argument("--no-presets", action="store_true", help="do not compare the presets")
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
                         help="also train STEPS steps here (1 process) and print the memory they used")
@@ -544,10 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world_size < 1:
         parser.error("--world-size must be 1 or more")
+    if args.measure and world_size != 1:
+        parser.error("--measure trains one process here: use it with --world-size 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         report = build_report(args.overrides, world_size, args.nproc_per_node, args.device, args.gpu_memory,
-                              compare_presets=not args.no_presets)
+                              args.cpu_memory, compare_presets=not args.no_presets)
         if args.measure:
             report["measured"] = measured = measure_training(compose_config(args.overrides), args.measure)
             plan = report["config"]["plan"]
@@ -563,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         print(render(report))
         if args.measure:
             m = report["measured"]
-            print(f"\nmeasured here over {m['steps']} steps: {_gib(m.get('gpu_training_bytes', m['cpu_training_bytes']))} "
+            got = m.get("gpu_training_bytes", m["cpu_training_bytes"])
+            print(f"\nmeasured here over {m['steps']} steps: {_gib(got)} "
                   f"(predicted {_gib(m['predicted_bytes'])}, ratio {m['ratio']:.3f})")
     return 0
 
