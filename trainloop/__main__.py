@@ -44,6 +44,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
+    from trainloop.checkpoint import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
     from trainloop.config import CONFIG_DIR, ConfigError, register_configs
 
     register_configs()
@@ -59,6 +60,15 @@ def main() -> None:
         except ConfigError as err:  # a known bad input: one message, no traceback
             print(f"trainloop: error: {err}", file=sys.stderr)
             sys.exit(2)
+        except NonFiniteError as err:
+            print(f"trainloop: error: {err}", file=sys.stderr)
+            sys.exit(EXIT_NONFINITE)
+        except Preempted as stop:  # exit codes: trainloop/checkpoint.py
+            print(f"trainloop: {stop}", file=sys.stderr)
+            sys.exit(EXIT_PREEMPTED)
+        except KeyboardInterrupt:
+            print("trainloop: interrupted", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
 
     app()
 

@@ -85,6 +85,7 @@ class TrainerConfig:
     eval_every: int = 100  # optimizer steps between evaluations; the last step always evaluates
     eval_batches: Optional[int] = None  # None: the whole validation split
     on_nonfinite: str = "stop"  # skip or stop, when the loss or gradient norm is NaN/Inf
+    stop_at_step: Optional[int] = None  # save and stop after this step; the schedule still runs to max_steps
     auto_batch_size: bool = False  # find the largest per-device batch that fits; keep the effective batch
     auto_batch_size_budget_mb: Optional[float] = None  # memory a step may add to the loaded model; None: all free
 
@@ -93,7 +94,7 @@ class TrainerConfig:
 class CheckpointConfig:
     every_steps: Optional[int] = None  # None: only at the end
     keep_last: int = 2
-    resume: Optional[str] = None  # None, auto, or a checkpoint directory
+    resume: Optional[str] = "auto"  # auto: the latest in the run dir, if any; a checkpoint dir; None: never
     save_final_model: bool = True  # write RUN_DIR/final in Hugging Face format
 
 
@@ -192,6 +193,9 @@ def validate(cfg: Any) -> None:
     for key in POSITIVE:
         if _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
+    for key in ("checkpoint.every_steps", "trainer.stop_at_step"):
+        if _get(cfg, key) is not None and _get(cfg, key) <= 0:
+            problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 
     m, d = cfg.model, cfg.data
     if m.name == "tiny" and m.hidden_size % m.num_heads:

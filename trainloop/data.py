@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainloop.checkpoint import ignore_stop_signals
 from trainloop.config import ConfigError, DataConfig
 
 EOS = "<|endoftext|>"
@@ -134,7 +135,8 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     if len(train) < cfg.batch_size:
         raise ConfigError(f"data.batch_size={cfg.batch_size} is larger than the "
                           f"{len(train)} training blocks; lower it or add data")
-    workers = dict(num_workers=cfg.num_workers, pin_memory=pin_memory,
+    # Workers leave SIGTERM/Ctrl-C to the main process, which saves a checkpoint and stops them.
+    workers = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=ignore_stop_signals,
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
     valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -39,7 +40,12 @@ def batches_forever(accelerator, loader, state: TrainState):
         if state.batches_in_epoch:
             epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch)
         epoch_loader.set_epoch(state.epoch)  # the shuffle order is a function of (seed, epoch)
-        for batch in epoch_loader:
+        # Starting an epoch draws a worker seed from the global torch RNG; undo that draw, so
+        # dropout does not depend on where a run was resumed. The iterator starts lazily.
+        rng, batches = torch.get_rng_state(), iter(epoch_loader)
+        first = next(batches, None)
+        torch.set_rng_state(rng)
+        for batch in itertools.chain([] if first is None else [first], batches):
             state.batches_in_epoch += 1
             yield batch
         state.epoch += 1
@@ -62,13 +68,15 @@ def evaluate(accelerator, model, loader, max_batches: int | None) -> float:
 
 
 def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
-          state: TrainState, metrics, checkpointer) -> float | None:
-    """Run optimizer steps until trainer.max_steps; return the last validation loss."""
+          state: TrainState, metrics, checkpointer, guard) -> float | None:
+    """Run optimizer steps until trainer.max_steps (or a stop); return the last validation loss."""
     tc = cfg.trainer
     tokens_per_batch = cfg.data.batch_size * cfg.data.seq_len * accelerator.num_processes
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
+    max_norm = tc.max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
+    step_loss = torch.zeros((), device=accelerator.device)
     micro, wait, tokens = 0, 0.0, 0  # since the last log line
     eval_loss, t_log = None, time.perf_counter()
     model.train()
@@ -78,21 +86,24 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
         wait += time.perf_counter() - t_data
         with accelerator.accumulate(model):
             loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            grad_norm = None
-            if accelerator.sync_gradients and tc.max_grad_norm:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
-            optimizer.step()
+            accelerator.backward(loss)  # under DeepSpeed this also steps at the boundary
+            step_loss += loss.detach()
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                verdict = guard.check(state, step_loss, grad_norm)  # all ranks agree: update? stop?
+                if verdict.update:
+                    optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
         micro += 1
         tokens += tokens_per_batch
         state.tokens_seen += tokens_per_batch
         if not accelerator.sync_gradients:
             continue
 
-        if not accelerator.optimizer_step_was_skipped:
+        if verdict.update and not accelerator.optimizer_step_was_skipped:
             scheduler.step()
+        loss_sum += step_loss
+        step_loss.zero_()
         state.step += 1
         metrics.advance()
         if telemetry.due(state.step):  # before the log line below resets the data-wait window
@@ -104,14 +115,17 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
             metrics.train(
                 state.step, loss=mean_loss, lr=scheduler.get_last_lr()[0],
                 grad_norm=None if grad_norm is None else float(grad_norm),
-                tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed,
-                epoch=state.epoch, tokens_seen=state.tokens_seen,
+                tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed, epoch=state.epoch,
+                tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
             )
             loss_sum.zero_()
             t_log, micro, wait, tokens = time.perf_counter(), 0, 0.0, 0
         if state.step % tc.eval_every == 0 or last:
             eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
             metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
-        if checkpointer.due(state.step) or last:
-            checkpointer.save(state)
+        stop = verdict.stop or state.step == tc.stop_at_step
+        if checkpointer.due(state.step) or last or stop:
+            checkpointer.save(state, model)
+        if stop:
+            break
     return eval_loss

@@ -30,11 +30,12 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     from accelerate.utils import set_seed
 
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
-    from trainloop.checkpoint import Checkpointer
+    from trainloop.checkpoint import Checkpointer, Preempted, Preemption
     from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
     from trainloop.distributed import agree_run_dir, build_accelerator
     from trainloop.export import export_model
+    from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
     from trainloop.model import build_model, build_model_config, context_length
@@ -90,12 +91,21 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
                       cfg.logging.progress_bar, accelerator.num_processes)
     if batch_search is not None:
         metrics.write(batch_search.record(accelerator.num_processes))
+    guard = StepGuard(cfg, accelerator, checkpointer, Preemption())
     try:
-        eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
-                          state, metrics, checkpointer)
+        with guard.preemption:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, raise Preempted
+            eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
+                              state, metrics, checkpointer, guard)
     finally:
         metrics.close()
-    if cfg.checkpoint.save_final_model:
+    if guard.preempted_by:
+        accelerator.end_training()
+        raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint saved in "
+                        f"{checkpointer.last_good()}; run the same command again to continue")
+    if state.step < cfg.trainer.max_steps:
+        log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
+                 "to continue", state.step, cfg.trainer.max_steps)
+    elif cfg.checkpoint.save_final_model:
         export_model(accelerator, model, tokenizer, Path(run_dir) / "final")
     accelerator.end_training()
     return eval_loss
