@@ -11,7 +11,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -21,6 +20,11 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from conftest import REPO
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
 
 DOCKERFILE = REPO / "Dockerfile.ngc"
 KEYWORDS = {"FROM", "RUN", "CMD", "LABEL", "MAINTAINER", "EXPOSE", "ENV", "ADD", "COPY",

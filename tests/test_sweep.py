@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import SMALL, launch, read_metrics
+from conftest import SMALL, clean_env, launch, read_metrics
 from test_report import COLORS, panel_colors
 
 
@@ -41,3 +41,12 @@ def test_sweep_runs_each_job_and_summarises_them(tmp_path):
     launch(["python", "-m", "trainloop.report", str(sweep_dir)])  # a sweep dir stands for its jobs
     for colors in panel_colors(sweep_dir / "report.png"):
         assert set(COLORS[:4]) <= colors
+
+
+def test_sweep_under_a_launcher_is_refused_before_anything_runs(tmp_path):
+    # Each job's end destroys the launcher's process group: a second job would hang.
+    proc = launch(["python", "-m", "trainloop", "-m", *SMALL, "optimizer=adamw,sgd",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, check=False,
+                  env=clean_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0"))
+    assert proc.returncode == 2 and "a sweep (-m) cannot run under a launcher" in proc.stderr
+    assert not (tmp_path / "sweep").exists()

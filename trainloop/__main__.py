@@ -38,6 +38,14 @@ def rank_overrides() -> list[str]:
 
 def main() -> None:
     sys.argv = [sys.argv[0]] + take_launcher_args(sys.argv[1:])
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+        # A sweep runs its jobs one after another in this process, and each job's end tears
+        # down the process group the launcher set up once: the next job would hang.
+        print(f"trainloop: error: a sweep (-m) cannot run under a launcher (WORLD_SIZE={world_size}): "
+              "sweep with plain `python -m trainloop -m ...`, or launch each job on its own",
+              file=sys.stderr)
+        sys.exit(2)
     if not any(a.startswith("-") and a not in ("-m", "--multirun") for a in sys.argv[1:]):
         sys.argv += rank_overrides()
 
