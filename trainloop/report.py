@@ -110,16 +110,22 @@ def nice_axis(lo: float, hi: float, count: int = 5) -> tuple[float, float, list[
     return first * step, last * step, [i * step for i in range(first, last + 1)]
 
 
-def tick_label(value: float, step: float) -> str:
-    if abs(value) < step * 1e-6:
-        return "0"
-    if abs(value) >= 1e4:
-        return f"{value / 1e6:.3g}M" if abs(value) >= 1e6 else f"{value / 1e3:.3g}k"
-    if abs(step) < 1e-2:
-        mantissa, exponent = f"{value:.2e}".split("e")
-        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (str(step).rstrip("0")[-2:] == "25")
-    return f"{value:.{decimals}f}"
+def tick_labels(ticks: list[float]) -> list[str]:
+    """Labels for one axis's evenly spaced ticks, all in one format (12k, 0.5, 2e-4)."""
+    step, top = ticks[1] - ticks[0], max(abs(t) for t in ticks)
+    div, suffix = (1e6, "M") if top >= 1e6 else (1e3, "k") if top >= 1e4 else (1, "")
+    labels = []
+    for value in ticks:
+        if abs(value) < step * 1e-6:
+            labels.append("0")
+        elif div == 1 and step < 1e-2:
+            mantissa, exponent = f"{value:.2e}".split("e")
+            labels.append(f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}")
+        else:
+            scaled = step / div
+            decimals = max(0, -math.floor(math.log10(scaled) + 1e-9)) + (f"{scaled:.3g}".endswith("25"))
+            labels.append(f"{value / div:.{decimals}f}{suffix}")
+    return labels
 
 
 def draw_panel(canvas: Canvas, left: int, top: int, title: str, series: list) -> None:
@@ -135,19 +141,19 @@ def draw_panel(canvas: Canvas, left: int, top: int, title: str, series: list) ->
         ylo, yhi, yticks = nice_axis(min(v for _, v in points), max(v for _, v in points))
         sx = lambda s: round(x0 + (s - xlo) / (xhi - xlo) * (x1 - x0 - 1))  # noqa: E731
         sy = lambda v: round(y1 - 1 - (v - ylo) / (yhi - ylo) * (y1 - y0 - 1))  # noqa: E731
-        for t in xticks:
+        for t, label in zip(xticks, tick_labels(xticks)):
             canvas.rect(sx(t), y0, sx(t) + 1, y1, GRID)
-            canvas.text(sx(t), y1 + 10, tick_label(t, xticks[1] - xticks[0]), align="center")
-        for t in yticks:
+            canvas.text(sx(t), y1 + 10, label, align="center")
+        for t, label in zip(yticks, tick_labels(yticks)):
             canvas.rect(x0, sy(t), x1, sy(t) + 1, GRID)
-            canvas.text(x0 - 10, sy(t) - 7, tick_label(t, yticks[1] - yticks[0]), align="right")
+            canvas.text(x0 - 10, sy(t) - 7, label, align="right")
         for k, (color, pts) in enumerate(series):
             # earlier runs are drawn wider, so a run that another one covers still shows its edge
             width = 2 + min(3, len(series) - 1 - k)
             xy = [(sx(s), sy(v)) for s, v in pts]
             for (ax, ay), (bx, by) in zip(xy, xy[1:]):
                 canvas.line(ax, ay, bx, by, color, width)
-            if len(xy) <= 40:  # sparse points (eval): mark each one
+            if len(xy) == 1 or (xy[-1][0] - xy[0][0]) / (len(xy) - 1) >= 12:  # sparse: mark each
                 for px, py in xy:
                     canvas.rect(px - width - 1, py - width - 1, px + width + 2, py + width + 2, color)
         canvas.text((x0 + x1) // 2, y1 + 34, "step", FRAME, align="center")
