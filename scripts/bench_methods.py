@@ -1,0 +1,327 @@
+"""Each efficiency method against plain fp32 AdamW, measured in one invocation on this machine.
+
+    python scripts/bench_methods.py [--steps 12] [--warmup 3] [--only NAME ...] [--json OUT]
+
+Every method runs in a fresh process (the same model, data, seed and loop as the baseline, with
+the method's config overrides on top), so that each has its own peak memory:
+  - tokens/s: training tokens over the timed steps, after warm-up steps (compilation happens there);
+  - peak memory: on CPU, the peak resident set (VmHWM, reset through /proc/self/clear_refs just
+    before the model is built) minus the resident set at that moment; on a GPU, the peak of
+    torch.cuda.max_memory_allocated over the same span. Model, gradients, optimizer state,
+    activations and allocator overhead, not the data or the libraries;
+  - optimizer state bytes per parameter, counted on the live optimizer after the run.
+Ratios are against the baseline of this same invocation; the baseline runs first and last, and
+the spread between its two runs is the noise floor of the machine at that time.
+A method this machine cannot run gets a row that says why, in trainloop's own words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The default tiny Llama (4 blocks, 256 wide, ~4.3M parameters) on 128-token blocks, batch 8.
+BASE = ["data.seq_len=128", "data.batch_size=8", "trainer.gradient_accumulation_steps=1",
+        "logging.progress_bar=false"]
+
+
+@dataclass
+class Method:
+    name: str
+    row: str  # the guide's table row it belongs to
+    overrides: list[str] = field(default_factory=list)
+    needs_cuda: str | None = None  # why it is meaningless without a CUDA GPU
+
+
+# The guide's table: method -> (improves training speed, optimizes memory utilization).
+GUIDE = {
+    "Batch size choice": ("Yes", "Yes"),
+    "Gradient accumulation": ("No", "Yes"),
+    "Gradient checkpointing": ("No", "Yes"),
+    "Mixed precision training": ("Yes", "(No)"),
+    "Optimizer choice": ("Yes", "Yes"),
+    "Data preloading": ("Yes", "No"),
+    "DeepSpeed Zero": ("No", "Yes"),
+    "torch.compile": ("Yes", "No"),
+}
+
+METHODS = [
+    Method("baseline", "", []),
+    Method("batch 16 (2x)", "Batch size choice", ["data.batch_size=16"]),
+    Method("batch 2 x accumulate 4", "Gradient accumulation", ["data.batch_size=2", "trainer.gradient_accumulation_steps=4"]),
+    Method("gradient checkpointing", "Gradient checkpointing", ["model.gradient_checkpointing=true"]),
+    Method("bf16", "Mixed precision training", ["precision=bf16"]),
+    Method("fp16", "Mixed precision training", ["precision=fp16"]),
+    Method("tf32", "Mixed precision training", ["precision.tf32=true"],
+           needs_cuda="TF32 is a tensor-core format of Ampere+ GPUs; on CPU it changes nothing"),
+    Method("adamw foreach", "Optimizer choice", ["optimizer.impl=foreach"]),
+    Method("adamw fused", "Optimizer choice", ["optimizer.impl=fused"]),
+    Method("adafactor", "Optimizer choice", ["optimizer=adafactor"]),
+    Method("adamw8bit", "Optimizer choice", ["optimizer=adamw8bit"]),
+    Method("paged_adamw8bit", "Optimizer choice", ["optimizer=paged_adamw8bit"]),
+    Method("sgd", "Optimizer choice", ["optimizer=sgd"]),
+    Method("2 loader workers", "Data preloading", ["data.num_workers=2", "data.persistent_workers=true"]),
+    Method("pinned memory", "Data preloading", ["data.pin_memory=true"],
+           needs_cuda="page-locked host memory only speeds host-to-GPU copies"),
+    Method("ZeRO", "DeepSpeed Zero", [], needs_cuda=None),
+    Method("compile inductor", "torch.compile", ["compile=inductor"]),
+    Method("compile inductor, regional", "torch.compile", ["compile=inductor", "compile.regional=true"]),
+    Method("eager attention", "(attention)", ["model.attn_implementation=eager"]),
+    Method("flash_attention_2", "(attention)", ["model.attn_implementation=flash_attention_2"]),
+    Method("+preset=memory_saver", "(presets)", ["+preset=memory_saver"]),
+    Method("+preset=speed", "(presets)", ["+preset=speed"]),
+]
+ZERO_WHY = ("ZeRO partitions optimizer state, gradients and parameters across processes (and offload "
+            "moves them off the GPU): one process has nothing to partition; `python -m trainloop.plan "
+            "+preset=zero3` predicts the per-process figures")
+
+
+# --- one method, in its own process -----------------------------------------------------------
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set (VmHWM) to the current one
+        return True
+    except OSError:
+        return False
+
+
+def worker(overrides: list[str], steps: int, warmup: int, data_file: str) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from trainloop.config import CONFIG_DIR, ConfigError, register_configs, validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*BASE, *overrides])
+    try:
+        validate(cfg)
+        return _train(cfg, steps, warmup, data_file)
+    except ConfigError as err:
+        return {"skipped": str(err).replace("\n", " ")}
+
+
+def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
+    import gc
+
+    import torch
+    from accelerate.utils import set_seed
+    from omegaconf import OmegaConf
+
+    from trainloop.compile import compile_model
+    from trainloop.data import PackedBlocks, build_dataloaders
+    from trainloop.distributed import build_accelerator
+    from trainloop.model import build_model, build_model_config
+    from trainloop.optim import build_optimizer, optimizer_state_bytes
+
+    accelerator = build_accelerator(cfg)
+    on_cuda = accelerator.device.type == "cuda"
+    data = torch.load(data_file)  # tokenized once by the driver: the same blocks for every method
+    train_set = PackedBlocks(data["train"])
+    train_loader, _ = build_dataloaders(cfg.data, train_set, train_set, pin_memory=cfg.data.pin_memory and on_cuda)
+    model_config = build_model_config(cfg.model, data["vocab_size"])
+
+    # Load the code paths first (model classes, the optimizer's library, autocast and autograd
+    # kernels, thread pools) on a one-block model, so that what is measured is the method's
+    # memory and not the libraries it imports.
+    small = OmegaConf.merge(cfg.model, {"num_layers": 1, "gradient_checkpointing": False})
+    scrap = build_model(small, build_model_config(small, data["vocab_size"])).to(accelerator.device)
+    scrap_optimizer = build_optimizer(cfg.optimizer, scrap, on_cuda=on_cuda)
+    ids = data["train"][:2].to(accelerator.device)
+    with accelerator.autocast():
+        scrap(input_ids=ids, labels=ids).loss.backward()
+    scrap_optimizer.step()
+    del scrap, scrap_optimizer, ids
+    gc.collect()
+
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        exact_peak = _reset_peak_rss()
+        before = _status_bytes("VmRSS")
+    set_seed(cfg.trainer.seed)
+    model = build_model(cfg.model, model_config)
+    compile_model(cfg.compile, model)
+    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=on_cuda)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+
+    accumulation = cfg.trainer.gradient_accumulation_steps
+    batches = iter(train_loader)
+    model.train()
+    loss = None
+    t_warm = time.perf_counter()
+    for step in range(warmup + steps):
+        if step == warmup:
+            if on_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            warm_s = t0 - t_warm
+        for _ in range(accumulation):
+            ids = next(batches)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    last_loss = loss.item()
+    elapsed = time.perf_counter() - t0
+    if on_cuda:
+        peak = torch.cuda.max_memory_allocated() - before
+        memory_kind = "torch.cuda.max_memory_allocated"
+    else:
+        peak = (_status_bytes("VmHWM") if exact_peak else _maxrss()) - before
+        memory_kind = "VmHWM - VmRSS" if exact_peak else "ru_maxrss - VmRSS"
+    state = optimizer_state_bytes(optimizer)
+    tokens = steps * accumulation * cfg.data.batch_size * cfg.data.seq_len
+    return {"tokens_per_s": tokens / elapsed, "peak_bytes": peak, "memory_kind": memory_kind,
+            "state_bytes_per_param": state.per_param, "warmup_s": warm_s, "loss": last_loss,
+            "params": state.params, "device": str(accelerator.device)}
+
+
+def _maxrss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+def tokenize_once(path: Path) -> None:
+    """The training blocks every method trains on, written once for all the worker processes."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from trainloop.config import CONFIG_DIR, register_configs
+    from trainloop.data import build_datasets, build_tokenizer
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=BASE)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    train_set, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    torch.save({"train": train_set.blocks, "vocab_size": len(tokenizer)}, path)
+
+
+def run_method(method: Method, steps: int, warmup: int, on_cuda: bool, data_file: Path) -> dict:
+    if method.name == "ZeRO":
+        return {"skipped": ZERO_WHY}
+    if method.needs_cuda and not on_cuda:
+        return {"skipped": f"needs a CUDA GPU: {method.needs_cuda}"}
+    cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup),
+           "--data-file", str(data_file), "--", *method.overrides]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"skipped": f"failed (exit {proc.returncode}): " + proc.stderr.strip().splitlines()[-1][:300]
+                if proc.stderr.strip() else f"failed (exit {proc.returncode})"}
+    return json.loads(lines[-1])
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def table(results: list[tuple[Method, dict]], baseline: dict) -> str:
+    lines = ["| guide row | guide: speed | guide: memory | method | tokens/s | speed ratio | peak memory "
+             "| memory ratio | optimizer state B/param | warm-up s | loss at end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, r in results:
+        speed, memory = GUIDE.get(method.row, ("", ""))
+        row = method.row or "(baseline: fp32 AdamW, SDPA, no compile)"
+        if "skipped" in r:
+            lines.append(f"| {row} | {speed} | {memory} | {method.name} | not run here: {r['skipped']} "
+                         "| | | | | | |")
+            continue
+        lines.append(
+            f"| {row} | {speed} | {memory} | {method.name} | {r['tokens_per_s']:,.0f} "
+            f"| {fmt_ratio(r['tokens_per_s'] / baseline['tokens_per_s'])} | {r['peak_bytes'] / 2**20:,.1f} MiB "
+            f"| {fmt_ratio(r['peak_bytes'] / baseline['peak_bytes'])} | {r['state_bytes_per_param']:.2f} "
+            f"| {r['warmup_s']:.1f} | {r['loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per method")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--only", nargs="*", help="method names to run (the baseline always runs)")
+    parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data-file", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.overrides, args.steps, args.warmup, args.data_file)))
+        return
+
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    methods = [m for m in METHODS if m.name != "baseline" and (not args.only or m.name in args.only)]
+    started = time.time()
+    data_file = Path(tempfile.mkdtemp(prefix="bench_methods_")) / "blocks.pt"
+    tokenize_once(data_file)
+    run = partial(run_method, steps=args.steps, warmup=args.warmup, on_cuda=on_cuda, data_file=data_file)
+    first = run(METHODS[0])
+    if "skipped" in first:
+        sys.exit(f"the baseline did not run: {first['skipped']}")
+    results = []
+    for method in methods:
+        result = run(method)
+        results.append((method, result))
+        print(f"{method.name:32s} " + (f"not run: {result['skipped'][:100]}" if "skipped" in result else
+              f"{result['tokens_per_s']:9,.0f} tok/s  {result['peak_bytes'] / 2**20:8.1f} MiB"), flush=True)
+    last = run(METHODS[0])
+    data_file.unlink()
+    # The two baseline runs bracket the others; their mean is the reference, their spread the noise.
+    baseline = {k: (first[k] + last[k]) / 2 for k in ("tokens_per_s", "peak_bytes")}
+    baseline.update(state_bytes_per_param=first["state_bytes_per_param"], warmup_s=first["warmup_s"],
+                    loss=first["loss"])
+    spread_speed = abs(first["tokens_per_s"] - last["tokens_per_s"]) / baseline["tokens_per_s"]
+    spread_memory = abs(first["peak_bytes"] - last["peak_bytes"]) / baseline["peak_bytes"]
+    rows = [(METHODS[0], baseline), *results]
+
+    cores = os.cpu_count()
+    device = torch.cuda.get_device_name() if on_cuda else f"CPU ({platform.processor() or platform.machine()}, {cores} cores)"
+    print()
+    print(f"trainloop bench_methods: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, model {first['params']:,} parameters, "
+          f"batch 8 x 128 tokens; memory = {first['memory_kind']}; "
+          f"{time.time() - started:.0f} s in all; load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"baseline runs: {first['tokens_per_s']:,.0f} and {last['tokens_per_s']:,.0f} tok/s "
+          f"(spread {spread_speed:.0%}), {first['peak_bytes'] / 2**20:.1f} and {last['peak_bytes'] / 2**20:.1f} MiB "
+          f"(spread {spread_memory:.0%})")
+    print()
+    print(table(rows, baseline))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"baseline_runs": [first, last], "results": [
+            {"method": m.name, "row": m.row, "overrides": m.overrides, **r} for m, r in results]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
