@@ -4,11 +4,14 @@
 
 Every method runs in a fresh process (the same model, data, seed and loop as the baseline, with
 the method's config overrides on top), so that each has its own peak memory:
-  - tokens/s: training tokens over the timed steps, after warm-up steps (compilation happens there);
-  - peak memory: on CPU, the peak resident set (VmHWM, reset through /proc/self/clear_refs just
-    before the model is built) minus the resident set at that moment; on a GPU, the peak of
-    torch.cuda.max_memory_allocated over the same span. Model, gradients, optimizer state,
-    activations and allocator overhead, not the data or the libraries;
+  - tokens/s: training tokens per step over the median time of the timed steps, which follow
+    warm-up steps (compilation happens there);
+  - peak memory over the warm-up steps: on CPU, the peak resident set (VmHWM, reset through
+    /proc/self/clear_refs just before the model is built) minus the resident set at that moment,
+    with glibc told to give every allocation of 64 KiB or more its own mapping so that freed
+    tensors leave the resident set (the timed steps run with its usual heap); on a GPU, the peak
+    of torch.cuda.max_memory_allocated over the same span. Model, gradients, optimizer state,
+    activations (and compilation), not the data or the libraries;
   - optimizer state bytes per parameter, counted on the live optimizer after the run.
 Ratios are against the baseline of this same invocation; the baseline runs first and last, and
 the spread between its two runs is the noise floor of the machine at that time.
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +109,29 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _glibc():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def _track_live_memory(libc, on: bool) -> None:
+    """On: every allocation of 64 KiB or more gets its own mapping and is unmapped when freed, so
+    the resident set follows the live tensors (glibc's default keeps freed memory in its heap,
+    where a later allocation reuses it unseen). Off: a 32 MiB threshold, glibc's own steady state,
+    for the timed steps."""
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10 if on else 32 * 2**20)
+    if on:
+        libc.malloc_trim(0)
+
+
 def worker(overrides: list[str], steps: int, warmup: int, data_file: str) -> dict:
     from hydra import compose, initialize_config_dir
 
@@ -158,6 +185,9 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
+        libc = _glibc()
+        if libc is not None:
+            _track_live_memory(libc, True)
         exact_peak = _reset_peak_rss()
         before = _status_bytes("VmRSS")
     set_seed(cfg.trainer.seed)
@@ -169,14 +199,19 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     accumulation = cfg.trainer.gradient_accumulation_steps
     batches = iter(train_loader)
     model.train()
-    loss = None
-    t_warm = time.perf_counter()
+    step_times = []
     for step in range(warmup + steps):
-        if step == warmup:
+        if step == warmup:  # the warm-up steps hold the peak: state and activations, compilation
             if on_cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            warm_s = t0 - t_warm
+                peak = torch.cuda.max_memory_allocated() - before
+                memory_kind = "torch.cuda.max_memory_allocated"
+            else:
+                peak = (_status_bytes("VmHWM") if exact_peak else _maxrss()) - before
+                memory_kind = ("VmHWM - VmRSS" if exact_peak else "ru_maxrss - VmRSS") + \
+                    (", glibc mmap threshold 64 KiB" if libc is not None else "")
+                if libc is not None:
+                    _track_live_memory(libc, False)
+        t0 = time.perf_counter()
         for _ in range(accumulation):
             ids = next(batches)
             with accelerator.accumulate(model):
@@ -186,18 +221,14 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    last_loss = loss.item()
-    elapsed = time.perf_counter() - t0
-    if on_cuda:
-        peak = torch.cuda.max_memory_allocated() - before
-        memory_kind = "torch.cuda.max_memory_allocated"
-    else:
-        peak = (_status_bytes("VmHWM") if exact_peak else _maxrss()) - before
-        memory_kind = "VmHWM - VmRSS" if exact_peak else "ru_maxrss - VmRSS"
+        last_loss = loss.item()  # also waits for the device
+        step_times.append(time.perf_counter() - t0)
+    # The median step: a neighbour's burst on a shared machine moves it less than the mean.
+    median_step = statistics.median(step_times[warmup:])
     state = optimizer_state_bytes(optimizer)
-    tokens = steps * accumulation * cfg.data.batch_size * cfg.data.seq_len
-    return {"tokens_per_s": tokens / elapsed, "peak_bytes": peak, "memory_kind": memory_kind,
-            "state_bytes_per_param": state.per_param, "warmup_s": warm_s, "loss": last_loss,
+    tokens_per_step = accumulation * cfg.data.batch_size * cfg.data.seq_len
+    return {"tokens_per_s": tokens_per_step / median_step, "peak_bytes": peak, "memory_kind": memory_kind,
+            "state_bytes_per_param": state.per_param, "warmup_s": sum(step_times[:warmup]), "loss": last_loss,
             "params": state.params, "device": str(accelerator.device)}
 
 
@@ -248,7 +279,7 @@ def fmt_ratio(value: float | None) -> str:
 
 def table(results: list[tuple[Method, dict]], baseline: dict) -> str:
     lines = ["| guide row | guide: speed | guide: memory | method | tokens/s | speed ratio | peak memory "
-             "| memory ratio | optimizer state B/param | warm-up s | loss at end |",
+             "| memory ratio | optimizer state B/param | warm-up s | last micro-batch loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, r in results:
         speed, memory = GUIDE.get(method.row, ("", ""))
@@ -268,13 +299,16 @@ def table(results: list[tuple[Method, dict]], baseline: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per method")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first, at least 2: compilation and the memory peak happen here")
     parser.add_argument("--only", nargs="*", help="method names to run (the baseline always runs)")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data-file", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2: the second step is the first with optimizer state in memory")
     if args.worker:
         print(json.dumps(worker(args.overrides, args.steps, args.warmup, args.data_file)))
         return
