@@ -9,4 +9,18 @@ VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -c constraints.txt -e ".[test]"
+
+# DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against libaio.
+if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y --no-install-recommends libaio-dev >/dev/null \
+      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends libaio-dev >/dev/null; }
+  else
+    echo "note: NVMe offload needs libaio: apt-get install libaio-dev (Debian/Ubuntu, as root)," \
+         "dnf install libaio-devel (Fedora/RHEL) or conda install -c conda-forge libaio" >&2
+  fi
+fi
+# DeepSpeed compiles its CPU Adam, CPU collectives and async I/O on first use (minutes on a
+# small machine; cached in ~/.cache/torch_extensions): do it now, not inside the first run.
+[ "${SKIP_DEEPSPEED_OPS:-0}" = 1 ] || "$VENV/bin/python" -m trainloop.deepspeed
 echo "trainloop is installed in $VENV (activate it with: source $VENV/bin/activate)"

@@ -116,7 +116,8 @@ class DeepSpeedConfig:
     allgather_bucket_size: int = 500_000_000  # elements gathered at once (stages 1 and 2)
     stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: parameter elements fetched ahead of their use
     stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller parameters stay whole on every rank
-    gather_16bit_weights_on_model_save: bool = True  # stage 3: gather the full weights to write RUN_DIR/final
+    gather_16bit_weights_on_model_save: bool = True  # stage 3: accelerate's save_model may gather 16-bit weights
+    zero3_init: bool = False  # stage 3: build the model partitioned (zero.Init), never whole; changes a random init
     config_file: Optional[str] = None  # a user's DeepSpeed JSON, checked against this config
 
 
@@ -229,6 +230,8 @@ def validate(cfg: Any) -> None:
             f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "
             "the offloaded optimizer is DeepSpeed's CPU Adam; use optimizer=adamw"
         )
+    if ds.zero3_init and ds.stage != 3:
+        problems.append(f"deepspeed.zero3_init=true needs deepspeed stage 3 (deepspeed.stage is {ds.stage})")
     if ds.offload_param != "none" and ds.stage != 3:
         problems.append(
             f"deepspeed.offload_param={ds.offload_param} needs deepspeed stage 3 "

@@ -1,61 +1,219 @@
-"""The DeepSpeed config, generated from the composed Hydra config (one source of truth)."""
+"""The DeepSpeed config, generated from the composed Hydra config (one source of truth).
+
+Micro batch, accumulation, clipping and precision come from their own groups; the ZeRO stage,
+offload and tuning knobs from `deepspeed.*`. A user's own JSON (`deepspeed.config_file`) is
+merged in: what it adds is kept, what it contradicts stops the run before anything is built.
+"""
 
 from __future__ import annotations
 
-import torch
+import copy
+import json
+import os
+from pathlib import Path
 
-from trainloop.config import ConfigError
-from trainloop.distributed import world_size_from_env
+from trainloop.config import ConfigError, DeepSpeedConfig
+
+AUTO = "auto"
+DEFAULTS = DeepSpeedConfig()
+TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+INSTALL_LIBAIO = ("install libaio and run again: `apt-get install libaio-dev` (Debian/Ubuntu, as root), "
+                  "`dnf install libaio-devel` (Fedora/RHEL) or `conda install -c conda-forge libaio`; "
+                  "scripts/setup.sh installs it when run as root on Debian/Ubuntu")
 
 
 def _offload(device: str, nvme_path: str | None, pin_memory: bool) -> dict:
     section = {"device": device, "pin_memory": pin_memory}
     if device == "nvme":
-        section["nvme_path"] = nvme_path
+        section["nvme_path"] = str(Path(nvme_path).expanduser().resolve())
     return section
 
 
-def deepspeed_config(cfg, world_size: int) -> dict:
-    """DeepSpeed's JSON: micro batch, accumulation, clipping and precision come from their groups."""
+def owned_values(cfg, world_size: int, on_cuda: bool) -> dict[str, tuple[object, str]]:
+    """DeepSpeed keys the Hydra config decides: dotted JSON key -> (value, the Hydra key it comes from)."""
     ds, tc = cfg.deepspeed, cfg.trainer
-    pin = torch.cuda.is_available()
-    zero = {
-        "stage": ds.stage,
-        "overlap_comm": ds.overlap_comm,
-        "contiguous_gradients": ds.contiguous_gradients,
-        "reduce_bucket_size": ds.reduce_bucket_size,
-        "allgather_bucket_size": ds.allgather_bucket_size,
+    batch, accumulation = cfg.data.batch_size, tc.gradient_accumulation_steps
+    owned = {
+        "train_micro_batch_size_per_gpu": (batch, "data.batch_size"),
+        "gradient_accumulation_steps": (accumulation, "trainer.gradient_accumulation_steps"),
+        "train_batch_size": (batch * accumulation * world_size,
+                             f"data.batch_size x trainer.gradient_accumulation_steps x {world_size} processes"),
+        "gradient_clipping": (tc.max_grad_norm or 0.0, "trainer.max_grad_norm"),
+        "bf16.enabled": (cfg.precision.name == "bf16", "precision"),
+        "fp16.enabled": (cfg.precision.name == "fp16", "precision"),
+        "zero_optimization.stage": (ds.stage, "deepspeed.stage"),
     }
-    if ds.offload_optimizer != "none":
-        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, pin)
+    for part, device in (("optimizer", ds.offload_optimizer), ("param", ds.offload_param)):
+        pin = on_cuda  # pinned host memory only speeds up copies to a GPU
+        section = _offload(device, ds.nvme_path, pin) if device != "none" else {"device": "none"}
+        for key, value in section.items():
+            source = "deepspeed.nvme_path" if key == "nvme_path" else f"deepspeed.offload_{part}"
+            owned[f"zero_optimization.offload_{part}.{key}"] = (value, source)
+    return owned
+
+
+def tuning_values(cfg) -> dict[str, object]:
+    ds = cfg.deepspeed
+    zero = {key: ds[key] for key in TUNING if ds.stage == 3 or not key.startswith("stage3_")}
     if ds.stage == 3:
-        zero.update(
-            stage3_prefetch_bucket_size=ds.stage3_prefetch_bucket_size,
-            stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
-            stage3_gather_16bit_weights_on_model_save=ds.gather_16bit_weights_on_model_save,
-        )
-        if ds.offload_param != "none":
-            zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, pin)
-    return {
-        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
-        "gradient_accumulation_steps": tc.gradient_accumulation_steps,
-        "train_batch_size": cfg.data.batch_size * tc.gradient_accumulation_steps * world_size,
-        "gradient_clipping": tc.max_grad_norm or 0.0,
-        "zero_optimization": zero,
-        "bf16": {"enabled": cfg.precision.name == "bf16"},
-        "fp16": {"enabled": cfg.precision.name == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+    return zero
 
 
-def build_deepspeed_plugin(cfg):
+def deepspeed_config(cfg, world_size: int, on_cuda: bool = False) -> dict:
+    """DeepSpeed's JSON for this run: the user's file (if any) merged with the Hydra config."""
+    owned = owned_values(cfg, world_size, on_cuda)
+    user = load_config_file(cfg.deepspeed.config_file)
+    config = copy.deepcopy(user)
+    contradictions = []
+    for key, (value, source) in owned.items():
+        theirs = _lookup(config, key)
+        if theirs is None or theirs == AUTO:
+            _assign(config, key, value)
+        elif not _same(theirs, value):
+            contradictions.append(f"{key}={theirs!r} in the file, but {source} gives {value!r}"
+                                  + _batch_hint(key, theirs, cfg, world_size))
+    for key, value in tuning_values(cfg).items():
+        hydra_key = "gather_16bit_weights_on_model_save" if key.endswith("_on_model_save") else key
+        theirs = _lookup(config, f"zero_optimization.{key}")
+        if theirs is None or theirs == AUTO:
+            _assign(config, f"zero_optimization.{key}", value)
+        elif not _same(theirs, value) and value != getattr(DEFAULTS, hydra_key):
+            # a knob left at trainloop's default yields to the file; one set on purpose must agree
+            contradictions.append(f"zero_optimization.{key}={theirs!r} in the file, but "
+                                  f"deepspeed.{hydra_key}={value!r}")
+    for section, group in (("optimizer", "optimizer"), ("scheduler", "scheduler")):
+        if section in user:
+            contradictions.append(f"the file has an {section!r} section, but trainloop builds the {section} "
+                                  f"from {group}=...: remove the section and set {group}.* instead")
+    if contradictions:
+        raise ConfigError(f"deepspeed.config_file={cfg.deepspeed.config_file} contradicts the config:\n  "
+                          + "\n  ".join(contradictions)
+                          + "\nchange the file or the Hydra keys named so that they agree (or drop the key "
+                          "from the file, or set it to \"auto\")")
+    if cfg.deepspeed.stage == 0:
+        raise ConfigError(f"deepspeed.config_file={cfg.deepspeed.config_file} is set but DeepSpeed is off "
+                          "(deepspeed.stage=0): choose deepspeed=zero1, zero2 or zero3 (or +preset=zero3)")
+    # trainloop builds the optimizer itself (DeepSpeed's CPU Adam under offload, trainloop/optim.py);
+    # left at true, accelerate would swap it for a CPU Adam of its own making with adamw_mode off.
+    config["zero_force_ds_cpu_optimizer"] = False
+    config.setdefault("zero_allow_untested_optimizer", True)
+    config.setdefault("steps_per_print", 10**9)
+    config.setdefault("wall_clock_breakdown", False)
+    return config
+
+
+def _batch_hint(key: str, theirs, cfg, world_size: int) -> str:
+    if key != "train_batch_size" or not isinstance(theirs, int):
+        return ""
+    per_step = cfg.data.batch_size * world_size
+    if theirs % per_step:
+        return (f" ({theirs} is not divisible by data.batch_size={cfg.data.batch_size} x {world_size} "
+                "processes: change the batch, the file, or the number of processes)")
+    return f" (with {world_size} processes, trainer.gradient_accumulation_steps={theirs // per_step} gives it)"
+
+
+def load_config_file(path: str | None) -> dict:
+    if path is None:
+        return {}
+    file = Path(path).expanduser()
+    try:
+        config = json.loads(file.read_text())
+    except OSError as err:
+        raise ConfigError(f"deepspeed.config_file={path}: cannot read it ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"deepspeed.config_file={path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"deepspeed.config_file={path} must hold a JSON object")
+    return config
+
+
+def _lookup(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _assign(config: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) and isinstance(b, str) and "/" in a + b:  # paths
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    if isinstance(a, str) and isinstance(b, str):
+        return a.lower() == b.lower()
+    return a == b
+
+
+def require_deepspeed(cfg) -> None:
     try:
         import deepspeed  # noqa: F401
     except ImportError as err:
-        raise ConfigError(f"deepspeed.stage={cfg.deepspeed.stage} needs DeepSpeed ({err}): "
-                          "pip install deepspeed, or set deepspeed=none") from None
+        raise ConfigError(f"deepspeed.stage={cfg.deepspeed.stage} needs DeepSpeed, which cannot be imported "
+                          f"here ({err}): pip install deepspeed, or set deepspeed=none") from None
+
+
+def require_async_io(cfg) -> None:
+    """NVMe offload swaps through DeepSpeed's async I/O op, which needs libaio to build."""
+    ds = cfg.deepspeed
+    if "nvme" not in (ds.offload_optimizer, ds.offload_param):
+        return
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible():
+        raise ConfigError("deepspeed offload to nvme needs DeepSpeed's async I/O, which cannot be built "
+                          f"here: libaio (headers and library) was not found; {INSTALL_LIBAIO}")
+    path = Path(ds.nvme_path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"deepspeed.nvme_path={ds.nvme_path}: cannot create it ({err.strerror})") from None
+
+
+def build_deepspeed_plugin(cfg, world_size: int, on_cuda: bool):
+    """accelerate's DeepSpeedPlugin around the generated JSON; checks what DeepSpeed needs first."""
+    require_deepspeed(cfg)
+    require_async_io(cfg)
     from accelerate.utils import DeepSpeedPlugin
 
-    return DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, world_size_from_env()))
+    config = deepspeed_config(cfg, world_size, on_cuda)
+    return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=cfg.deepspeed.stage == 3 and cfg.deepspeed.zero3_init)
+
+
+def build_ops() -> list[str]:
+    """JIT-build (or load from ~/.cache/torch_extensions) the DeepSpeed ops trainloop runs with.
+
+    The first build takes minutes on a small CPU machine; scripts/setup.sh and the tests call
+    this once so that no training process waits for a compiler.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    names = ["CPUAdamBuilder"]
+    if get_accelerator().device_name() == "cpu":
+        names.append("ShareMemCommBuilder")  # DeepSpeed's collectives on CPU ranks
+    built = []
+    for name in names:
+        get_accelerator().create_op_builder(name).load(verbose=False)
+        built.append(name)
+    if AsyncIOBuilder().is_compatible():
+        AsyncIOBuilder().load(verbose=False)
+        built.append("AsyncIOBuilder")
+    return built
+
+
+if __name__ == "__main__":  # python -m trainloop.deepspeed: build DeepSpeed's ops ahead of the first run
+    print("built or found:", ", ".join(build_ops()))

@@ -3,15 +3,20 @@
 The Accelerator is built from the composed config. On a machine without a GPU and with
 WORLD_SIZE > 1, a plain `Accelerator()` reports DistributedType.NO in every process and each
 trains alone (shared/FACTS.md); trainloop picks the CPU path (gloo) itself instead.
+DeepSpeed is configured from the config alone (trainloop/deepspeed.py): launcher flags that
+say otherwise stop the run, and the log states the ZeRO stage the engine really runs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from trainloop.config import ConfigError
 
@@ -43,36 +48,133 @@ def check_device_support(cfg, on_cuda: bool) -> None:
                           "on this machine use compile=inductor (or aot_eager to debug)")
 
 
+# launcher flag (as accelerate launch sets it in the environment) -> (trainloop key, the flag)
+LAUNCHER_ENV = {
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": ("deepspeed.stage", "--zero_stage"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": ("deepspeed.offload_optimizer", "--offload_optimizer_device"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": ("deepspeed.offload_param", "--offload_param_device"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH": ("deepspeed.nvme_path", "offload_optimizer_nvme_path"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH": ("deepspeed.nvme_path", "offload_param_nvme_path"),
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": ("deepspeed.gather_16bit_weights_on_model_save",
+                                                    "--zero3_save_16bit_model"),
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": ("deepspeed.zero3_init", "--zero3_init_flag"),
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("trainer.gradient_accumulation_steps", "--gradient_accumulation_steps"),
+    "ACCELERATE_GRADIENT_CLIPPING": ("trainer.max_grad_norm", "--gradient_clipping"),
+}
+
+
+def _launcher_value_agrees(key: str, launcher: str, ours) -> bool:
+    if key == "deepspeed.nvme_path":
+        return ours is not None and Path(launcher).resolve() == Path(ours).expanduser().resolve()
+    if key == "trainer.max_grad_norm":
+        return float(launcher) == float(ours or 0.0)
+    return launcher.lower() == str(ours).lower()
+
+
+def check_launcher_env(cfg, env: dict[str, str]) -> None:
+    """`accelerate launch`'s own DeepSpeed and precision flags must agree with the config.
+
+    trainloop generates every DeepSpeed setting from the config; a launcher flag that says
+    otherwise would be ignored silently, so it stops the run instead. A launcher's DeepSpeed
+    config file is taken as deepspeed.config_file (and checked like one).
+    """
+    ds = cfg.deepspeed
+    problems = []
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not ds.stage:
+        problems.append("the launcher enables DeepSpeed (accelerate launch --use_deepspeed, "
+                        "ACCELERATE_USE_DEEPSPEED=true) but deepspeed.stage=0: add deepspeed=zero1/zero2/zero3 "
+                        "(or +preset=zero3), or launch without --use_deepspeed")
+    for name, (key, flag) in LAUNCHER_ENV.items():
+        value = env.get(name)
+        if value is None or (key == "deepspeed.nvme_path" and value.lower() == "none"):
+            continue
+        if key.startswith("deepspeed.") and not ds.stage:
+            continue  # reported above, when the launcher turned DeepSpeed on
+        if key in ("deepspeed.gather_16bit_weights_on_model_save", "deepspeed.zero3_init") and ds.stage != 3:
+            continue  # a ZeRO-3 setting
+        ours = OmegaConf.select(cfg, key)
+        if not _launcher_value_agrees(key, value, ours):
+            problems.append(f"the launcher sets {flag} {value} ({name}={value}) but the config has {key}={ours}")
+    launcher_precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    # `accelerate launch` always exports "no" when not told otherwise: only a precision it was
+    # given on purpose can contradict the precision group.
+    if launcher_precision != "no" and launcher_precision != MIXED_PRECISION[cfg.precision.name]:
+        problems.append(f"the launcher sets --mixed_precision {launcher_precision} (ACCELERATE_MIXED_PRECISION) "
+                        f"but the config has precision={cfg.precision.name}")
+    launcher_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if launcher_file and launcher_file.lower() != "none":
+        if ds.config_file is None:
+            ds.config_file = launcher_file
+        elif Path(ds.config_file).expanduser().resolve() != Path(launcher_file).expanduser().resolve():
+            problems.append(f"the launcher sets --deepspeed_config_file {launcher_file} but the config has "
+                            f"deepspeed.config_file={ds.config_file}")
+    if problems:
+        raise ConfigError("the launcher and the config disagree:\n  " + "\n  ".join(problems)
+                          + "\ntrainloop takes these settings from its config only: drop the launcher flags "
+                          "(or the ACCELERATE_* variables), or change the config keys named to match")
+
+
+@contextmanager
+def _accelerate_env_for_plugin():
+    """Let accelerate take trainloop's DeepSpeed JSON, then leave the environment as it was.
+
+    After check_launcher_env, DeepSpeed fields that an accelerate config file named agree with
+    the JSON, so accelerate's refusal to mix the two is moot; and the ACCELERATE_USE_DEEPSPEED
+    it exports must not leak into a later run in the same process (sweeps, tests).
+    """
+    saved = {k: os.environ.get(k) for k in ("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_USE_DEEPSPEED")}
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def build_accelerator(cfg):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     on_cuda = torch.cuda.is_available()
     check_device_support(cfg, on_cuda)
+    check_launcher_env(cfg, dict(os.environ))
     if cfg.precision.tf32 and on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
     kwargs, handlers = {}, []
-    if cfg.deepspeed.stage:
+    if cfg.deepspeed.stage or cfg.deepspeed.config_file:
         if not on_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
+            # without it accelerate computes world size 1 on CPU and DeepSpeed's batch check fails
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        from trainloop.deepspeed import build_deepspeed_plugin
-
-        kwargs["deepspeed_plugin"] = build_deepspeed_plugin(cfg)
+            warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
     elif not on_cuda:
         kwargs["cpu"] = True  # MULTI_CPU over gloo when launched with several processes
 
-    accelerator = Accelerator(
-        mixed_precision=MIXED_PRECISION[cfg.precision.name],
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.trainer.gradient_accumulation_steps, sync_with_dataloader=True),
-        dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=cfg.trainer.seed, non_blocking=on_cuda),
-        kwargs_handlers=handlers,
-        **kwargs,
-    )
+    with _accelerate_env_for_plugin():
+        if cfg.deepspeed.stage or cfg.deepspeed.config_file:
+            from trainloop.deepspeed import build_deepspeed_plugin
+
+            kwargs["deepspeed_plugin"] = build_deepspeed_plugin(cfg, world_size_from_env(), on_cuda)
+        accelerator = Accelerator(
+            mixed_precision=MIXED_PRECISION[cfg.precision.name],
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=cfg.trainer.gradient_accumulation_steps, sync_with_dataloader=True),
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, data_seed=cfg.trainer.seed, non_blocking=on_cuda),
+            kwargs_handlers=handlers,
+            **kwargs,
+        )
+    if cfg.deepspeed.stage == 3 and not cfg.deepspeed.zero3_init:
+        # accelerate has told transformers that ZeRO-3 is on, so from_config would build the model
+        # partitioned under zero.Init, drawing a different random init than a run without ZeRO-3
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
     expected = world_size_from_env()
     if accelerator.num_processes != expected:
         raise RuntimeError(
@@ -98,3 +200,40 @@ def agree_run_dir(accelerator, run_dir: str | os.PathLike) -> Path:
         except OSError:
             pass
     return agreed
+
+
+def check_batch_fits(cfg, world_size: int, train_blocks: int) -> None:
+    """Every rank needs a full micro-batch each step; with fewer blocks the loop would get none."""
+    needed = cfg.data.batch_size * world_size
+    if train_blocks < needed:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} x {world_size} processes needs {needed} training "
+            f"blocks per step, but the data holds {train_blocks}: lower data.batch_size, use fewer "
+            "processes, or add data"
+        )
+
+
+def describe_parallelism(cfg, accelerator, model) -> str:
+    """What really runs, read back from accelerate and the DeepSpeed engine, for the log.
+
+    A DeepSpeed config that did not take (a launcher that started one process per replica, a
+    plugin that was dropped) is an error here, not a quiet run without ZeRO.
+    """
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    where = f"{accelerator.num_processes} process(es), {accelerator.device}, backend {accelerator.state.backend}"
+    if kind == DistributedType.DEEPSPEED:
+        stage = model.zero_optimization_stage()
+        if stage != cfg.deepspeed.stage:
+            raise RuntimeError(f"DeepSpeed runs ZeRO stage {stage} but deepspeed.stage={cfg.deepspeed.stage}")
+        devices = {part: getattr(section, "device", "none") for part, section in
+                   (("optimizer", model.zero_offload_optimizer()), ("parameter", model.zero_offload_param()))}
+        devices = {part: str(getattr(device, "value", device)) for part, device in devices.items()}  # enum or str
+        offload = [f"{part} offload to {device}" for part, device in devices.items() if device != "none"]
+        return f"DeepSpeed ZeRO-{stage} engaged{' with ' + ' and '.join(offload) if offload else ''} " \
+               f"({kind}, {where})"
+    if cfg.deepspeed.stage:
+        raise RuntimeError(f"deepspeed.stage={cfg.deepspeed.stage} but accelerate runs {kind}: DeepSpeed "
+                           "was not engaged")
+    return f"{kind} ({where})"

@@ -1,4 +1,8 @@
-"""The final model in Hugging Face format, checked against the live model before it counts."""
+"""The final model in Hugging Face format, checked against the live model before it counts.
+
+Written once, by the main process, from the full weights; under ZeRO-3 they are gathered
+from every rank first.
+"""
 
 from __future__ import annotations
 
@@ -48,16 +52,55 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def is_zero3(accelerator) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def gather_state_dict(accelerator, model) -> dict:
+    """The full weights, on the main process ({} elsewhere). Every rank must call it.
+
+    Under ZeRO-3 each rank holds a shard of every parameter. accelerate's get_state_dict can
+    come back empty there (shared/FACTS.md) and needs the 16-bit gather flag, so the
+    parameters are gathered one at a time with DeepSpeed, which holds one whole tensor at once.
+    """
+    if not is_zero3(accelerator):
+        return accelerator.get_state_dict(model)
+    import deepspeed
+
+    unwrapped = accelerator.unwrap_model(model)
+    state = {}
+    for name, param in unwrapped.named_parameters():  # a tied weight comes once, under its first name
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if accelerator.is_main_process:
+                state[name] = param.detach().cpu().clone()
+    if accelerator.is_main_process:  # buffers are not partitioned: take them as they are
+        aliases = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
+        state.update({k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items() if k not in aliases})
+    return state
+
+
 def export_model(accelerator, model, tokenizer, directory: Path) -> None:
-    """Gather the full weights (all ranks take part), write them once, and verify the files."""
-    state_dict = accelerator.get_state_dict(model)
+    """Gather the full weights (all ranks take part), write them once, and verify the files.
+
+    A failed check on the main process is raised on every rank, so none waits for it forever.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    state_dict = gather_state_dict(accelerator, model)
+    outcome = [None]
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        if not state_dict:
-            raise RuntimeError("accelerate gathered an empty state dict for the final model; "
-                               "under ZeRO-3 set deepspeed.gather_16bit_weights_on_model_save=true")
-        unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
-        count = check_export(directory, live_shapes(unwrapped))
-        log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
-    accelerator.wait_for_everyone()
+        try:
+            unwrapped = accelerator.unwrap_model(model)
+            if not state_dict:
+                raise RuntimeError("the gathered state dict of the final model is empty")
+            unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(directory)
+            count = check_export(directory, live_shapes(unwrapped))
+            log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
+        except Exception as err:  # noqa: BLE001 - handed to every rank below
+            outcome = [f"{type(err).__name__}: {err}"]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome, from_process=0)
+    if outcome[0] is not None:
+        raise RuntimeError(f"exporting the final model to {directory} failed: {outcome[0]}")

@@ -33,7 +33,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     from trainloop.checkpoint import Checkpointer, Preempted, Preemption
     from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
-    from trainloop.distributed import agree_run_dir, build_accelerator
+    from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits, describe_parallelism
     from trainloop.export import export_model
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
@@ -70,6 +70,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
                                tensor_core_multiple(cfg.precision.name, accelerator.device))
     if advice:
         log.warning(advice)
+    check_batch_fits(cfg, accelerator.num_processes, len(train_set))
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
                                                    pin_memory=cfg.data.pin_memory and on_cuda)
     compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
@@ -81,9 +82,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     accelerator.register_for_checkpointing(scheduler)
 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    log.info("run dir %s | %s | %d process(es), %s | model %.2fM parameters | %d train / %d valid blocks "
-             "of %d tokens", run_dir, accelerator.distributed_type, accelerator.num_processes,
-             accelerator.device, n_params / 1e6, len(train_set), len(valid_set), cfg.data.seq_len)
+    log.info("run dir %s | %s | model %.2fM parameters | %d train / %d valid blocks of %d tokens",
+             run_dir, describe_parallelism(cfg, accelerator, model), n_params / 1e6, len(train_set),
+             len(valid_set), cfg.data.seq_len)
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state)
