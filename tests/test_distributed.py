@@ -125,20 +125,29 @@ def test_deepspeed_launcher_zero2_matches_one_process(tmp_path, reference, deeps
     assert_loadable(run_dir)
 
 
-def start_node(node_rank: int, port: int, cwd: Path, args: list[str], launcher: str) -> subprocess.Popen:
-    env = clean_env(NNODES="2", NODE_RANK=str(node_rank), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port), PYTHON=sys.executable, LAUNCHER=launcher)
-    return subprocess.Popen(["bash", str(REPO / "scripts" / "launch_multinode.sh"), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def node_command(launcher: str, node_rank: int, port: int) -> tuple[list[str], dict]:
+    """One node's command: scripts/launch_multinode.sh (torchrun), or accelerate launch with the
+    example config file, each told it is node `node_rank` of 2 with 1 process."""
+    if launcher == "launch_multinode.sh":
+        env = clean_env(NNODES="2", NODE_RANK=str(node_rank), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), PYTHON=sys.executable)
+        return ["bash", str(REPO / "scripts" / "launch_multinode.sh")], env
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    return [accelerate, "launch", "--config_file", str(REPO / "scripts" / "accelerate_config.yaml"),
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(node_rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "-m", "trainloop"], clean_env()
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("launcher", ["launch_multinode.sh", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_two_nodes_over_loopback(tmp_path, reference, launcher):
-    """scripts/launch_multinode.sh run twice, as node 0 and node 1 of a 2-node job, 1 process each."""
+    """Two "nodes" on this machine, 1 process each, meeting at a rendezvous on 127.0.0.1."""
     run_dir = tmp_path / "run"
     port = free_port()
-    nodes = [start_node(rank, port, tmp_path, [*overrides("ddp"), f"hydra.run.dir={run_dir}"], launcher)
-             for rank in (0, 1)]
+    nodes = []
+    for rank in (0, 1):
+        command, env = node_command(launcher, rank, port)
+        nodes.append(subprocess.Popen([*command, *overrides("ddp"), f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
         outputs = [node.communicate(timeout=600)[0] for node in nodes]

@@ -177,7 +177,7 @@ def build_accelerator(cfg):
         unset_hf_deepspeed_config()
     expected = world_size_from_env()
     if accelerator.num_processes != expected:
-        raise RuntimeError(
+        raise ConfigError(
             f"launched as {expected} processes (WORLD_SIZE) but accelerate runs "
             f"{accelerator.num_processes} ({accelerator.distributed_type}); the processes would "
             "train separate replicas. Launch with torchrun, or `accelerate launch --multi_gpu`"
