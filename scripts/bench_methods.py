@@ -13,8 +13,9 @@ the method's config overrides on top), so that each has its own peak memory:
     of torch.cuda.max_memory_allocated over the same span. Model, gradients, optimizer state,
     activations (and compilation), not the data or the libraries;
   - optimizer state bytes per parameter, counted on the live optimizer after the run.
-Ratios are against the baseline of this same invocation; the baseline runs first and last, and
-the spread between its two runs is the noise floor of the machine at that time.
+Ratios are against baseline runs of this same invocation: one runs before and after every method,
+and a method's speed is compared with the two around it (the load of a shared machine drifts);
+memory with the mean of all of them. The range of the baseline runs is the noise floor.
 A method this machine cannot run gets a row that says why, in trainloop's own words.
 """
 
@@ -277,11 +278,12 @@ def fmt_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def table(results: list[tuple[Method, dict]], baseline: dict) -> str:
+def table(rows: list[tuple[Method, dict, dict]]) -> str:
+    """rows: (method, its result, the reference: tokens/s of the baselines around it, mean memory)."""
     lines = ["| guide row | guide: speed | guide: memory | method | tokens/s | speed ratio | peak memory "
              "| memory ratio | optimizer state B/param | warm-up s | last micro-batch loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for method, r in results:
+    for method, r, ref in rows:
         speed, memory = GUIDE.get(method.row, ("", ""))
         row = method.row or "(baseline: fp32 AdamW, SDPA, no compile)"
         if "skipped" in r:
@@ -290,15 +292,15 @@ def table(results: list[tuple[Method, dict]], baseline: dict) -> str:
             continue
         lines.append(
             f"| {row} | {speed} | {memory} | {method.name} | {r['tokens_per_s']:,.0f} "
-            f"| {fmt_ratio(r['tokens_per_s'] / baseline['tokens_per_s'])} | {r['peak_bytes'] / 2**20:,.1f} MiB "
-            f"| {fmt_ratio(r['peak_bytes'] / baseline['peak_bytes'])} | {r['state_bytes_per_param']:.2f} "
+            f"| {fmt_ratio(r['tokens_per_s'] / ref['tokens_per_s'])} | {r['peak_bytes'] / 2**20:,.1f} MiB "
+            f"| {fmt_ratio(r['peak_bytes'] / ref['peak_bytes'])} | {r['state_bytes_per_param']:.2f} "
             f"| {r['warmup_s']:.1f} | {r['loss']:.3f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per method")
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per method")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first, at least 2: compilation and the memory peak happen here")
     parser.add_argument("--only", nargs="*", help="method names to run (the baseline always runs)")
@@ -321,24 +323,37 @@ def main() -> None:
     data_file = Path(tempfile.mkdtemp(prefix="bench_methods_")) / "blocks.pt"
     tokenize_once(data_file)
     run = partial(run_method, steps=args.steps, warmup=args.warmup, on_cuda=on_cuda, data_file=data_file)
-    first = run(METHODS[0])
-    if "skipped" in first:
-        sys.exit(f"the baseline did not run: {first['skipped']}")
+
+    def baseline_run() -> dict:
+        result = run(METHODS[0])
+        if "skipped" in result:
+            sys.exit(f"the baseline did not run: {result['skipped']}")
+        print(f"{'baseline':32s} {result['tokens_per_s']:9,.0f} tok/s  {result['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
+        return result
+
+    # A baseline run before and after every method that runs: on a shared machine the load
+    # drifts over minutes, so each method's speed is compared with the two baselines around it.
+    baselines = [baseline_run()]
     results = []
     for method in methods:
         result = run(method)
-        results.append((method, result))
         print(f"{method.name:32s} " + (f"not run: {result['skipped'][:100]}" if "skipped" in result else
               f"{result['tokens_per_s']:9,.0f} tok/s  {result['peak_bytes'] / 2**20:8.1f} MiB"), flush=True)
-    last = run(METHODS[0])
+        around = None
+        if "skipped" not in result:
+            baselines.append(baseline_run())
+            around = baselines[-2:]
+        results.append((method, result, around))
     data_file.unlink()
-    # The two baseline runs bracket the others; their mean is the reference, their spread the noise.
-    baseline = {k: (first[k] + last[k]) / 2 for k in ("tokens_per_s", "peak_bytes")}
-    baseline.update(state_bytes_per_param=first["state_bytes_per_param"], warmup_s=first["warmup_s"],
-                    loss=first["loss"])
-    spread_speed = abs(first["tokens_per_s"] - last["tokens_per_s"]) / baseline["tokens_per_s"]
-    spread_memory = abs(first["peak_bytes"] - last["peak_bytes"]) / baseline["peak_bytes"]
-    rows = [(METHODS[0], baseline), *results]
+    memory = statistics.mean(b["peak_bytes"] for b in baselines)
+    speeds = [b["tokens_per_s"] for b in baselines]
+    first = baselines[0]
+    reference = {"tokens_per_s": statistics.mean(speeds), "peak_bytes": memory}
+    rows = [(METHODS[0], {**first, "tokens_per_s": reference["tokens_per_s"], "peak_bytes": memory}, reference)]
+    for method, result, around in results:
+        ref = {"tokens_per_s": statistics.mean(b["tokens_per_s"] for b in around), "peak_bytes": memory} \
+            if around else reference
+        rows.append((method, result, ref))
 
     cores = os.cpu_count()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU ({platform.processor() or platform.machine()}, {cores} cores)"
@@ -347,14 +362,14 @@ def main() -> None:
           f"{args.steps} timed steps after {args.warmup} warm-up, model {first['params']:,} parameters, "
           f"batch 8 x 128 tokens; memory = {first['memory_kind']}; "
           f"{time.time() - started:.0f} s in all; load average at the end {os.getloadavg()[0]:.1f}")
-    print(f"baseline runs: {first['tokens_per_s']:,.0f} and {last['tokens_per_s']:,.0f} tok/s "
-          f"(spread {spread_speed:.0%}), {first['peak_bytes'] / 2**20:.1f} and {last['peak_bytes'] / 2**20:.1f} MiB "
-          f"(spread {spread_memory:.0%})")
+    print(f"{len(baselines)} baseline runs (one before and after each method; each speed ratio is against "
+          f"the two around it): {min(speeds):,.0f} to {max(speeds):,.0f} tok/s, "
+          f"{min(b['peak_bytes'] for b in baselines) / 2**20:.1f} to {max(b['peak_bytes'] for b in baselines) / 2**20:.1f} MiB")
     print()
-    print(table(rows, baseline))
+    print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"baseline_runs": [first, last], "results": [
-            {"method": m.name, "row": m.row, "overrides": m.overrides, **r} for m, r in results]}, indent=2))
+        Path(args.json).write_text(json.dumps({"baselines": baselines, "results": [
+            {"method": m.name, "row": m.row, "overrides": m.overrides, **r} for m, r, _ in results]}, indent=2))
 
 
 if __name__ == "__main__":
