@@ -97,10 +97,24 @@ def test_optimizer_state_bytes_per_parameter():
     assert measured["sgd"].per_param == pytest.approx(4.0, abs=0.01)  # one momentum buffer
 
 
-def test_deepspeed_offload_takes_cpu_adam_only():
+def test_deepspeed_offload_takes_cpu_adam_only(monkeypatch):
+    """Under optimizer offload the state lives in CPU memory and DeepSpeed's CPU Adam steps it."""
+    from trainloop.model import build_model, build_model_config
+    from trainloop.optim import build_optimizer, optimizer_state_bytes
+
     with pytest.raises(ConfigError, match="optimizer=adafactor with deepspeed.offload_optimizer"):
         validate(compose("deepspeed=zero2", "deepspeed.offload_optimizer=cpu", "optimizer=adafactor"))
-    validate(compose("deepspeed=zero2", "deepspeed.offload_optimizer=cpu", "optimizer=adamw"))
+    cfg = compose("+preset=smoke", "deepspeed=zero2", "deepspeed.offload_optimizer=cpu")
+    validate(cfg)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what build_accelerator sets on a machine without CUDA
+    model = build_model(cfg.model, build_model_config(cfg.model, 257))
+    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False, cpu_offload=True)
+    ids = torch.randint(0, 257, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert type(optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer_state_bytes(optimizer).per_param == pytest.approx(8.0, abs=0.01)
 
 
 # --- precision ----------------------------------------------------------------------------------
@@ -187,6 +201,14 @@ def test_auto_batch_size_halves_on_real_oom_and_keeps_the_effective_batch(tmp_pa
     by_hand = train(tmp_path / "by_hand", *common, f"data.batch_size={batch}",
                     f"trainer.gradient_accumulation_steps={accumulation}")
     assert losses(auto_dir) == pytest.approx(losses(by_hand), abs=1e-5)
+
+    # Resumed without a budget (where batch 32 would fit), the run keeps the checkpoint's batch:
+    # the data order of the steps already taken depends on it.
+    train(auto_dir, *common, "trainer.max_steps=7", "data.batch_size=32", "trainer.auto_batch_size=true",
+          "checkpoint.resume=auto")
+    resumed = [r for r in read_metrics(auto_dir) if r.get("event") == "auto_batch_size"][-1]
+    assert (resumed["batch_size"], resumed["gradient_accumulation_steps"], resumed["tried"]) == (batch, accumulation, [])
+    assert [r["step"] for r in read_metrics(auto_dir) if "loss" in r][-2:] == [6, 7]
 
 
 def test_batch_size_advice_names_sizes_off_the_multiple(tmp_path, caplog):
