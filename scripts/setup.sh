@@ -22,5 +22,8 @@ if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; th
 fi
 # DeepSpeed compiles its CPU Adam, CPU collectives and async I/O on first use (minutes on a
 # small machine; cached in ~/.cache/torch_extensions): do it now, not inside the first run.
-[ "${SKIP_DEEPSPEED_OPS:-0}" = 1 ] || "$VENV/bin/python" -m trainloop.deepspeed
+if [ "${SKIP_DEEPSPEED_OPS:-0}" != 1 ]; then
+  "$VENV/bin/python" -m trainloop.deepspeed \
+    || echo "note: DeepSpeed's ops did not build now; a ZeRO run will try again on first use" >&2
+fi
 echo "trainloop is installed in $VENV (activate it with: source $VENV/bin/activate)"

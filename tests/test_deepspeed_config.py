@@ -71,10 +71,11 @@ def write_json(path, config: dict):
 def test_config_file_adds_keys_and_fills_auto(tmp_path):
     file = write_json(tmp_path / "ds.json", {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 12345, "sub_group_size": 1000},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 12345, "sub_group_size": 1000,
+                              "offload_param": {"pin_memory": True, "buffer_count": 6}},
         "aio": {"block_size": 262144},
     })
-    cfg = compose("+preset=zero3", "data.batch_size=4", "trainer.gradient_accumulation_steps=2",
+    cfg = compose("+preset=zero3_offload", "data.batch_size=4", "trainer.gradient_accumulation_steps=2",
                   f"deepspeed.config_file={file}")
     config = deepspeed_config(cfg, world_size=2)
     assert config["train_micro_batch_size_per_gpu"] == 4
@@ -83,6 +84,8 @@ def test_config_file_adds_keys_and_fills_auto(tmp_path):
     assert config["zero_optimization"]["sub_group_size"] == 1000
     # deepspeed.reduce_bucket_size is at trainloop's default: the file's tuning is taken
     assert config["zero_optimization"]["reduce_bucket_size"] == 12345
+    assert config["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True, "buffer_count": 6}
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
 
 
 @pytest.mark.parametrize("in_file, overrides, expected", [

@@ -23,11 +23,6 @@ INSTALL_LIBAIO = ("install libaio and run again: `apt-get install libaio-dev` (D
                   "scripts/setup.sh installs it when run as root on Debian/Ubuntu")
 
 
-def _offload(device: str, nvme_path: str | None, pin_memory: bool) -> dict:
-    section = {"device": device, "pin_memory": pin_memory}
-    if device == "nvme":
-        section["nvme_path"] = str(Path(nvme_path).expanduser().resolve())
-    return section
 
 
 def owned_values(cfg, world_size: int, on_cuda: bool) -> dict[str, tuple[object, str]]:
@@ -45,19 +40,22 @@ def owned_values(cfg, world_size: int, on_cuda: bool) -> dict[str, tuple[object,
         "zero_optimization.stage": (ds.stage, "deepspeed.stage"),
     }
     for part, device in (("optimizer", ds.offload_optimizer), ("param", ds.offload_param)):
-        pin = on_cuda  # pinned host memory only speeds up copies to a GPU
-        section = _offload(device, ds.nvme_path, pin) if device != "none" else {"device": "none"}
-        for key, value in section.items():
-            source = "deepspeed.nvme_path" if key == "nvme_path" else f"deepspeed.offload_{part}"
-            owned[f"zero_optimization.offload_{part}.{key}"] = (value, source)
+        owned[f"zero_optimization.offload_{part}.device"] = (device, f"deepspeed.offload_{part}")
+        if device == "nvme":
+            owned[f"zero_optimization.offload_{part}.nvme_path"] = (
+                str(Path(ds.nvme_path).expanduser().resolve()), "deepspeed.nvme_path")
     return owned
 
 
-def tuning_values(cfg) -> dict[str, object]:
+def tuning_values(cfg, on_cuda: bool) -> dict[str, object]:
+    """The other zero_optimization settings: trainloop's defaults, which a user's file may change."""
     ds = cfg.deepspeed
     zero = {key: ds[key] for key in TUNING if ds.stage == 3 or not key.startswith("stage3_")}
     if ds.stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+    for part, device in (("optimizer", ds.offload_optimizer), ("param", ds.offload_param)):
+        if device != "none":  # pinned host memory only speeds up copies to a GPU
+            zero[f"offload_{part}.pin_memory"] = on_cuda
     return zero
 
 
@@ -74,12 +72,12 @@ def deepspeed_config(cfg, world_size: int, on_cuda: bool = False) -> dict:
         elif not _same(theirs, value):
             contradictions.append(f"{key}={theirs!r} in the file, but {source} gives {value!r}"
                                   + _batch_hint(key, theirs, cfg, world_size))
-    for key, value in tuning_values(cfg).items():
+    for key, value in tuning_values(cfg, on_cuda).items():
         hydra_key = "gather_16bit_weights_on_model_save" if key.endswith("_on_model_save") else key
         theirs = _lookup(config, f"zero_optimization.{key}")
         if theirs is None or theirs == AUTO:
             _assign(config, f"zero_optimization.{key}", value)
-        elif not _same(theirs, value) and value != getattr(DEFAULTS, hydra_key):
+        elif not _same(theirs, value) and value != getattr(DEFAULTS, hydra_key, value):
             # a knob left at trainloop's default yields to the file; one set on purpose must agree
             contradictions.append(f"zero_optimization.{key}={theirs!r} in the file, but "
                                   f"deepspeed.{hydra_key}={value!r}")
