@@ -20,10 +20,10 @@ if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; th
          "dnf install libaio-devel (Fedora/RHEL) or conda install -c conda-forge libaio" >&2
   fi
 fi
-# DeepSpeed compiles its CPU Adam, CPU collectives and async I/O on first use (minutes on a
-# small machine; cached in ~/.cache/torch_extensions): do it now, not inside the first run.
-if [ "${SKIP_DEEPSPEED_OPS:-0}" != 1 ]; then
-  "$VENV/bin/python" -m trainloop.deepspeed \
-    || echo "note: DeepSpeed's ops did not build now; a ZeRO run will try again on first use" >&2
+# DeepSpeed compiles its CPU Adam, CPU collectives and async I/O on first use (minutes on a small
+# machine; cached in ~/.cache/torch_extensions). The default run needs none of them, so this is
+# opt-in: DEEPSPEED_OPS=1 bash scripts/setup.sh (or later: python -m trainloop.deepspeed).
+if [ "${DEEPSPEED_OPS:-0}" = 1 ]; then
+  "$VENV/bin/python" -m trainloop.deepspeed || echo "note: DeepSpeed's ops could not be prebuilt; they build on first use" >&2
 fi
 echo "trainloop is installed in $VENV (activate it with: source $VENV/bin/activate)"
