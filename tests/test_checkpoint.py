@@ -62,6 +62,12 @@ def test_resume_null_refuses_a_run_dir_that_holds_checkpoints(finished_run):
         train(finished_run, "checkpoint.resume=null")
 
 
+def test_resuming_an_older_checkpoint_into_the_same_run_dir_is_refused(finished_run):
+    older = finished_run / "checkpoints" / "step_0000003"
+    with pytest.raises(ConfigError, match="holds later checkpoints \\(step_0000004\\)"):
+        train(finished_run, f"checkpoint.resume={older}")
+
+
 def test_partial_saves_are_never_loaded(finished_run, tmp_path):
     """A save cut short leaves .tmp_step_N; a folder without COMPLETE is not a checkpoint."""
     run = tmp_path / "run"

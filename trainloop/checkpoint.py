@@ -21,6 +21,7 @@ exit 1 whenever a rank exits non-zero, and print each rank's code):
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -129,8 +130,6 @@ class Checkpointer:
     def save(self, state, model) -> Path:
         acc = self.accelerator
         final = self.root / f"step_{state.step:07d}"
-        if (final / COMPLETE).is_file():
-            return final
         if not parameters_finite(acc, model):
             raise NonFiniteError(f"the parameters are not finite after optimizer step {state.step}; "
                                  f"not saving them. The last good checkpoint is {self.last_good()}")
@@ -140,8 +139,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
-        _fsync_tree(tmp)  # every rank syncs what it wrote (ranks may sit on other nodes)
-        acc.wait_for_everyone()
+        acc.wait_for_everyone()  # every rank's files are written (and closed) from here on
         if acc.is_main_process:
             (tmp / STATE_FILE).write_text(json.dumps(
                 {"state": state.state_dict(), "fingerprint": self.fingerprint,
@@ -149,9 +147,9 @@ class Checkpointer:
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
             (tmp / COMPLETE).write_text("")
             _fsync_tree(tmp)
-            if final.exists():  # not ours (ours are renamed in complete): it cannot be loaded
-                log.warning("replacing %s: it has no %s marker", final, COMPLETE)
-                shutil.rmtree(final)
+            if final.exists():  # another history's (find_resume refuses that) or a user's copy
+                log.warning("replacing %s", final)
+                shutil.rmtree(final.rename(self.root / f"{TMP_PREFIX}removing_{final.name}"))
             os.replace(tmp, final)
             _fsync(self.root)  # the rename itself is durable only once the folder is synced
             _write_atomic(self.root / "latest", final.name)
@@ -203,6 +201,11 @@ class Checkpointer:
             raise ConfigError(f"checkpoint {path} was made with another config; changed: "
                               + "; ".join(changed) + ". Restore those settings to resume it, or "
                               "start a new run in a new hydra.run.dir")
+        newer = [p.name for p in found if step_of(p) > saved["state"]["step"]]
+        if newer:
+            raise ConfigError(f"checkpoint.resume={spec!r}: {self.root} holds later checkpoints "
+                              f"({', '.join(newer)}) that this run would mix with its own; resume "
+                              "into a new hydra.run.dir (a checkpoint path works from any run dir)")
         if saved.get("max_steps") != self.cfg.trainer.max_steps:
             log.warning("trainer.max_steps changed since %s (%s -> %s): the learning-rate schedule "
                         "now runs to %s", path.name, saved.get("max_steps"),
@@ -220,10 +223,22 @@ class Checkpointer:
 
 def ignore_stop_signals(worker_id: int) -> None:
     """DataLoader workers' init: a scheduler signals every process, but a worker that dies on
-    SIGTERM (torch's default there) or Ctrl-C crashes the main process before it can save."""
+    SIGTERM (torch's default there) or Ctrl-C crashes the main process before it can save.
+    The main process kills its workers at exit instead (see _kill_workers_at_exit)."""
     for name in Preemption.SIGNALS:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def _kill_workers_at_exit() -> None:
+    """multiprocessing ends daemonic children at exit with SIGTERM and waits for them; workers
+    that ignore SIGTERM would make that wait endless after a crash, so SIGKILL them first."""
+    import multiprocessing
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report these kills
+    for child in multiprocessing.active_children():
+        if child.daemon and child.pid:
+            os.kill(child.pid, signal.SIGKILL)
 
 
 class Preemption:
@@ -253,6 +268,8 @@ class Preemption:
                         "with code %d (Ctrl-C again to stop at once)", name, EXIT_PREEMPTED)
 
     def __enter__(self) -> "Preemption":
+        atexit.unregister(_kill_workers_at_exit)  # once, and after multiprocessing's own hook
+        atexit.register(_kill_workers_at_exit)
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 if hasattr(signal, name):
@@ -262,7 +279,16 @@ class Preemption:
             log.warning("not in the main thread: SIGTERM/SIGUSR1 will not save a checkpoint")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type in (Preempted, NonFiniteError):
+            # Every rank agreed to stop and exits with its own code; a launcher that saw another
+            # rank exit first sends SIGTERM to the rest, which must not turn their code into -15.
+            # SIG_IGN, unlike a Python handler, lasts through the interpreter's shutdown.
+            self.requested = self.requested or "stop"
+            for sig in self._previous:
+                if sig != signal.SIGINT:  # a second Ctrl-C still stops at once
+                    signal.signal(sig, signal.SIG_IGN)
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

@@ -97,12 +97,12 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
         with guard.preemption:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, raise Preempted
             eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
                               state, metrics, checkpointer, guard)
+            if guard.preempted_by:
+                accelerator.end_training()
+                raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
+                                f"saved in {checkpointer.last_good()}; run the same command again to continue")
     finally:
         metrics.close()
-    if guard.preempted_by:
-        accelerator.end_training()
-        raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint saved in "
-                        f"{checkpointer.last_good()}; run the same command again to continue")
     if state.step < cfg.trainer.max_steps:
         log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
                  "to continue", state.step, cfg.trainer.max_steps)

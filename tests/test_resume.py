@@ -1,0 +1,198 @@
+"""Exact resume, preemption and killed saves, with real launches (acceptance checks 1-4).
+
+The runs use dropout, so the per-rank RNG states matter too, gradient accumulation 2 and 2
+DataLoader workers; the training split is cut to 72 blocks (18 batches of 4), so the runs
+cross epoch boundaries, where accelerate also forces an optimizer step on an odd batch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, launch
+from trainloop import verify_resume
+
+RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
+          "data.num_workers=2", "data.validation_fraction=0.99", "trainer.eval_batches=2"]
+DDP_STEPS = 42  # 21 steps x 2 micro-batches per rank = 4 epochs of 9 batches + 2: mid-epoch
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2"]
+
+
+@pytest.fixture
+def child_env(monkeypatch):
+    """verify_resume starts its runs with this process's environment: make it a clean one."""
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)
+
+
+def resumed_at(log: str) -> tuple[int, int, int]:
+    found = re.search(r"resumed from \S+ at step (\d+) \(epoch (\d+), batch (\d+)\)", log)
+    assert found, log[-3000:]
+    return int(found[1]), int(found[2]), int(found[3])
+
+
+def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
+    """Acceptance 1: 20 steps straight = 10 + resume + 10, losses and weights bitwise."""
+    code = verify_resume.main(["--steps", "20", "--rtol", "0", "--dir", str(tmp_path), *RESUME])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("bitwise identical") == 2, out
+    step, epoch, batch = resumed_at((tmp_path / "second_half.log").read_text())
+    assert step == 10 and epoch >= 1 and batch > 0  # mid-epoch, after an epoch boundary
+
+
+def start(args: list[str], output: Path) -> subprocess.Popen:
+    """A process group of its own, so that a failed test can end all of it (launcher and ranks)."""
+    with open(output, "w") as out:
+        return subprocess.Popen(args, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> int | None:
+    """Its exit code, or None if it ran past the timeout; either way nothing of it is left."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what is left: after a timeout, or orphaned ranks
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return code
+
+
+@pytest.fixture(scope="module")
+def ddp_verified(tmp_path_factory):
+    """verify_resume on 2 processes; its straight run is also the uninterrupted baseline below."""
+    root = tmp_path_factory.mktemp("ddp")
+    proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", "0",
+                  "--steps", str(DDP_STEPS), "--dir", str(root / "runs"), *RESUME], root / "output.txt")
+    return root / "runs", finish(proc, timeout=900), (root / "output.txt").read_text()
+
+
+@pytest.mark.slow
+def test_two_process_resume_is_bitwise(ddp_verified):
+    """Acceptance 2 (DDP): the same on 2 processes, and the checkpoint refuses 1 process."""
+    root, code, out = ddp_verified
+    assert code == 0, out[-4000:]
+    assert out.count("bitwise identical") == 2, out[-4000:]
+    step, epoch, batch = resumed_at((root / "second_half.log").read_text())
+    assert step == DDP_STEPS // 2 and epoch >= 1 and batch > 0
+
+    refused = launch(["python", "-m", "trainloop", *RESUME, f"hydra.run.dir={root / 'resumed'}"], check=False)
+    assert refused.returncode == 2
+    assert "world_size: 2 -> 1" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_resume_within_1e6(stage, tmp_path):
+    """Acceptance 2 (DeepSpeed): 2 processes under ZeRO-2 and ZeRO-3, within 1e-6 relative.
+    With 20 steps the resume falls on an epoch's end (an empty rest of the epoch to skip)."""
+    proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", "1e-6",
+                  "--steps", "20", "--dir", str(tmp_path / "runs"), *RESUME, f"deepspeed={stage}"],
+                 tmp_path / "output.txt")
+    code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
+    assert code == 0, out[-4000:]
+    assert "resume OK" in out
+    log = (tmp_path / "runs" / "second_half.log").read_text()
+    assert f"DeepSpeed ZeRO-{stage[-1]} engaged" in log
+    step, epoch, batch = resumed_at(log)
+    assert step == 10 and epoch >= 1
+
+
+def ranks_of(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of the processes torchrun started."""
+    found = {}
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [e for e in environ if e.startswith(b"RANK=")]
+            if rank:
+                found[int(rank[0][5:])] = int(pid)
+    return found
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while f'"step": {step},' not in (metrics.read_text() if metrics.exists() else ""):
+        assert proc.poll() is None, "the run ended before it was signalled"
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_path):
+    """Acceptance 3: SIGTERM mid-training -> every rank exits 75 with a complete checkpoint;
+    re-running the same command ends with the uninterrupted run's losses and weights."""
+    baseline, _, _ = ddp_verified
+    run = tmp_path / "run"
+    command = [*TORCHRUN, "-m", "trainloop", *RESUME, f"trainer.max_steps={DDP_STEPS}", "trainer.log_every=1",
+               f"trainer.eval_every={DDP_STEPS}", "logging.progress_bar=false", f"hydra.run.dir={run}"]
+    proc = start(command, tmp_path / "output.txt")
+    try:
+        wait_for_step(run, 2, proc)
+        os.kill(ranks_of(proc.pid)[1], signal.SIGTERM)  # rank 0 is not told: the ranks must agree
+        code = finish(proc, timeout=300)
+    finally:
+        finish(proc, timeout=0)
+    out = (tmp_path / "output.txt").read_text()
+    assert code not in (0, None), out[-4000:]  # torchrun exits 1 when a rank exits non-zero; theirs:
+    assert re.findall(r"exitcode\s+:\s*(-?\d+)", out) == ["75", "75"], out[-4000:]  # its report
+    stopped = re.search(r"trainloop: stopped by (.+) after step (\d+), checkpoint saved in (\S+);", out)
+    assert stopped and stopped[1] in ("SIGTERM", "a signal to another rank"), out[-4000:]
+    assert 2 <= int(stopped[2]) < DDP_STEPS
+    assert Path(stopped[3], "COMPLETE").is_file() and Path(stopped[3]).name == f"step_{int(stopped[2]):07d}"
+
+    again = launch(command)  # the same command again: checkpoint.resume=auto is the default
+    assert resumed_at(again.stdout + again.stderr)[0] == int(stopped[2])
+    same = verify_resume.compare(baseline / "straight", run, DDP_STEPS)
+    assert same.losses_bitwise and same.weights_bitwise and not same.notes, same.report(0)
+
+
+def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
+    """Acceptance 4: kill -9 in the middle of a save; the same command resumes and finishes."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "trainloop", "+preset=smoke", "trainer.max_steps=40",
+               "checkpoint.every_steps=1", "logging.progress_bar=false", f"hydra.run.dir={run}"]
+    root = run / "checkpoints"
+    proc = start(command, tmp_path / "output.txt")
+    partial = None
+    try:
+        while partial is None and proc.poll() is None:
+            names = os.listdir(root) if root.is_dir() else []
+            if not any(n.startswith("step_") for n in names):
+                time.sleep(0.02)
+                continue
+            for name in (n for n in names if n.startswith(".tmp_step_")):
+                try:
+                    if os.listdir(root / name):  # some files of the save written, not all
+                        proc.send_signal(signal.SIGKILL)
+                        partial = name
+                except FileNotFoundError:  # that save completed meanwhile
+                    pass
+    finally:
+        code = finish(proc, timeout=0 if partial is None else 60)
+    assert partial, "the run finished before a save could be interrupted"
+    assert code == -signal.SIGKILL
+    assert (root / partial).is_dir() and not (root / partial / "COMPLETE").exists()
+    previous = max(p.name for p in root.glob("step_*"))
+    assert f"step_{int(partial.rpartition('_')[2]) - 1:07d}" == previous
+
+    again = launch(["python", *command[1:]])
+    log = again.stdout + again.stderr
+    assert f"removing {root / partial}" in log
+    assert f"resumed from {root / previous}" in log
+    assert (run / "final" / "model.safetensors").is_file()
+    assert not list(root.glob(".tmp_*"))
