@@ -4,8 +4,10 @@
 
 Every method runs in a fresh process (the same model, data, seed and loop as the baseline, with
 the method's config overrides on top), so that each has its own peak memory:
-  - tokens/s: training tokens per step over the median time of the timed steps, which follow
-    warm-up steps (compilation happens there);
+  - speed: training tokens per step over the median time of the timed steps, which follow
+    warm-up steps (compilation happens there). On CPU each method gets one compute thread and the
+    time is the process's CPU time, which other processes on a shared machine hardly change (its
+    wall-clock tokens/s is shown too); on a GPU, wall-clock time;
   - peak memory over the warm-up steps: on CPU, the peak resident set (VmHWM, reset through
     /proc/self/clear_refs just before the model is built) minus the resident set at that moment,
     with glibc told to give every allocation of 64 KiB or more its own mapping so that freed
@@ -13,9 +15,8 @@ the method's config overrides on top), so that each has its own peak memory:
     of torch.cuda.max_memory_allocated over the same span. Model, gradients, optimizer state,
     activations (and compilation), not the data or the libraries;
   - optimizer state bytes per parameter, counted on the live optimizer after the run.
-Ratios are against baseline runs of this same invocation: one runs before and after every method,
-and a method's speed is compared with the two around it (the load of a shared machine drifts);
-memory with the mean of all of them. The range of the baseline runs is the noise floor.
+Ratios are against the baseline of this same invocation, run first and last: the mean of the two
+is the reference, their difference the noise floor.
 A method this machine cannot run gets a row that says why, in trainloop's own words.
 """
 
@@ -200,7 +201,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     accumulation = cfg.trainer.gradient_accumulation_steps
     batches = iter(train_loader)
     model.train()
-    step_times = []
+    step_times, step_cpu = [], []
     for step in range(warmup + steps):
         if step == warmup:  # the warm-up steps hold the peak: state and activations, compilation
             if on_cuda:
@@ -212,7 +213,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                     (", glibc mmap threshold 64 KiB" if libc is not None else "")
                 if libc is not None:
                     _track_live_memory(libc, False)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(accumulation):
             ids = next(batches)
             with accelerator.accumulate(model):
@@ -224,11 +225,16 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                 optimizer.zero_grad(set_to_none=True)
         last_loss = loss.item()  # also waits for the device
         step_times.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - c0)
     # The median step: a neighbour's burst on a shared machine moves it less than the mean.
     median_step = statistics.median(step_times[warmup:])
     state = optimizer_state_bytes(optimizer)
     tokens_per_step = accumulation * cfg.data.batch_size * cfg.data.seq_len
-    return {"tokens_per_s": tokens_per_step / median_step, "peak_bytes": peak, "memory_kind": memory_kind,
+    # On CPU the speed is tokens per CPU-second of this one-thread process: what other processes
+    # on a shared machine take from it changes its wall time, hardly its CPU time.
+    speed = tokens_per_step / (median_step if on_cuda else statistics.median(step_cpu[warmup:]))
+    return {"speed": speed, "speed_kind": "tokens/s" if on_cuda else "tokens per CPU-second, 1 thread",
+            "tokens_per_s": tokens_per_step / median_step, "peak_bytes": peak, "memory_kind": memory_kind,
             "state_bytes_per_param": state.per_param, "warmup_s": sum(step_times[:warmup]), "loss": last_loss,
             "params": state.params, "device": str(accelerator.device)}
 
@@ -264,7 +270,7 @@ def run_method(method: Method, steps: int, warmup: int, on_cuda: bool, data_file
         return {"skipped": f"needs a CUDA GPU: {method.needs_cuda}"}
     cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup),
            "--data-file", str(data_file), "--", *method.overrides]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -278,23 +284,22 @@ def fmt_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def table(rows: list[tuple[Method, dict, dict]]) -> str:
-    """rows: (method, its result, the reference: tokens/s of the baselines around it, mean memory)."""
-    lines = ["| guide row | guide: speed | guide: memory | method | tokens/s | speed ratio | peak memory "
-             "| memory ratio | optimizer state B/param | warm-up s | last micro-batch loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for method, r, ref in rows:
+def table(rows: list[tuple[Method, dict]], reference: dict) -> str:
+    lines = ["| guide row | guide: speed | guide: memory | method | speed | speed ratio | wall tokens/s "
+             "| peak memory | memory ratio | optimizer state B/param | warm-up s | last micro-batch loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, r in rows:
         speed, memory = GUIDE.get(method.row, ("", ""))
         row = method.row or "(baseline: fp32 AdamW, SDPA, no compile)"
         if "skipped" in r:
             lines.append(f"| {row} | {speed} | {memory} | {method.name} | not run here: {r['skipped']} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
         lines.append(
-            f"| {row} | {speed} | {memory} | {method.name} | {r['tokens_per_s']:,.0f} "
-            f"| {fmt_ratio(r['tokens_per_s'] / ref['tokens_per_s'])} | {r['peak_bytes'] / 2**20:,.1f} MiB "
-            f"| {fmt_ratio(r['peak_bytes'] / ref['peak_bytes'])} | {r['state_bytes_per_param']:.2f} "
-            f"| {r['warmup_s']:.1f} | {r['loss']:.3f} |")
+            f"| {row} | {speed} | {memory} | {method.name} | {r['speed']:,.0f} "
+            f"| {fmt_ratio(r['speed'] / reference['speed'])} | {r['tokens_per_s']:,.0f} "
+            f"| {r['peak_bytes'] / 2**20:,.1f} MiB | {fmt_ratio(r['peak_bytes'] / reference['peak_bytes'])} "
+            f"| {r['state_bytes_per_param']:.2f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |")
     return "\n".join(lines)
 
 
@@ -324,52 +329,39 @@ def main() -> None:
     tokenize_once(data_file)
     run = partial(run_method, steps=args.steps, warmup=args.warmup, on_cuda=on_cuda, data_file=data_file)
 
-    def baseline_run() -> dict:
-        result = run(METHODS[0])
-        if "skipped" in result:
-            sys.exit(f"the baseline did not run: {result['skipped']}")
-        print(f"{'baseline':32s} {result['tokens_per_s']:9,.0f} tok/s  {result['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
-        return result
+    def report(name: str, result: dict) -> None:
+        print(f"{name:32s} " + (f"not run: {result['skipped'][:100]}" if "skipped" in result else
+              f"{result['speed']:9,.0f} {result['speed_kind']}  {result['peak_bytes'] / 2**20:8.1f} MiB"), flush=True)
 
-    # A baseline run before and after every method that runs: on a shared machine the load
-    # drifts over minutes, so each method's speed is compared with the two baselines around it.
-    baselines = [baseline_run()]
+    first = run(METHODS[0])
+    if "skipped" in first:
+        sys.exit(f"the baseline did not run: {first['skipped']}")
+    report("baseline", first)
     results = []
     for method in methods:
-        result = run(method)
-        print(f"{method.name:32s} " + (f"not run: {result['skipped'][:100]}" if "skipped" in result else
-              f"{result['tokens_per_s']:9,.0f} tok/s  {result['peak_bytes'] / 2**20:8.1f} MiB"), flush=True)
-        around = None
-        if "skipped" not in result:
-            baselines.append(baseline_run())
-            around = baselines[-2:]
-        results.append((method, result, around))
+        results.append((method, run(method)))
+        report(method.name, results[-1][1])
+    last = run(METHODS[0])  # the baseline again: the two bracket the others, their spread is the noise
+    report("baseline", last)
     data_file.unlink()
-    memory = statistics.mean(b["peak_bytes"] for b in baselines)
-    speeds = [b["tokens_per_s"] for b in baselines]
-    first = baselines[0]
-    reference = {"tokens_per_s": statistics.mean(speeds), "peak_bytes": memory}
-    rows = [(METHODS[0], {**first, "tokens_per_s": reference["tokens_per_s"], "peak_bytes": memory}, reference)]
-    for method, result, around in results:
-        ref = {"tokens_per_s": statistics.mean(b["tokens_per_s"] for b in around), "peak_bytes": memory} \
-            if around else reference
-        rows.append((method, result, ref))
+    reference = {**first, **{k: (first[k] + last[k]) / 2 for k in ("speed", "tokens_per_s", "peak_bytes")}}
 
     cores = os.cpu_count()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU ({platform.processor() or platform.machine()}, {cores} cores)"
     print()
     print(f"trainloop bench_methods: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
           f"{args.steps} timed steps after {args.warmup} warm-up, model {first['params']:,} parameters, "
-          f"batch 8 x 128 tokens; memory = {first['memory_kind']}; "
-          f"{time.time() - started:.0f} s in all; load average at the end {os.getloadavg()[0]:.1f}")
-    print(f"{len(baselines)} baseline runs (one before and after each method; each speed ratio is against "
-          f"the two around it): {min(speeds):,.0f} to {max(speeds):,.0f} tok/s, "
-          f"{min(b['peak_bytes'] for b in baselines) / 2**20:.1f} to {max(b['peak_bytes'] for b in baselines) / 2**20:.1f} MiB")
+          f"batch 8 x 128 tokens, {time.time() - started:.0f} s in all, load average at the end "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"speed = {first['speed_kind']} (median step); memory = {first['memory_kind']}")
+    print(f"baseline first and last: {first['speed']:,.0f} and {last['speed']:,.0f} "
+          f"({abs(first['speed'] - last['speed']) / reference['speed']:.0%} apart), "
+          f"{first['peak_bytes'] / 2**20:.1f} and {last['peak_bytes'] / 2**20:.1f} MiB")
     print()
-    print(table(rows))
+    print(table([(METHODS[0], reference), *results], reference))
     if args.json:
-        Path(args.json).write_text(json.dumps({"baselines": baselines, "results": [
-            {"method": m.name, "row": m.row, "overrides": m.overrides, **r} for m, r, _ in results]}, indent=2))
+        Path(args.json).write_text(json.dumps({"baselines": [first, last], "results": [
+            {"method": m.name, "row": m.row, "overrides": m.overrides, **r} for m, r in results]}, indent=2))
 
 
 if __name__ == "__main__":
