@@ -168,15 +168,15 @@ def _release(device: torch.device) -> None:
 
 
 def search_batch_size(model, make_optimizer, samples, effective: int, device: torch.device,
-                      autocast, budget: int | None) -> BatchSearch:
-    """Try per-device batches (divisors of `effective`), largest first, until one fits."""
+                      autocast, budget: int | None, limit: int | None = None) -> BatchSearch:
+    """Try per-device batches (divisors of `effective`, at most `limit`), largest first, until one fits."""
     search = BatchSearch(per_device_effective=effective)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout in the trials must not shift training's RNG
         # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
         # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
         trial_steps(model, make_optimizer, samples[0][None].to(device), autocast)
-        for size in candidates(effective, len(samples)):
+        for size in candidates(effective, min(limit or len(samples), len(samples))):
             batch = torch.stack([samples[i] for i in range(size)]).to(device)
             error = None
             try:
@@ -217,7 +217,8 @@ def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume
         budget_mb = cfg.trainer.auto_batch_size_budget_mb
         model.to(accelerator.device)
         search = search_batch_size(model, make_optimizer, train_set, effective, accelerator.device,
-                                   accelerator.autocast, None if budget_mb is None else int(budget_mb * 2**20))
+                                   accelerator.autocast, None if budget_mb is None else int(budget_mb * 2**20),
+                                   limit=len(train_set) // accelerator.num_processes)  # each rank's share
         if accelerator.num_processes > 1:
             found = torch.tensor([search.batch_size], device=accelerator.device)
             search.batch_size = int(accelerator.gather(found).min().item())
