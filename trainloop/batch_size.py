@@ -175,7 +175,13 @@ def search_batch_size(model, make_optimizer, samples, effective: int, device: to
     with torch.random.fork_rng(devices=devices):  # dropout in the trials must not shift training's RNG
         # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
         # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
-        trial_steps(model, make_optimizer, samples[0][None].to(device), autocast)
+        try:
+            trial_steps(model, make_optimizer, samples[0][None].to(device), autocast)
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            search.tried.append({"batch_size": 1, "fits": False, "error": str(err).splitlines()[0][:200]})
+            return search
         for size in candidates(effective, min(limit or len(samples), len(samples))):
             batch = torch.stack([samples[i] for i in range(size)]).to(device)
             error = None
