@@ -7,8 +7,10 @@ cross epoch boundaries, where accelerate also forces an optimizer step on an odd
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +51,20 @@ def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
     assert out.count("bitwise identical") == 2, out
     step, epoch, batch = resumed_at((tmp_path / "second_half.log").read_text())
     assert step == 10 and epoch >= 1 and batch > 0  # mid-epoch, after an epoch boundary
+
+    # The comparison sees a difference of one unit in the last place of one weight.
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    nudged = tmp_path / "nudged"
+    shutil.copytree(tmp_path / "resumed", nudged)
+    weights = load_file(nudged / "final" / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] = torch.nextafter(weights[name].view(-1)[0], torch.tensor(math.inf))
+    save_file(weights, nudged / "final" / "model.safetensors")
+    found = verify_resume.compare(tmp_path / "straight", nudged, 20)
+    assert found.losses_bitwise and not found.weights_bitwise and 0 < found.weights_max_rel < 1e-6
+    assert found.agrees(1e-6) and not found.agrees(0)
 
 
 def start(args: list[str], output: Path) -> subprocess.Popen:

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,7 +144,8 @@ def parse(argv: list[str]):
                         help="processes; more than 1 launches each run with torchrun --standalone")
     parser.add_argument("--launcher", help="your own launch prefix, before `-m trainloop`, e.g. "
                                            "'accelerate launch --multi_gpu --num_processes 2'")
-    parser.add_argument("--dir", type=Path, help="where the two runs go (default: a new temporary folder)")
+    parser.add_argument("--dir", type=Path, help="where the two runs go (default: a temporary folder, "
+                                                 "removed when they agree)")
     parser.add_argument("--rtol", type=float, default=1e-6,
                         help="largest relative difference that still passes (default 1e-6; 0: bitwise)")
     args, overrides = parser.parse_known_args(argv)
@@ -193,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
 
     result = compare(straight, resumed, n)
     print(result.report(args.rtol))
-    return 0 if result.agrees(args.rtol) else 1
+    if not result.agrees(args.rtol):
+        return 1
+    if args.dir is None:  # a folder of our own, and nothing in it to look into
+        shutil.rmtree(root)
+    return 0
 
 
 def check_config(overrides: list[str]) -> None:
