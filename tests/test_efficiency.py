@@ -97,8 +97,11 @@ def test_optimizer_state_bytes_per_parameter():
     assert measured["sgd"].per_param == pytest.approx(4.0, abs=0.01)  # one momentum buffer
 
 
+@pytest.mark.slow
 def test_deepspeed_offload_takes_cpu_adam_only(monkeypatch):
-    """Under optimizer offload the state lives in CPU memory and DeepSpeed's CPU Adam steps it."""
+    """Under optimizer offload the state lives in CPU memory and DeepSpeed's CPU Adam steps it.
+    Seconds once DeepSpeed's cpu_adam op is built (test_distributed's fixture builds it earlier in
+    the suite); run alone on a fresh machine, the first build takes minutes."""
     from trainloop.model import build_model, build_model_config
     from trainloop.optim import build_optimizer, optimizer_state_bytes
 
