@@ -26,6 +26,11 @@ SMALL = ["+preset=smoke", "trainer.max_steps=4", "trainer.log_every=1", "trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
+# DeepSpeed JIT-compiles its CPU ops into TORCH_EXTENSIONS_DIR under a hash that includes this
+# venv's include paths: two venvs sharing ~/.cache/torch_extensions rebuild each other's ops
+# (and wait on each other's build lock). One cache per venv: each builds once.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
 
 def compose(*overrides: str):
     register_configs()
