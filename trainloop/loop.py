@@ -90,7 +90,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
             step_loss += loss.detach()
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                verdict = guard.check(state, step_loss, grad_norm)  # all ranks agree: update? stop?
+                verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
                 if verdict.update:
                     optimizer.step()
             optimizer.zero_grad(set_to_none=True)
