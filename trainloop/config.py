@@ -93,7 +93,7 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: Optional[int] = None  # None: only at the end
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept; older ones are removed after a save
     resume: Optional[str] = "auto"  # auto: the latest in the run dir, if any; a checkpoint dir; None: never
     save_final_model: bool = True  # write RUN_DIR/final in Hugging Face format
 
