@@ -150,10 +150,11 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
-    "KNOWN BUG, issue 4 left open: intermittently the ranks deadlock after SIGTERM to one rank "
-    "(seen once in a clean-clone CI run: rank 0 in a gloo poll, rank 1 on a futex with its "
-    "DataLoader workers alive; 3 earlier runs passed). Quarantined so the rest can land; "
-    "remove this mark with the fix"))
+    "KNOWN BUG, issue 4 left open: intermittently the RE-RUN after the preemption (2 ranks, "
+    "resumed from step 4, data.num_workers=2) deadlocks mid-training (seen once in a clean-clone "
+    "CI run at step 15 of 42: rank 0 in a gloo poll, rank 1 on a futex with its DataLoader workers "
+    "alive; the preempted run itself exited 75 with a complete checkpoint; 3 earlier runs passed). "
+    "Quarantined so the rest can land; ""remove this mark with the fix"))
 def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_path):
     """Acceptance 3: SIGTERM mid-training -> every rank exits 75 with a complete checkpoint;
     re-running the same command ends with the uninterrupted run's losses and weights."""
