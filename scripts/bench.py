@@ -1,17 +1,34 @@
 """Does trainloop cost anything over a raw PyTorch loop, and how does it compare with the HF Trainer?
 
 Trains the same model on the same data with the same hyperparameters three ways, each run in a
-fresh process, alternating (raw, trainloop, hf, raw, ...) so the machine's drift hits all alike:
+fresh process of its own:
   raw        a minimal hand-written PyTorch loop (no accelerate, no Hydra)
   trainloop  `python -m trainloop` itself
   hf         transformers.Trainer
-All three log the loss every step (one host sync per step each), so the comparison is fair.
-Reports per variant the median tokens/s after warm-up, peak memory (CPU: the process's peak RSS;
-GPU: torch.cuda.max_memory_allocated), and seconds from process start to the first optimizer
-step; then the ratios trainloop/raw and trainloop/hf.
+All three log the loss every step (one host sync per step each), so the comparison is fair, and
+append one line per optimizer step, flushed, with its wall-clock time.
 
-    python scripts/bench.py                       # CPU size, 3 rounds (about 5 minutes on 2 cores)
-    python scripts/bench.py --size gpt2 --rounds 5  # GPT-2 124M shape on a GPU, bf16
+The machine's own speed drifts by +-10% over 5-20 s windows, more than the differences to be
+measured, so the three processes of a round share the machine in turns of a few seconds instead
+of running one after another:
+  1. each variant's process starts alone (the others stopped with SIGSTOP) and runs until it has
+     logged its first optimizer step: "start to 1st step" (imports, data, model build, step 1);
+     then it is stopped and the next one starts;
+  2. then they take turns: SIGCONT one process for --turn seconds, SIGSTOP it, the next one, ...
+     until each has done --steps steps and exited; every (continued, stopped) interval is kept.
+     A turn is stretched to hold about 6 of the process's steps where they are slower than that
+     (a loaded machine, a big model), so that every turn still times some whole steps.
+A step is timed when the whole of it, from the previous step's end to its own, lies inside one
+running interval of its process; the first --warmup steps and the first step that starts in each
+turn (caches are cold after a switch) are left out. tokens/s of a run is its timed steps' tokens
+over the sum of their durations. Per variant: the median over --rounds rounds. The ratios
+trainloop/raw and trainloop/hf are printed as the ratio of the medians and, since the variants
+of one round share its minutes, per round ("paired") with their median.
+Peak memory: CPU, the process's peak RSS; GPU, torch.cuda.max_memory_allocated. On a GPU the
+stopped process's queued kernels still run; the boundary steps that are left out cover that.
+
+    python scripts/bench.py                          # CPU size: 3 rounds x 80 steps, about 5 minutes on 2 cores
+    python scripts/bench.py --size gpt2 --rounds 5   # GPT-2 124M shape on a GPU, bf16
 """
 
 from __future__ import annotations
@@ -19,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +54,9 @@ SIZES = {
 }
 COMMON = ["optimizer=adamw", "optimizer.lr=1e-3", "scheduler=cosine", "trainer.max_grad_norm=1.0",
           "trainer.seed=0", "data.num_workers=0"]
+STEPS_FILE = {"raw": "steps.jsonl", "hf": "steps.jsonl", "trainloop": "trainloop/metrics.jsonl"}
+STEPS_PER_TURN = 6  # a turn stretches past --turn to hold this many of the process's steps (2 are lost per turn)
+MAX_TURN_S = 60.0
 
 
 def compose(overrides: list[str]):
@@ -62,14 +84,35 @@ def build_common(cfg):
     return train_set, model
 
 
+class StepLog:
+    """A worker's steps.jsonl: one flushed line per optimizer step, read by the parent while it runs."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a")
+        self.step = 0
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def step_done(self, loss: float) -> None:
+        self.step += 1
+        self.write({"step": self.step, "loss": loss, "time": time.time()})
+
+    def close(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            self.write({"gpu_peak_bytes": torch.cuda.max_memory_allocated()})
+        self.file.close()
+
+
 def worker_raw(cfg, steps: int, out: Path) -> None:
-    import psutil
     import torch
     from transformers import get_scheduler
 
     from trainloop.optim import parameter_groups
 
-    start = psutil.Process().create_time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_set, model = build_common(cfg)
     model.to(device).train()
@@ -79,7 +122,7 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
     loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True)
     dtype = torch.bfloat16 if cfg.precision.name == "bf16" else None
-    times, batches = [], iter(loader)
+    log, batches = StepLog(out), iter(loader)
     for _ in range(steps):
         ids = next(batches).to(device, non_blocking=True)
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
@@ -89,23 +132,21 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        times.append(time.time() - start)
-    out.write_text(json.dumps({"times": times, **gpu_peak()}))
+        log.step_done(loss.item())
+    log.close()
 
 
 def worker_hf(cfg, steps: int, out: Path) -> None:
-    import psutil
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    start = psutil.Process().create_time()
     train_set, model = build_common(cfg)
-    times = []
+    log = StepLog(out)
 
     class StepTimes(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.time() - start)
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:  # logging_steps=1: after each step's loss sync, like the others
+                log.step_done(logs["loss"])
 
     class AsDict(torch.utils.data.Dataset):
         def __len__(self):
@@ -125,57 +166,182 @@ def worker_hf(cfg, steps: int, out: Path) -> None:
         use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True,
     )
     Trainer(model=model, args=args, train_dataset=AsDict(), callbacks=[StepTimes()]).train()
-    out.write_text(json.dumps({"times": times, **gpu_peak()}))
+    log.close()
 
 
-def gpu_peak() -> dict:
-    import torch
+def timed_steps(times: list[float], intervals: list[tuple[float, float]], warmup: int) -> list[float]:
+    """Durations of the steps that count towards tokens/s.
 
-    return {"gpu_peak_bytes": torch.cuda.max_memory_allocated()} if torch.cuda.is_available() else {}
-
-
-def run_variant(variant: str, size: str, steps: int, workdir: Path) -> dict:
-    """One run in a fresh process; returns its step times and peak memory."""
-    out = workdir / f"{variant}.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if variant == "trainloop":
-        run_dir = workdir / "trainloop"
-        cmd = [sys.executable, "-m", "trainloop", *SIZES[size], *COMMON, f"trainer.max_steps={steps}",
-               "trainer.log_every=1", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
-               "checkpoint.save_final_model=false", "logging.progress_bar=false", f"hydra.run.dir={run_dir}"]
-    else:
-        cmd = [sys.executable, __file__, "--worker", variant, "--size", size, "--steps", str(steps),
-               "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    stderr = proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        sys.exit(f"{variant} failed ({proc.returncode}):\n{stderr[-3000:]}")
-    if variant == "trainloop":
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        result = {"times": [r["time"] for r in lines if "loss" in r]}
-        result.update({k: v for r in lines for k, v in r.items() if k == "gpu_peak_bytes"})
-    else:
-        result = json.loads(out.read_text())
-    result["peak_rss_bytes"] = usage.ru_maxrss * 1024  # Linux reports kilobytes
-    return result
+    times[i] is when step i+1 ended; intervals are the (continued, stopped) wall-clock spans in
+    which the process ran. Step i+1 counts when [times[i-1], times[i]] lies inside one interval,
+    it is past the first `warmup` steps, and it is not the first step to start in its interval.
+    Step 1 never counts: it began at process start.
+    """
+    durations, turns_seen = [], set()
+    for i in range(1, len(times)):
+        begin, end = times[i - 1], times[i]
+        turn = next((k for k, (a, b) in enumerate(intervals) if a <= begin and end <= b), None)
+        if turn is None:  # stopped somewhere inside this step
+            continue
+        first_in_turn = turn not in turns_seen
+        turns_seen.add(turn)
+        if not first_in_turn and i >= warmup:
+            durations.append(end - begin)
+    return durations
 
 
-def summarize(runs: list[dict], tokens_per_step: int, warmup: int) -> dict:
-    rates = [tokens_per_step * (len(r["times"]) - warmup) / (r["times"][-1] - r["times"][warmup - 1]) for r in runs]
-    memory = [r.get("gpu_peak_bytes", r["peak_rss_bytes"]) for r in runs]
+class Run:
+    """One variant's process in one round. Runs only between resume() and stop()/its exit."""
+
+    def __init__(self, variant: str, size: str, steps: int, workdir: Path):
+        import psutil
+
+        self.variant, self.steps, self.workdir = variant, steps, workdir
+        self.steps_path = workdir / STEPS_FILE[variant]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if variant == "trainloop":
+            # telemetry at the last step carries the GPU's peak allocation into metrics.jsonl
+            cmd = [sys.executable, "-m", "trainloop", *SIZES[size], *COMMON, f"trainer.max_steps={steps}",
+                   "trainer.log_every=1", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
+                   f"logging.telemetry_every={steps}", "checkpoint.save_final_model=false",
+                   "logging.progress_bar=false", f"hydra.run.dir={self.steps_path.parent}"]
+        else:
+            cmd = [sys.executable, __file__, "--worker", variant, "--size", size, "--steps", str(steps),
+                   "--out", str(self.steps_path)]
+        with open(workdir / "stderr.txt", "w") as stderr:
+            # its own process group: SIGSTOP/SIGCONT/SIGKILL reach any child it starts too
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                         start_new_session=True)
+        self.create_time = psutil.Process(self.proc.pid).create_time()
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.intervals: list[tuple[float, float]] = []
+        self.running_since: float | None = self.create_time
+        self.usage = None
+
+    @property
+    def exited(self) -> bool:
+        return self.usage is not None
+
+    def turn_length(self, base: float) -> float:
+        """--turn, or longer where the process's steps are slow (a loaded machine, a big model)."""
+        recent = timed_steps(self.step_times(), self.intervals, warmup=0)[-5:]
+        if recent:
+            return min(max(base, STEPS_PER_TURN * statistics.median(recent)), MAX_TURN_S)
+        rotation_turns = len(self.intervals) - 1  # the first interval was its start-up
+        return min(base * 2 ** rotation_turns, MAX_TURN_S)  # not one whole step yet: double until one fits
+
+    def resume(self) -> None:
+        self.running_since = time.time()  # before SIGCONT: the interval holds all it can run
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.intervals.append((self.running_since, time.time()))  # after SIGSTOP, likewise
+        self.running_since = None
+
+    def run_for(self, seconds: float | None) -> bool:
+        """Let it run up to `seconds` (None: until it exits); True when it exited meanwhile."""
+        ready, _, _ = select.select([self.pidfd], [], [], seconds)
+        if not ready:
+            return False
+        _, status, self.usage = os.wait4(self.proc.pid, 0)
+        self.intervals.append((self.running_since, time.time()))
+        self.running_since = None
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        os.close(self.pidfd)
+        if self.proc.returncode:
+            stderr = (self.workdir / "stderr.txt").read_text()
+            raise RuntimeError(f"{self.variant} failed ({self.proc.returncode}):\n{stderr[-3000:]}")
+        return True
+
+    def kill(self) -> None:
+        """Never leave a stopped child behind: SIGKILL ends a stopped process too."""
+        if self.exited:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.proc.pid, 0)
+        self.proc.returncode = -signal.SIGKILL
+        self.usage = ()
+        os.close(self.pidfd)
+
+    def records(self) -> list[dict]:
+        """The complete lines of its step file so far (a line being written is left for later)."""
+        if not self.steps_path.exists():
+            return []
+        text = self.steps_path.read_text()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+    def step_times(self) -> list[float]:
+        """Wall-clock end of each optimizer step; trainloop logs seconds since its process started."""
+        offset = self.create_time if self.variant == "trainloop" else 0.0
+        return [r["time"] + offset for r in self.records() if "loss" in r]
+
+    def result(self, tokens_per_step: int, warmup: int) -> dict:
+        times = self.step_times()
+        if len(times) != self.steps:
+            raise RuntimeError(f"{self.variant} logged {len(times)} steps, not {self.steps}")
+        durations = timed_steps(times, self.intervals, warmup)
+        if not durations:
+            raise RuntimeError(f"{self.variant}: no step ran whole inside one turn; raise --turn or --steps")
+        peaks = [r[k] for r in self.records() for k in ("gpu_peak_bytes", "gpu_mem_peak_allocated_bytes") if k in r]
+        return {"tokens_per_s": tokens_per_step * len(durations) / sum(durations), "timed_steps": len(durations),
+                "peak_memory_bytes": peaks[-1] if peaks else self.usage.ru_maxrss * 1024,  # Linux: kilobytes
+                "first_step_s": times[0] - self.create_time, "turns": len(self.intervals),
+                # seconds since its process started, for a reader who wants to check the filtering
+                "step_ends_s": [round(t - self.create_time, 3) for t in times],
+                "running_s": [(round(a - self.create_time, 3), round(b - self.create_time, 3))
+                              for a, b in self.intervals]}
+
+
+def run_round(variants: list[str], size: str, steps: int, turn: float, workdir: Path) -> list[Run]:
+    """Start each variant alone up to its first step, then rotate turns until all have exited."""
+    runs = []
+    try:
+        for variant in variants:
+            (workdir / variant).mkdir()
+            run = Run(variant, size, steps, workdir / variant)
+            runs.append(run)
+            exited = False
+            while not exited and not run.step_times():
+                exited = run.run_for(0.05)
+            if not exited:
+                run.stop()
+        live = [run for run in runs if not run.exited]
+        while live:
+            for run in list(live):
+                seconds = run.turn_length(turn)
+                run.resume()
+                if run.run_for(seconds if len(live) > 1 else None):  # the last one left runs to its end
+                    live.remove(run)
+                else:
+                    run.stop()
+    finally:
+        for run in runs:
+            run.kill()
+    return runs
+
+
+def summarize(results: list[dict]) -> dict:
+    rates = [r["tokens_per_s"] for r in results]
     return {"tokens_per_s": statistics.median(rates), "all_tokens_per_s": [round(x) for x in rates],
-            "peak_memory_gib": statistics.median(memory) / 2**30,
-            "first_step_s": statistics.median(r["times"][0] for r in runs)}
+            "peak_memory_gib": statistics.median(r["peak_memory_bytes"] for r in results) / 2**30,
+            "first_step_s": statistics.median(r["first_step_s"] for r in results)}
+
+
+def exit_on_signal(signum, frame):
+    sys.exit(128 + signum)  # SystemExit unwinds through run_round's finally, which kills the children
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per variant, alternating")
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of tokens/s")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the variants of a round take turns")
+    parser.add_argument("--turn", type=float, default=2.5, help="seconds a process runs before the next one's turn")
     parser.add_argument("--variants", default="raw,trainloop,hf")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", choices=["raw", "hf"], help=argparse.SUPPRESS)
@@ -186,37 +352,52 @@ def main() -> None:
     if args.worker:
         {"raw": worker_raw, "hf": worker_hf}[args.worker](cfg, args.steps, args.out)
         return
-    if args.steps <= args.warmup:
-        parser.error("--steps must be larger than --warmup")
+    if args.steps <= args.warmup + 1:
+        parser.error("--steps must be larger than --warmup + 1")
+    if args.turn <= 0:
+        parser.error("--turn must be positive")
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
 
+    began = time.time()
     variants = args.variants.split(",")
-    runs = {v: [] for v in variants}
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    rounds = []  # per round: variant -> result
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for variant in variants:
-                workdir = Path(tmp) / f"{variant}{round_}"
-                workdir.mkdir()
-                runs[variant].append(run_variant(variant, args.size, args.steps, workdir))
-                print(f"round {round_ + 1}/{args.rounds} {variant}: done", file=sys.stderr)
+            workdir = Path(tmp) / f"round{round_}"
+            workdir.mkdir()
+            runs = run_round(variants, args.size, args.steps, args.turn, workdir)
+            rounds.append({run.variant: run.result(tokens_per_step, args.warmup) for run in runs})
+            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
+                f"{v} {r['tokens_per_s']:,.0f} tokens/s ({r['timed_steps']} steps timed, {r['turns']} turns)"
+                for v, r in rounds[-1].items()), file=sys.stderr)
 
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    results = {v: summarize(r, tokens_per_step, args.warmup) for v, r in runs.items()}
-    print(f"\n{args.size} size, {args.steps} steps x {args.rounds} rounds, {tokens_per_step} tokens/step, "
-          f"tokens/s after {args.warmup} warm-up steps (median)\n")
+    results = {v: summarize([r[v] for r in rounds]) for v in variants}
+    print(f"\n{args.size} size, {args.steps} steps x {args.rounds} rounds, turns of {args.turn:g} s, "
+          f"{tokens_per_step} tokens/step; tokens/s over the steps that ran whole inside one turn, "
+          f"after {args.warmup} warm-up steps and the first step of each turn (median over rounds)\n")
     print("| variant | tokens/s | runs | peak memory (GiB) | start to 1st step (s) |")
     print("|---|---:|---|---:|---:|")
     for v, r in results.items():
         print(f"| {v} | {r['tokens_per_s']:,.0f} | {r['all_tokens_per_s']} | {r['peak_memory_gib']:.2f} | "
               f"{r['first_step_s']:.1f} |")
+    paired = {}
     if "trainloop" in results:
         print()
         for base in ("raw", "hf"):
-            if base in results:
-                print(f"trainloop / {base}: tokens/s x{results['trainloop']['tokens_per_s'] / results[base]['tokens_per_s']:.3f}, "
-                      f"peak memory x{results['trainloop']['peak_memory_gib'] / results[base]['peak_memory_gib']:.3f}")
+            if base not in results:
+                continue
+            paired[base] = [r["trainloop"]["tokens_per_s"] / r[base]["tokens_per_s"] for r in rounds]
+            print(f"trainloop / {base}: tokens/s x{results['trainloop']['tokens_per_s'] / results[base]['tokens_per_s']:.3f}, "
+                  f"peak memory x{results['trainloop']['peak_memory_gib'] / results[base]['peak_memory_gib']:.3f}; "
+                  f"paired per round {', '.join(f'x{x:.3f}' for x in paired[base])}, "
+                  f"median x{statistics.median(paired[base]):.3f}")
+    print(f"\n{time.time() - began:.0f} s in all")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "steps": args.steps, "rounds": args.rounds,
-                                         "results": results}, indent=2))
+                                         "turn_s": args.turn, "warmup": args.warmup, "results": results,
+                                         "per_round": rounds, "paired": paired}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""scripts/bench.py's step filter, on hand-made running intervals and step end times."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+# The process ran alone from start to t=10 (start-up, then steps 1-5), was stopped, then had
+# two turns: 20-25 and 30-40 (it exited at 40). Steps 6 and 10 were stopped part-way.
+INTERVALS = [(0.0, 10.0), (20.0, 25.0), (30.0, 40.0)]
+ENDS = [3.0, 4.0, 5.0, 6.0, 7.0,  # steps 1-5, in the start-up interval
+        21.0, 22.0, 23.5, 24.5,  # step 6 began at 7 (before the stop), 7 is the turn's first
+        31.0, 32.0, 33.0, 35.0]  # step 10 began at 24.5, 11 is the turn's first
+
+
+@pytest.mark.parametrize("warmup, expected", [
+    # counted by hand: steps 4, 5 | 8, 9 | 12, 13 (1 and 2, 6 and 7, 10 and 11 are out)
+    (3, [1.0, 1.0, 1.5, 1.0, 1.0, 2.0]),
+    (7, [1.5, 1.0, 1.0, 2.0]),  # step 7 is out twice over; step 8 is the first one past warm-up
+    (8, [1.0, 1.0, 2.0]),
+    (12, [2.0]),
+    (13, []),
+])
+def test_only_whole_steps_past_warmup_and_past_each_turns_first_count(warmup, expected):
+    assert bench.timed_steps(ENDS, INTERVALS, warmup) == expected
+
+
+def test_a_step_across_a_stop_never_counts():
+    # one step per turn: each began in the turn before, so none ran whole inside one turn
+    intervals = [(0.0, 2.0), (5.0, 7.0), (10.0, 12.0), (15.0, 17.0)]
+    assert bench.timed_steps([1.0, 6.0, 11.0, 16.0], intervals, warmup=1) == []
+
+
+def test_a_run_never_stopped_loses_only_warmup_and_its_second_step():
+    # step 1 began at process start; step 2 is the first to start inside the interval
+    assert bench.timed_steps([1.0, 2.0, 3.5, 4.0, 6.0], [(0.0, 100.0)], warmup=1) == [1.5, 0.5, 2.0]
