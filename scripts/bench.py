@@ -356,11 +356,13 @@ def main() -> None:
         parser.error("--steps must be larger than --warmup + 1")
     if args.turn <= 0:
         parser.error("--turn must be positive")
+    variants = args.variants.split(",")
+    if not variants or set(variants) - set(STEPS_FILE) or len(set(variants)) < len(variants):
+        parser.error(f"--variants: a comma-separated subset of {','.join(STEPS_FILE)}, each once")
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, exit_on_signal)
 
     began = time.time()
-    variants = args.variants.split(",")
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     rounds = []  # per round: variant -> result
     with tempfile.TemporaryDirectory() as tmp:
