@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,42 @@ def local_tokenizer(tmp_path: Path) -> Path:
     path = tmp_path / "tokenizer"
     byte_level_tokenizer().save_pretrained(path)
     return path
+
+
+# --- DeepSpeed's compiled ops -------------------------------------------------------------------
+# DeepSpeed JIT-compiles its CPU ops (shm_comm, cpu_adam, async_io) on first use: 8 to 15 minutes
+# of compiler time on a fresh 2-core machine, most of it async_io. So the build starts in the
+# background, at the lowest CPU priority, as soon as the collected tests include one that needs
+# it, and those tests run last: the rest of the suite runs meanwhile, and the compiler takes the
+# core that single-threaded test subprocesses leave idle. The build is left to finish if the
+# session ends first (`-x`): killing it would leave a stale lock that blocks the next build.
+OPS_FIXTURE = "deepspeed_ops"
+OPS_LOG = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "trainloop-build.log"
+_ops_build: subprocess.Popen | None = None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    global _ops_build
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (OPS_FIXTURE in item.fixturenames, position[id(item)]))
+    if config.option.collectonly or not any(OPS_FIXTURE in item.fixturenames for item in items):
+        return
+    OPS_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with open(OPS_LOG, "w") as log:
+        _ops_build = subprocess.Popen([sys.executable, "-m", "trainloop.deepspeed"],
+                                      env=clean_env(DS_ACCELERATOR="cpu"), stdout=log, stderr=subprocess.STDOUT,
+                                      preexec_fn=lambda: os.nice(19), start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> None:
+    """DeepSpeed's CPU ops, built (or found built) by the background build started at collection."""
+    if _ops_build is None:  # e.g. the fixture requested indirectly: build in the foreground
+        launch(["python", "-m", "trainloop.deepspeed"], timeout=1800, env=clean_env(DS_ACCELERATOR="cpu"))
+        return
+    started = time.monotonic()
+    code = _ops_build.wait(timeout=1800)
+    waited = time.monotonic() - started
+    if code != 0:
+        pytest.fail(f"python -m trainloop.deepspeed exited {code}:\n{OPS_LOG.read_text()[-6000:]}")
+    print(f"waited {waited:.0f} s for DeepSpeed's ops: {OPS_LOG.read_text().strip().splitlines()[-1]}")

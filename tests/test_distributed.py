@@ -64,18 +64,12 @@ def assert_loadable(run_dir: Path) -> None:
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # the DeepSpeed tests that use it run last (conftest)
 def reference(tmp_path_factory) -> dict[int, float]:
     """Per-step losses of one process at batch 8: what 2 processes at batch 4 must reproduce."""
     run_dir = train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *RUN, "data.batch_size=8",
                     "checkpoint.save_final_model=false", small=False)
     return losses(run_dir)
-
-
-@pytest.fixture(scope="module")
-def deepspeed_ops():
-    """DeepSpeed compiles its CPU ops on first use (minutes, cached): once here, not in two ranks."""
-    launch(["python", "-m", "trainloop.deepspeed"], timeout=1800, env=clean_env(DS_ACCELERATOR="cpu"))
 
 
 def test_torchrun_ddp_matches_one_process_in_one_run_dir(tmp_path, reference):

@@ -98,10 +98,8 @@ def test_optimizer_state_bytes_per_parameter():
 
 
 @pytest.mark.slow
-def test_deepspeed_offload_takes_cpu_adam_only(monkeypatch):
-    """Under optimizer offload the state lives in CPU memory and DeepSpeed's CPU Adam steps it.
-    Seconds once DeepSpeed's cpu_adam op is built (test_distributed's fixture builds it earlier in
-    the suite); run alone on a fresh machine, the first build takes minutes."""
+def test_deepspeed_offload_takes_cpu_adam_only(monkeypatch, deepspeed_ops):
+    """Under optimizer offload the state lives in CPU memory and DeepSpeed's CPU Adam steps it."""
     from trainloop.model import build_model, build_model_config
     from trainloop.optim import build_optimizer, optimizer_state_bytes
 

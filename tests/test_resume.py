@@ -113,7 +113,7 @@ def test_two_process_resume_is_bitwise(ddp_verified):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_resume_within_1e6(stage, tmp_path):
+def test_deepspeed_resume_within_1e6(stage, tmp_path, deepspeed_ops):
     """Acceptance 2 (DeepSpeed): 2 processes under ZeRO-2 and ZeRO-3, within 1e-6 relative.
     With 20 steps the resume falls on an epoch's end (an empty rest of the epoch to skip)."""
     proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", "1e-6",
