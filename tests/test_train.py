@@ -27,3 +27,29 @@ def test_run_leaves_metrics_and_a_loadable_model(tmp_path):
     out = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == prompt["input_ids"].shape[1] + 5
     assert (run_dir / "checkpoints" / "step_0000004" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_loader_workers_load_the_batches_one_process_loads(method):
+    """DataLoader workers start from a fork server by default (data.multiprocessing_context), not
+    by forking a training process whose other threads may hold locks; either way two workers
+    deliver the same batches, in the same order, as loading in the training process."""
+    import torch
+
+    from conftest import compose
+    from trainloop.data import PackedBlocks, build_dataloaders
+
+    blocks = PackedBlocks(torch.arange(40 * 8).view(40, 8))
+
+    def epoch(*overrides):
+        cfg = compose("data.batch_size=4", *overrides).data
+        train_loader, valid_loader = build_dataloaders(cfg, blocks, blocks, pin_memory=False)
+        torch.manual_seed(0)  # the shuffle order
+        return train_loader, [b.clone() for b in train_loader], [b.clone() for b in valid_loader]
+
+    _, train_alone, valid_alone = epoch()
+    loader, train_workers, valid_workers = epoch("data.num_workers=2", f"data.multiprocessing_context={method}")
+    assert loader.multiprocessing_context.get_start_method() == method
+    assert len(train_alone) == 10 and all(torch.equal(a, b) for a, b in zip(train_alone, train_workers, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(valid_alone, valid_workers, strict=True))
+    assert compose().data.multiprocessing_context == "forkserver"

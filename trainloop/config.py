@@ -50,6 +50,7 @@ class DataConfig:
     pin_memory: bool = True  # only takes effect when a CUDA device is used
     persistent_workers: bool = False  # keep the workers between epochs (needs num_workers > 0)
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (needs num_workers > 0)
+    multiprocessing_context: str = "forkserver"  # how workers start: forkserver, spawn or fork
 
 
 @dataclass
@@ -157,6 +158,7 @@ CHOICES = {
     "model.arch": ("llama", "gpt2"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.name": ("pydoc", "files"),
+    "data.multiprocessing_context": ("forkserver", "spawn", "fork"),
     "optimizer.name": ("adamw", "adafactor", "adamw8bit", "paged_adamw8bit", "sgd"),
     "optimizer.impl": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("cosine", "linear", "constant"),

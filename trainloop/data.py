@@ -126,6 +126,23 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks,
     return as_tensor(split["train"]), as_tensor(split["test"])
 
 
+def worker_context(method: str):
+    """Where DataLoader workers start from (data.multiprocessing_context).
+
+    forkserver, the default: each worker is forked from a small server process that started
+    clean, not from the training process, which by then runs other threads (gloo or NCCL, OpenMP,
+    CUDA) whose locks a forked child can inherit held and wait on forever (the reason Python 3.14
+    made forkserver the default on Linux). The server imports torch and this module once, so a
+    worker still starts in a fraction of a second; the datasets reach it through shared memory.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(["torch", __name__])
+    return context
+
+
 def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memory: bool):
     """Shuffled, full-batch training loader and an ordered validation loader.
 
@@ -138,6 +155,8 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     # Workers leave SIGTERM/Ctrl-C to the main process, which saves a checkpoint and stops them.
     workers = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=ignore_stop_signals,
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    if cfg.num_workers:
+        workers["multiprocessing_context"] = worker_context(cfg.multiprocessing_context)
     train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
     valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)
     return train_loader, valid_loader
