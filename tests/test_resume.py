@@ -68,24 +68,47 @@ def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
 
 
 def start(args: list[str], output: Path) -> subprocess.Popen:
-    """A process group of its own, so that a failed test can end all of it (launcher and ranks)."""
+    """A process group of its own, so that a failed test can end all of it (launcher, ranks and
+    their DataLoader workers). PYTHONFAULTHANDLER: each Python process prints all its threads'
+    stacks on SIGABRT, which `finish` sends to a run that hangs."""
     with open(output, "w") as out:
-        return subprocess.Popen(args, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(args, env=clean_env(PYTHONFAULTHANDLER="1"), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def family(pid: int) -> list[int]:
+    """pid and its descendants: torchrun starts each rank in a session of its own, so the
+    launcher's process group does not hold the ranks or their DataLoader workers."""
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [p for child in (task / "children").read_text().split() for p in family(int(child))]
+        except OSError:  # it exited meanwhile
+            pass
+    return found
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> int | None:
-    """Its exit code, or None if it ran past the timeout; either way nothing of it is left."""
+    """Its exit code, or None if it ran past the timeout (after SIGABRT made every process of it
+    print its stacks into the output); either way nothing of it is left."""
     try:
-        code = proc.wait(timeout=timeout)
+        return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        code = None
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # what is left: after a timeout, or orphaned ranks
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    return code
+        pids = family(proc.pid)
+        if timeout:
+            signal_all(pids, signal.SIGABRT)
+            time.sleep(5)
+        signal_all(pids, signal.SIGKILL)
+        proc.wait()
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +172,6 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "KNOWN BUG, issue 4 left open: intermittently the RE-RUN after the preemption (2 ranks, "
-    "resumed from step 4, data.num_workers=2) deadlocks mid-training (seen once in a clean-clone "
-    "CI run at step 15 of 42: rank 0 in a gloo poll, rank 1 on a futex with its DataLoader workers "
-    "alive; the preempted run itself exited 75 with a complete checkpoint; 3 earlier runs passed). "
-    "Quarantined so the rest can land; ""remove this mark with the fix"))
 def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_path):
     """Acceptance 3: SIGTERM mid-training -> every rank exits 75 with a complete checkpoint;
     re-running the same command ends with the uninterrupted run's losses and weights."""
@@ -177,8 +194,10 @@ def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_
     assert 2 <= int(stopped[2]) < DDP_STEPS
     assert Path(stopped[3], "COMPLETE").is_file() and Path(stopped[3]).name == f"step_{int(stopped[2]):07d}"
 
-    again = launch(command)  # the same command again: checkpoint.resume=auto is the default
-    assert resumed_at(again.stdout + again.stderr)[0] == int(stopped[2])
+    again = start(command, tmp_path / "again.txt")  # the same command: checkpoint.resume=auto is the default
+    code, out = finish(again, timeout=300), (tmp_path / "again.txt").read_text()
+    assert code == 0, out[-12000:]
+    assert resumed_at(out)[0] == int(stopped[2])
     same = verify_resume.compare(baseline / "straight", run, DDP_STEPS)
     assert same.losses_bitwise and same.weights_bitwise and not same.notes, same.report(0)
 
