@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,28 +65,64 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def clean_env(**extra: str) -> dict:
-    """The environment for a child process: offline, quiet, 1 thread per rank (2 cores here)."""
+    """The environment for a child process: offline, quiet, 1 thread per rank (2 cores here),
+    and every Python process prints all its threads' stacks on SIGABRT (see `end_family`)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "PYTEST_"))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.update(extra)
     return env
 
 
+def family(pid: int) -> list[int]:
+    """pid and its descendants: torchrun starts each rank in a session of its own, so the
+    launcher's process group does not hold the ranks or their DataLoader workers."""
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [p for child in (task / "children").read_text().split() for p in family(int(child))]
+        except OSError:  # it exited meanwhile
+            pass
+    return found
+
+
+def end_family(proc: subprocess.Popen, stacks: bool) -> None:
+    """Kill a launch that ran past its time and everything it started; with `stacks`, first
+    SIGABRT, on which each Python process of it (PYTHONFAULTHANDLER) prints its threads' stacks."""
+    pids = family(proc.pid)
+    for sig in (signal.SIGABRT, signal.SIGKILL) if stacks else (signal.SIGKILL,):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGABRT:
+            time.sleep(5)
+
+
 def launch(args: list[str], cwd: Path | None = None, timeout: float = 600, check: bool = True,
            env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command (args[0] 'python' means this interpreter); fail with its output if check."""
+    """Run a command (args[0] 'python' means this interpreter); fail with its output if check.
+    Past the timeout it fails with every process's stacks (a hang says where it hangs)."""
     if args[0] == "python":
         args = [sys.executable, *args[1:]]
     elif args[0] in ("torchrun", "accelerate", "deepspeed"):
         args = [str(Path(sys.executable).parent / args[0]), *args[1:]]
-    proc = subprocess.run(args, cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                    f"\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+    proc = subprocess.Popen(args, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_family(proc, stacks=True)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(args)} ran past {timeout} s; the stacks of its processes:\n--- stdout\n"
+                    f"{stdout[-6000:]}\n--- stderr\n{stderr[-20000:]}")
+    done = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    if check and done.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
+                    f"\n--- stderr\n{done.stderr[-6000:]}")
+    return done
 
 
 @pytest.fixture

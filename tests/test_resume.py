@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, launch
+from conftest import clean_env, end_family, launch
 from trainloop import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
@@ -68,45 +68,18 @@ def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
 
 
 def start(args: list[str], output: Path) -> subprocess.Popen:
-    """A process group of its own, so that a failed test can end all of it (launcher, ranks and
-    their DataLoader workers). PYTHONFAULTHANDLER: each Python process prints all its threads'
-    stacks on SIGABRT, which `finish` sends to a run that hangs."""
+    """Started in the background, its output into a file."""
     with open(output, "w") as out:
-        return subprocess.Popen(args, env=clean_env(PYTHONFAULTHANDLER="1"), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def family(pid: int) -> list[int]:
-    """pid and its descendants: torchrun starts each rank in a session of its own, so the
-    launcher's process group does not hold the ranks or their DataLoader workers."""
-    found = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [p for child in (task / "children").read_text().split() for p in family(int(child))]
-        except OSError:  # it exited meanwhile
-            pass
-    return found
-
-
-def signal_all(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+        return subprocess.Popen(args, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> int | None:
-    """Its exit code, or None if it ran past the timeout (after SIGABRT made every process of it
-    print its stacks into the output); either way nothing of it is left."""
+    """Its exit code, or None if it ran past the timeout (then every process of it printed its
+    stacks into the output); either way nothing of it is left."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pids = family(proc.pid)
-        if timeout:
-            signal_all(pids, signal.SIGABRT)
-            time.sleep(5)
-        signal_all(pids, signal.SIGKILL)
+        end_family(proc, stacks=timeout > 0)
         proc.wait()
         return None
 
