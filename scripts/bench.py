@@ -364,14 +364,15 @@ def main() -> None:
 
     began = time.time()
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    rounds = []  # per round: variant -> result
+    rounds, loads = [], []  # per round: variant -> result; the 1-minute load average at its end
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             workdir = Path(tmp) / f"round{round_}"
             workdir.mkdir()
             runs = run_round(variants, args.size, args.steps, args.turn, workdir)
             rounds.append({run.variant: run.result(tokens_per_step, args.warmup) for run in runs})
-            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
+            loads.append(os.getloadavg()[0])
+            print(f"round {round_ + 1}/{args.rounds} (load average {loads[-1]:.1f}): " + ", ".join(
                 f"{v} {r['tokens_per_s']:,.0f} tokens/s ({r['timed_steps']} steps timed, {r['turns']} turns)"
                 for v, r in rounds[-1].items()), file=sys.stderr)
 
@@ -395,11 +396,14 @@ def main() -> None:
                   f"peak memory x{results['trainloop']['peak_memory_gib'] / results[base]['peak_memory_gib']:.3f}; "
                   f"paired per round {', '.join(f'x{x:.3f}' for x in paired[base])}, "
                   f"median x{statistics.median(paired[base]):.3f}")
-    print(f"\n{time.time() - began:.0f} s in all")
+    # the running variant itself counts for about as many as its compute threads
+    print(f"\n{time.time() - began:.0f} s in all; 1-minute load average at the end of each round: "
+          f"{', '.join(f'{x:.1f}' for x in loads)} on {os.cpu_count()} CPUs")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "steps": args.steps, "rounds": args.rounds,
                                          "turn_s": args.turn, "warmup": args.warmup, "results": results,
-                                         "per_round": rounds, "paired": paired}, indent=2))
+                                         "per_round": rounds, "paired": paired,
+                                         "load_average_after_round": loads}, indent=2))
 
 
 if __name__ == "__main__":
