@@ -68,7 +68,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     advice = batch_size_advice({"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
                                 "hidden size": model_config.hidden_size, "vocab size": model_config.vocab_size},
                                tensor_core_multiple(cfg.precision.name, accelerator.device))
-    if advice:
+    if advice and accelerator.is_main_process:  # the same advice for every rank: said once
         log.warning(advice)
     check_batch_fits(cfg, accelerator.num_processes, len(train_set))
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
