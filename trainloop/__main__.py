@@ -53,7 +53,7 @@ def main() -> None:
     from omegaconf import DictConfig
 
     from trainloop.checkpoint import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
-    from trainloop.config import CONFIG_DIR, ConfigError, register_configs
+    from trainloop.config import CONFIG_DIR, ConfigError, check_command_line, register_configs
 
     register_configs()
 
@@ -64,6 +64,7 @@ def main() -> None:
         from trainloop.run import run
 
         try:
+            check_command_line(cfg, HydraConfig.get().overrides.task)
             return run(cfg, run_dir=HydraConfig.get().runtime.output_dir)
         except ConfigError as err:  # a known bad input: one message, no traceback
             print(f"trainloop: error: {err}", file=sys.stderr)

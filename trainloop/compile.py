@@ -26,13 +26,19 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+def compile_options(cfg: CompileConfig) -> dict:
+    """The keyword arguments of torch.compile for this config."""
+    kwargs = {"backend": cfg.backend, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
+    if cfg.mode != "default":  # only inductor takes a mode (validate() checks)
+        kwargs["mode"] = cfg.mode
+    return kwargs
+
+
 def compile_model(cfg: CompileConfig, model: torch.nn.Module) -> torch.nn.Module:
     """Compile `model` in place as `cfg` says (a no-op for backend none); returns it."""
     if cfg.backend == "none":
         return model
-    kwargs = {"backend": cfg.backend, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
-    if cfg.mode != "default":  # only inductor takes a mode (validate() checks)
-        kwargs["mode"] = cfg.mode
+    kwargs = compile_options(cfg)
     if cfg.regional:
         # Identical blocks share one compiled graph: compile time is that of a single block.
         blocks = transformer_blocks(model)

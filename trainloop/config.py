@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -177,6 +177,72 @@ POSITIVE = (
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last",
 )
+
+
+_TINY = (lambda c: c.model.name == "tiny", "model=tiny")
+_ADAM = (lambda c: c.optimizer.name in ("adamw", "adamw8bit", "paged_adamw8bit"),
+         "optimizer=adamw, adamw8bit or paged_adamw8bit")
+_ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
+_ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
+_COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
+
+# Keys that only some choices read: KEY -> (does this config read it?, the choice that reads it).
+# A key given on the command line that the composed config does not read is refused, so that
+# `data.path=X` without data=files cannot train on something else and exit 0.
+READ_ONLY_BY = {
+    "model.name_or_path": (lambda c: c.model.name == "hf", "model=hf"),
+    "model.arch": _TINY,
+    "model.num_layers": _TINY,
+    "model.hidden_size": _TINY,
+    "model.num_heads": _TINY,
+    "model.intermediate_size": _TINY,
+    "model.max_position_embeddings": _TINY,
+    "model.dropout": _TINY,
+    "data.path": (lambda c: c.data.name == "files", "data=files"),
+    "data.text_field": (lambda c: c.data.name == "files", "data=files"),
+    "data.multiprocessing_context": (lambda c: c.data.num_workers > 0, "data.num_workers > 0"),
+    "optimizer.betas": _ADAM,
+    "optimizer.eps": _ADAM,
+    "optimizer.momentum": (lambda c: c.optimizer.name == "sgd", "optimizer=sgd"),
+    "optimizer.impl": (lambda c: c.optimizer.name == "adamw" and c.deepspeed.offload_optimizer == "none",
+                       "optimizer=adamw and deepspeed.offload_optimizer=none (offloading steps DeepSpeed's CPU Adam)"),
+    "trainer.auto_batch_size_budget_mb": (lambda c: c.trainer.auto_batch_size, "trainer.auto_batch_size=true"),
+    **{f"deepspeed.{key}": _ZERO for key in (
+        "offload_optimizer", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
+        "allgather_bucket_size", "config_file")},
+    **{f"deepspeed.{key}": _ZERO3 for key in (
+        "offload_param", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "gather_16bit_weights_on_model_save", "zero3_init")},
+    "deepspeed.nvme_path": (lambda c: "nvme" in (c.deepspeed.offload_optimizer, c.deepspeed.offload_param),
+                            "deepspeed.offload_optimizer=nvme or deepspeed.offload_param=nvme"),
+    **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
+}
+
+
+def command_line_keys(overrides: Sequence[str]) -> list[str]:
+    """The config keys (not groups, not hydra.*) that command-line overrides set."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if "." in key and not key.startswith("hydra.") and not override.is_delete():
+            keys.append(key)
+    return keys
+
+
+def check_command_line(cfg: Any, overrides: Sequence[str]) -> None:
+    """Refuse keys given on the command line that the chosen options do not read."""
+    from omegaconf import OmegaConf
+
+    unread = []
+    for key in command_line_keys(overrides):
+        reads, reader = READ_ONLY_BY.get(key, (None, None))
+        if reads is not None and not reads(cfg):
+            unread.append(f"{key}={OmegaConf.select(cfg, key)} has no effect unless {reader}: "
+                          f"choose that, or drop {key}")
+    if unread:
+        raise ConfigError("this run would ignore a key given on the command line:\n  " + "\n  ".join(unread))
 
 
 def _get(cfg: Any, key: str) -> Any:

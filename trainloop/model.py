@@ -51,9 +51,9 @@ def build_model(cfg: ModelConfig, config):
 
     try:
         if cfg.name == "hf":
+            # Loaded at its own vocabulary size; a larger tokenizer's rows are added below.
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, config=config, attn_implementation=cfg.attn_implementation,
-                ignore_mismatched_sizes=False,
+                cfg.name_or_path, attn_implementation=cfg.attn_implementation, ignore_mismatched_sizes=False,
             )
         else:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)

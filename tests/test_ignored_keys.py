@@ -1,0 +1,204 @@
+"""No key is silently ignored: a key given on the command line either changes what the chosen
+option builds, or the run is refused before anything is built, naming the option that reads it.
+
+The test walks every option of every group and every key of that group. For each key it sets a
+probe value, builds what the option builds (model, datasets and loaders, optimizer, schedule,
+DeepSpeed config, compiled modules) with the real build functions, and compares with the build
+without it: "read" means the build changed. A key the run accepts must be read; a key that
+check_command_line refuses must not be (unless validate refuses the combination anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose, launch
+from test_config import NEEDS, OPTIONS
+from trainloop import config as schema
+from trainloop.config import ConfigError, check_command_line, validate
+
+# Keys every option reads, whose effect a build on this CPU machine cannot show.
+NOT_PROBED = {
+    "data.num_proc": "processes of datasets.map: the same blocks, only faster",
+    "data.pin_memory": "takes effect only on a CUDA device; configs stay portable to CPU",
+    "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
+}
+SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "precision.name",
+             "deepspeed.stage", "compile.backend"}  # these choose the option itself
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Two local models, two jsonl corpora, a second tokenizer and a DeepSpeed JSON."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("probes")
+    keys = sorted(topics)[:30]
+    for name, part in (("corpus_a", keys[:15]), ("corpus_b", keys[15:])):
+        with (root / f"{name}.jsonl").open("w") as f:
+            for key in part:
+                f.write(json.dumps({"text": topics[key], "other": topics[key][::-1]}) + "\n")
+    for name, hidden in (("model_a", 64), ("model_b", 96)):  # vocab 200 < the 257 byte tokens
+        config = LlamaConfig(vocab_size=200, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([topics[k] for k in keys], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(
+        root / "bpe")
+    (root / "ds.json").write_text(json.dumps({"zero_optimization": {"round_robin_gradients": True}}))
+    return {"corpus_a": root / "corpus_a.jsonl", "corpus_b": root / "corpus_b.jsonl", "model_a": root / "model_a",
+            "model_b": root / "model_b", "bpe": root / "bpe", "ds.json": root / "ds.json"}
+
+
+def probes(files) -> dict[str, object]:
+    """A value for each key of each group, unlike its default."""
+    return {
+        "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
+        "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
+        "model.max_position_embeddings": 512, "model.vocab_multiple": 128, "model.dropout": 0.1,
+        "model.attn_implementation": "eager", "model.gradient_checkpointing": True,
+        "data.path": files["corpus_b"], "data.text_field": "other", "data.tokenizer": files["bpe"],
+        "data.seq_len": 32, "data.batch_size": 2, "data.validation_fraction": 0.2, "data.num_workers": 1,
+        "data.persistent_workers": True, "data.prefetch_factor": 4, "data.multiprocessing_context": "spawn",
+        "optimizer.lr": 0.5, "optimizer.weight_decay": 0.3, "optimizer.betas": [0.8, 0.9],
+        "optimizer.eps": 1e-6, "optimizer.momentum": 0.5, "optimizer.impl": "for_loop",
+        "scheduler.warmup_steps": 5,
+        "deepspeed.offload_optimizer": "cpu", "deepspeed.offload_param": "cpu", "deepspeed.nvme_path": "/tmp",
+        "deepspeed.overlap_comm": False, "deepspeed.contiguous_gradients": False,
+        "deepspeed.reduce_bucket_size": 1000, "deepspeed.allgather_bucket_size": 1000,
+        "deepspeed.stage3_prefetch_bucket_size": 1000, "deepspeed.stage3_param_persistence_threshold": 10,
+        "deepspeed.gather_16bit_weights_on_model_save": False, "deepspeed.zero3_init": True,
+        "deepspeed.config_file": files["ds.json"],
+        "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
+        "compile.regional": True,
+    }
+
+
+def group_keys(group: str) -> set[str]:
+    node = {f.name: f for f in dataclasses.fields(schema.TrainConfig)}[group]
+    return {f"{group}.{f.name}" for f in dataclasses.fields(node.type if isinstance(node.type, type)
+                                                             else getattr(schema, node.type))}
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest() + str(tuple(tensor.shape))
+
+
+def built(group: str, cfg):
+    """What the chosen option of `group` builds from cfg, as comparable plain values."""
+    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.model import build_model, build_model_config
+
+    if group == "model":
+        model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+        config = model.config.to_dict()
+        return config, model.config._attn_implementation, model.is_gradient_checkpointing
+    if group == "data":
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+        train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+        loader, _ = build_dataloaders(cfg.data, train, valid, pin_memory=False)
+        context = type(loader.multiprocessing_context).__name__ if loader.multiprocessing_context else None
+        return (digest(train.blocks), digest(valid.blocks), loader.batch_size, loader.num_workers,
+                loader.persistent_workers, loader.prefetch_factor, context)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    if group in ("optimizer", "scheduler"):
+        from trainloop.optim import build_optimizer, build_scheduler
+
+        optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False)
+        if group == "optimizer":
+            return (type(optimizer).__name__, repr(sorted(optimizer.defaults.items())),
+                    [group["weight_decay"] for group in optimizer.param_groups])
+        scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+        return [scheduler.lr_lambdas[0](step) for step in range(10)]
+    if group == "deepspeed":  # what build_deepspeed_plugin hands to accelerate
+        from trainloop.deepspeed import deepspeed_config
+
+        ds = cfg.deepspeed
+        return (deepspeed_config(cfg, world_size=1) if ds.stage else None), ds.stage == 3 and ds.zero3_init
+    if group == "compile":
+        from trainloop.compile import compile_model, compile_options
+
+        model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+        compile_model(cfg.compile, model)  # lazy: nothing is compiled before the first call
+        compiled = [name for name, m in model.named_modules() if m._compiled_call_impl is not None]
+        return compiled, compile_options(cfg.compile) if compiled else None
+    return None  # precision: what it changes is applied by the Accelerator
+
+
+def refusal(cfg, overrides) -> str | None:
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        return f"validate: {err}"
+    try:
+        check_command_line(cfg, overrides)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_every_key_is_probed(files):
+    groups = {group for group, _ in OPTIONS}
+    every = set().union(*(group_keys(g) for g in groups))
+    assert every == set(probes(files)) | set(NOT_PROBED) | SELECTORS
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, files):
+    if group == "data":  # model=hf here would make the model's own tokenizer the data's
+        base = [f"data={option}", *([f"data.path={files['corpus_a']}"] if option == "files" else [])]
+    elif group == "model":
+        base = [f"model={option}", *([f"model.name_or_path={files['model_a']}"] if option == "hf" else [])]
+    else:
+        base = [f"{group}={option}", *NEEDS.get((group, option), [])]
+    base = ["+preset=smoke", *base]
+    before = built(group, compose(*base))
+    silently_ignored, over_refused = [], []
+    for key, value in probes(files).items():
+        if not key.startswith(group + ".") or f"{key}=" in " ".join(base):
+            continue
+        overrides = [*base, f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
+        cfg = compose(*overrides)
+        refused = refusal(cfg, overrides)
+        if refused and refused.startswith("validate:"):
+            continue  # a combination that cannot work: refused before anything is built
+        effect = built(group, cfg) != before
+        if not refused and not effect:
+            silently_ignored.append(key)
+        if refused and effect:
+            over_refused.append(f"{key}: {refused}")
+        if refused:
+            assert key in refused and "has no effect unless" in refused, refused
+    assert not silently_ignored, f"{group}={option} accepts these keys but builds nothing different"
+    assert not over_refused, f"{group}={option} refuses keys that change what it builds"
+
+
+def test_auto_batch_size_budget_needs_auto_batch_size():
+    overrides = ["trainer.auto_batch_size_budget_mb=512"]
+    with pytest.raises(ConfigError, match="has no effect unless trainer.auto_batch_size=true"):
+        check_command_line(compose(*overrides), overrides)
+    overrides.append("trainer.auto_batch_size=true")
+    check_command_line(compose(*overrides), overrides)
+
+
+@pytest.mark.parametrize("override,option", [("data.path=my.jsonl", "data=files"),
+                                             ("model.name_or_path=some_model_dir", "model=hf")])
+def test_the_command_line_refuses_a_key_the_default_option_ignores(tmp_path, override, option):
+    proc = launch(["python", "-m", "trainloop", override, f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path, check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert override.split("=")[0] in proc.stderr and option in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
