@@ -17,10 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-
-from trainloop.config import CONFIG_DIR, register_configs
+from trainloop.config import compose_config
 
 # Every test run is shrunk to this: a 2-layer, 64-wide model, 64-token blocks, a few steps.
 SMALL = ["+preset=smoke", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2",
@@ -35,9 +32,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 
 
 def compose(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides))
+    """The composed config, unchecked: tests also compose configs that validate() must refuse."""
+    return compose_config(overrides, check=False)
 
 
 def reset_accelerate() -> None:

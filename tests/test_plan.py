@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import SMALL, clean_env, compose, launch
+from trainloop.optim import OPTIMIZERS
 from trainloop.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
 
 
@@ -38,7 +39,7 @@ def build_and_step(cfg):
     return model, optimizer
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adafactor", "adamw8bit"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_model_state_bytes_are_exact_for_the_tiny_model(optimizer):
     cfg = compose(*SMALL, f"optimizer={optimizer}")
     plan = plan_memory(cfg, model_shape(cfg), world_size=1, device="cpu")

@@ -8,7 +8,7 @@ Only plain values live here; runtime objects are made by the build_* functions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -149,6 +149,42 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="trainloop_schema", node=TrainConfig)
 
 
+def compose_config(overrides: Sequence[str] = (), check: bool = True, return_hydra_config: bool = False):
+    """The config `python -m trainloop OVERRIDES` runs with, composed the way Hydra composes it.
+
+    With `check`, Hydra's own errors become a ConfigError and the config is checked as a run
+    checks it (required keys, validate()); hydra.* overrides are left to Hydra's run.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    overrides = [o for o in overrides if not (check and o.startswith("hydra."))]
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides, return_hydra_config=return_hydra_config)
+    except (HydraException, OmegaConfBaseException) as err:
+        if not check:
+            raise
+        raise ConfigError(f"the overrides {' '.join(overrides)!r} do not compose: {err}") from None
+    if check:
+        check_complete(cfg)
+        validate(cfg)
+    return cfg
+
+
+def check_complete(cfg: Any) -> None:
+    from omegaconf import OmegaConf
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError("required keys have no value: " + ", ".join(missing)
+                          + " (set them on the command line, e.g. KEY=VALUE)")
+
+
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
 if not CONFIG_DIR.is_dir():  # a source checkout or editable install: conf/ beside the package
     CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -159,7 +195,6 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "data.name": ("pydoc", "files"),
     "data.multiprocessing_context": ("forkserver", "spawn", "fork"),
-    "optimizer.name": ("adamw", "adafactor", "adamw8bit", "paged_adamw8bit", "sgd"),
     "optimizer.impl": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("cosine", "linear", "constant"),
     "precision.name": ("fp32", "bf16", "fp16"),
@@ -180,16 +215,15 @@ POSITIVE = (
 
 
 _TINY = (lambda c: c.model.name == "tiny", "model=tiny")
-_ADAM = (lambda c: c.optimizer.name in ("adamw", "adamw8bit", "paged_adamw8bit"),
-         "optimizer=adamw, adamw8bit or paged_adamw8bit")
 _ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
 _ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
 
 # Keys that only some choices read: KEY -> (does this config read it?, the choice that reads it).
 # A key given on the command line that the composed config does not read is refused, so that
-# `data.path=X` without data=files cannot train on something else and exit 0.
-READ_ONLY_BY = {
+# `data.path=X` without data=files cannot train on something else and exit 0. The optimizer keys
+# come from the optimizer table (read_only_by).
+_READ_ONLY_BY = {
     "model.name_or_path": (lambda c: c.model.name == "hf", "model=hf"),
     "model.arch": _TINY,
     "model.num_layers": _TINY,
@@ -201,11 +235,6 @@ READ_ONLY_BY = {
     "data.path": (lambda c: c.data.name == "files", "data=files"),
     "data.text_field": (lambda c: c.data.name == "files", "data=files"),
     "data.multiprocessing_context": (lambda c: c.data.num_workers > 0, "data.num_workers > 0"),
-    "optimizer.betas": _ADAM,
-    "optimizer.eps": _ADAM,
-    "optimizer.momentum": (lambda c: c.optimizer.name == "sgd", "optimizer=sgd"),
-    "optimizer.impl": (lambda c: c.optimizer.name == "adamw" and c.deepspeed.offload_optimizer == "none",
-                       "optimizer=adamw and deepspeed.offload_optimizer=none (offloading steps DeepSpeed's CPU Adam)"),
     "trainer.auto_batch_size_budget_mb": (lambda c: c.trainer.auto_batch_size, "trainer.auto_batch_size=true"),
     **{f"deepspeed.{key}": _ZERO for key in (
         "offload_optimizer", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
@@ -217,6 +246,35 @@ READ_ONLY_BY = {
                             "deepspeed.offload_optimizer=nvme or deepspeed.offload_param=nvme"),
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
 }
+
+
+
+def read_only_by() -> dict[str, tuple]:
+    """_READ_ONLY_BY and, from trainloop/optim.py's table, the optimizer keys not every optimizer reads."""
+    from trainloop.optim import OFFLOAD_READS, OPTIMIZERS
+
+    table = dict(_READ_ONLY_BY)
+    for key in (f.name for f in fields(OptimizerConfig) if f.name != "name"):
+        readers = tuple(name for name, spec in OPTIMIZERS.items() if key in spec.reads)
+        if len(readers) == len(OPTIMIZERS) and key in OFFLOAD_READS:
+            continue  # every optimizer reads it, DeepSpeed's CPU Adam too
+        reader = "optimizer=" + " or ".join(readers)
+        if key not in OFFLOAD_READS:
+            reader += " and deepspeed.offload_optimizer=none (offloading steps DeepSpeed's CPU Adam)"
+
+        def reads(c, key=key, readers=readers) -> bool:
+            offloaded = c.deepspeed.stage > 0 and c.deepspeed.offload_optimizer != "none"
+            return key in OFFLOAD_READS if offloaded else c.optimizer.name in readers
+
+        table[f"optimizer.{key}"] = (reads, reader)
+    return table
+
+
+def choices() -> dict[str, tuple]:
+    """CHOICES, with the optimizers from their table in trainloop/optim.py."""
+    from trainloop.optim import OPTIMIZERS
+
+    return {**CHOICES, "optimizer.name": tuple(OPTIMIZERS)}
 
 
 def command_line_keys(overrides: Sequence[str]) -> list[str]:
@@ -235,9 +293,9 @@ def check_command_line(cfg: Any, overrides: Sequence[str]) -> None:
     """Refuse keys given on the command line that the chosen options do not read."""
     from omegaconf import OmegaConf
 
-    unread = []
+    unread, table = [], read_only_by()
     for key in command_line_keys(overrides):
-        reads, reader = READ_ONLY_BY.get(key, (None, None))
+        reads, reader = table.get(key, (None, None))
         if reads is not None and not reads(cfg):
             unread.append(f"{key}={OmegaConf.select(cfg, key)} has no effect unless {reader}: "
                           f"choose that, or drop {key}")
@@ -254,11 +312,13 @@ def _get(cfg: Any, key: str) -> Any:
 
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
+    from trainloop.optim import OPTIMIZERS
+
     problems = []
-    for key, choices in CHOICES.items():
+    for key, allowed in choices().items():
         value = _get(cfg, key)
-        if value not in choices:
-            problems.append(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}")
+        if value not in allowed:
+            problems.append(f"{key}={value!r} is not one of: {', '.join(map(str, allowed))}")
     for key in POSITIVE:
         if _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
@@ -286,14 +346,11 @@ def validate(cfg: Any) -> None:
             "data.persistent_workers and data.prefetch_factor need data.num_workers > 0"
         )
 
-    ds = cfg.deepspeed
-    if ds.stage and cfg.optimizer.name in ("adamw8bit", "paged_adamw8bit") and ds.stage == 3:
-        problems.append(
-            f"optimizer={cfg.optimizer.name} (bitsandbytes) cannot run under deepspeed stage 3: "
-            "ZeRO-3 partitions the parameters the 8-bit optimizer must see whole; "
-            "use optimizer=adamw, or deepspeed=zero2"
-        )
-    if ds.stage and ds.offload_optimizer != "none" and cfg.optimizer.name != "adamw":
+    ds, opt = cfg.deepspeed, OPTIMIZERS.get(cfg.optimizer.name)
+    if opt and ds.stage == 3 and not opt.zero3:
+        problems.append(f"optimizer={cfg.optimizer.name} cannot run under deepspeed stage 3: "
+                        f"{opt.not_zero3_because}; use optimizer=adamw, or deepspeed=zero2")
+    if opt and ds.stage and ds.offload_optimizer != "none" and not opt.cpu_offload:
         problems.append(
             f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "
             "the offloaded optimizer is DeepSpeed's CPU Adam; use optimizer=adamw"

@@ -18,6 +18,7 @@ import platform
 import sys
 
 from trainloop import hardware
+from trainloop.config import compose_config
 
 
 def _version(dist: str) -> str | None:
@@ -105,16 +106,9 @@ def async_io_facts(nvme_path: str | None, deepspeed: dict) -> dict:
     return facts
 
 
-def compose(overrides: list[str]):
-    """The run's config for these overrides; None without overrides is never needed."""
-    from trainloop.plan import compose_config
-
-    return compose_config(overrides)
-
-
 def examine(overrides: list[str]) -> dict:
     """Everything the doctor reports, as plain data."""
-    cfg = compose(overrides)
+    cfg = compose_config(overrides)
     gpus = hardware.read_gpus()
     facts = {
         "python": platform.python_version(),

@@ -29,33 +29,10 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from trainloop.config import CONFIG_DIR, ConfigError
+from trainloop.config import CONFIG_DIR, ConfigError, compose_config
+from trainloop.optim import planned_state_bytes, planned_step_temporaries
 
 GIB = 1024**3
-
-# ---------------------------------------------------------------------------------------------
-# Composing the config (shared with the doctor)
-
-
-def compose_config(overrides: list[str]):
-    """The composed, checked config that `python -m trainloop OVERRIDES` would run."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from trainloop.config import register_configs, validate
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(f"the overrides {' '.join(overrides)!r} do not compose: {err}") from None
-    validate(cfg)
-    return cfg
-
 
 def presets() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
@@ -120,44 +97,7 @@ def _is_matmul(module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Model states: parameters, gradients, optimizer states
-
-
-def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], momentum: float = 0.9) -> int:
-    """Bytes of optimizer state for fp32 parameters of these shapes, as each optimizer stores it."""
-    total, eight_bit = 0, False
-    for shape in shapes:
-        n = math.prod(shape)
-        if name == "adamw":  # exp_avg, exp_avg_sq, and a 0-d fp32 `step` per tensor
-            total += 8 * n + 4
-        elif name == "sgd":
-            total += 4 * n if momentum else 0
-        elif name == "adafactor":  # second moments only (beta1=None), factored for matrices; 0-d RMS
-            total += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:]) if len(shape) >= 2 else n) + 4
-        elif name in ("adamw8bit", "paged_adamw8bit"):
-            if n < 4096:  # bitsandbytes' min_8bit_size: small tensors keep 32-bit states
-                total += 8 * n
-            else:  # two uint8 states plus one fp32 absmax per block of 256, per state
-                total += 2 * n + 2 * 4 * math.ceil(n / 256)
-                eight_bit = True
-        else:
-            raise ConfigError(f"optimizer.name={name!r}: trainloop.plan knows no state size for it")
-    return total + (2 * 256 * 4 if eight_bit else 0)  # the two shared 256-entry quantization maps
-
-
-def step_temporaries(name: str, impl: str, on_cuda: bool, shapes: list[tuple[int, ...]]) -> int:
-    """Bytes the optimizer step allocates and frees again (fp32)."""
-    sizes = [math.prod(s) for s in shapes]
-    if name == "adamw":
-        chosen = ("fused" if on_cuda else "for_loop") if impl == "auto" else impl
-        if chosen == "fused":
-            return 0
-        if chosen == "foreach":  # sqrt(exp_avg_sq) for a whole parameter group at once
-            return 4 * sum(sizes)
-        return 2 * 4 * max(sizes)  # sqrt, then the divided copy, one tensor at a time
-    if name == "adafactor":  # grad**2 + eps, then the approximated update
-        return 2 * 4 * max(sizes)
-    return 0
+# Model states: parameters, gradients, optimizer states (their sizes: trainloop/optim.py's table)
 
 
 @dataclass
@@ -244,9 +184,9 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
         add(Line("parameters", 4 * n, dev, note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
         add(Line("gradients", 4 * n, dev, None if grads_held else "optimizer step",
                  note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
-        add(Line("optimizer states", optimizer_state_bytes(opt.name, shape.shapes, opt.momentum), dev,
-                 note=opt.name))
-        add(Line("optimizer step temporaries", step_temporaries(opt.name, opt.impl, device == "cuda", shape.shapes),
+        states = planned_state_bytes(opt, shape.shapes)
+        add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / n:.2f} B/param"))
+        add(Line("optimizer step temporaries", planned_step_temporaries(opt, device == "cuda", shape.shapes),
                  dev, "optimizer step", exact=False))
         if world_size > 1:
             add(Line("DDP gradient buckets", 4 * n, dev, exact=False,
@@ -254,7 +194,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     else:
         pb = 2 if half else 4  # DeepSpeed holds the model in the training precision
         flat = [(n,)]  # ZeRO hands the optimizer one flat partition: nothing is factored
-        k = 4 + optimizer_state_bytes(opt.name, flat, opt.momentum) / n  # fp32 master + states
+        k = 4 + planned_state_bytes(opt, flat) / n  # fp32 master + states
         part = lambda elements, on: math.ceil(elements / world_size) if on else elements  # noqa: E731
         p_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_param]
         o_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_optimizer]

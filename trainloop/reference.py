@@ -2,7 +2,7 @@
 
 Every key comes from the structured configs in trainloop/config.py: its type from the
 annotation, its description from the comment on the field's line (or the comment lines right
-above it), its allowed values from config.CHOICES / config.POSITIVE, and its default from the
+above it), its allowed values from config.choices() / config.POSITIVE, and its default from the
 config `python -m trainloop` composes with no arguments. The options of each group and the
 presets come from conf/<group>/*.yaml and their leading comments. docs/config-reference.md is
 this output; tests/test_reference.py fails when it is stale.
@@ -22,7 +22,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainloop import config as config_module
-from trainloop.config import CHOICES, CONFIG_DIR, POSITIVE, TrainConfig
+from trainloop.config import CONFIG_DIR, POSITIVE, TrainConfig, choices
 
 DOCS_FILE = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 
@@ -75,11 +75,7 @@ def describe(text: str) -> str:
 
 def default_config():
     """The config `python -m trainloop` runs with no arguments."""
-    from hydra import compose, initialize_config_dir
-
-    config_module.register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", return_hydra_config=True)
+    cfg = config_module.compose_config(check=False, return_hydra_config=True)
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
     return cfg, choices
@@ -116,13 +112,32 @@ def settings(path: Path, skip: tuple[str, ...] = ("name",)) -> str:
 
 
 def allowed(key: str) -> str:
-    if key in CHOICES:
-        return ", ".join(f"`{c}`" for c in CHOICES[key])
+    if key in choices():
+        return ", ".join(f"`{c}`" for c in choices()[key])
     return "> 0" if key in POSITIVE else ""
 
 
 def cell(text: str) -> str:
     return text.replace("|", "\\|")
+
+
+def optimizer_table(defaults) -> list[str]:
+    """What trainloop/optim.py's table says of each optimizer."""
+    from trainloop.optim import OPTIMIZERS, planned_state_bytes
+
+    yes = {True: "yes", False: "no"}
+    matrix = (4096, 4096)
+    out = ["What each optimizer keeps and works with (trainloop/optim.py's table; state in bytes per",
+           "element of a 4096 x 4096 fp32 matrix, with this page's defaults):", "",
+           "| optimizer | state B/param | reads | deepspeed.offload_optimizer | deepspeed=zero3 | CUDA only |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for name, spec in OPTIMIZERS.items():
+        cfg = OmegaConf.merge(defaults, {"name": name})
+        per_param = planned_state_bytes(cfg, [matrix]) / (matrix[0] * matrix[1])
+        reads = ", ".join(f"`{key}`" for key in spec.reads)
+        out.append(f"| `{name}` | {per_param:.3g} | {reads} | {yes[spec.cpu_offload]} | {yes[spec.zero3]} | "
+                   f"{yes[spec.cuda_only]} |")
+    return out + [""]
 
 
 def render() -> str:
@@ -154,6 +169,8 @@ def render() -> str:
             for path in sorted(folder.glob("*.yaml")):
                 out.append(f"| `{path.stem}` | {cell(leading_comment(path))} | {cell(settings(path))} |")
             out.append("")
+            if group.name == "optimizer":
+                out += optimizer_table(cfg.optimizer)
         out += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             key = f"{group.name}.{f.name}"

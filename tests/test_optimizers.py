@@ -1,0 +1,66 @@
+"""The optimizer table (trainloop/optim.py) is the one place an optimizer is described: the
+YAML options, validate(), the config reference and the planner all follow it. Nothing here
+names an optimizer: each test walks conf/optimizer/ and the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, compose
+from trainloop.config import CONFIG_DIR, ConfigError, validate
+from trainloop.optim import OPTIMIZERS, build_optimizer, planned_state_bytes
+from trainloop.plan import main as plan_main
+from trainloop.plan import model_shape
+
+OPTIONS = sorted(p.stem for p in (CONFIG_DIR / "optimizer").glob("*.yaml"))
+
+
+def test_the_options_the_table_and_the_reference_agree():
+    assert OPTIONS and set(OPTIONS) == set(OPTIMIZERS)
+    reference = (REPO / "docs" / "config-reference.md").read_text()
+    rows = [line for line in reference.splitlines() if line.startswith("| `") and "state B/param" not in line]
+    for name, spec in OPTIMIZERS.items():
+        row = next((r for r in rows if r.startswith(f"| `{name}` | ") and r.count("|") == 7), None)
+        assert row is not None, f"docs/config-reference.md has no table row for {name}"
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3:] == [{True: "yes", False: "no"}[v] for v in (spec.cpu_offload, spec.zero3, spec.cuda_only)]
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_validate_accepts_an_optimizer_where_the_table_says_it_works(name):
+    spec = OPTIMIZERS[name]
+    for extra, works in (([], True), (["deepspeed=zero3"], spec.zero3),
+                         (["deepspeed=zero2", "deepspeed.offload_optimizer=cpu"], spec.cpu_offload)):
+        cfg = compose(f"optimizer={name}", *extra)
+        if works:
+            validate(cfg)
+        else:
+            with pytest.raises(ConfigError, match=f"optimizer={name}"):
+                validate(cfg)
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_an_optimizer_builds_on_cpu_unless_the_table_says_cuda_only(name):
+    import torch
+
+    cfg = compose(f"optimizer={name}")
+    model = torch.nn.Linear(8, 8)
+    if OPTIMIZERS[name].cuda_only:
+        with pytest.raises(ConfigError, match=f"optimizer={name}"):
+            build_optimizer(cfg.optimizer, model, on_cuda=False)
+    else:
+        assert build_optimizer(cfg.optimizer, model, on_cuda=False).param_groups
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_the_planner_prints_the_state_bytes_of_every_optimizer(name, capsys):
+    overrides = ["+preset=smoke", f"optimizer={name}"]
+    assert plan_main(["--no-presets", "--json", *overrides]) == 0
+    report = json.loads(capsys.readouterr().out)
+    lines = {line["what"]: line for line in report["config"]["plan"]["lines"]}
+    cfg = compose(*overrides)
+    expected = planned_state_bytes(cfg.optimizer, model_shape(cfg).shapes)
+    assert lines["optimizer states"]["bytes"] == expected > 0
+    assert name in lines["optimizer states"]["note"]
