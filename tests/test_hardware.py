@@ -1,4 +1,4 @@
-"""trainloop.hardware and the doctor: real nvidia-smi outputs and NVML readings, and this machine."""
+"""trainloop.tools.hardware and the doctor: real nvidia-smi outputs and NVML readings, and this machine."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from conftest import launch
-from trainloop.doctor import main as doctor
-from trainloop import doctor as doctor_module
-from trainloop.hardware import (GpuReading, GpuReport, direct_io_works, gpu_warnings, host_facts, parse_link,
+from trainloop.config import compose_config
+from trainloop.tools.doctor import main as doctor
+from trainloop.tools import doctor as doctor_module
+from trainloop.tools.hardware import (GpuReading, GpuReport, direct_io_works, gpu_warnings, host_facts, parse_link,
                                 parse_smi_csv, parse_topology, throttle_reasons, topology_warnings)
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -212,7 +213,7 @@ def test_doctor_checks_the_nvme_path_of_the_config(tmp_path, capsys):
 def test_doctor_reports_missing_libraries_instead_of_failing():
     """With deepspeed, bitsandbytes and NVML unimportable, it still reports everything else."""
     code = ("import sys; sys.modules.update(deepspeed=None, bitsandbytes=None, pynvml=None); "
-            "from trainloop.doctor import main; sys.exit(main(['--json']))")
+            "from trainloop.tools.doctor import main; sys.exit(main(['--json']))")
     facts = json.loads(launch(["python", "-c", code], timeout=300).stdout)
     assert facts["versions"]["deepspeed"]["error"].startswith("import failed")
     assert facts["versions"]["bitsandbytes"]["error"].startswith("import failed")
@@ -226,7 +227,7 @@ def test_doctor_refuses_bad_overrides(capsys):
 
 def test_doctor_report_for_a_pcie_gpu_server_under_zero3(capsys):
     """The doctor's GPU sections and warnings, from real-format readings of another machine."""
-    cfg = doctor_module.compose(["+preset=zero3"])
+    cfg = compose_config(["+preset=zero3"])
     facts = doctor_module.examine(["+preset=zero3"])
     gpus = GpuReport(smi_readings()[:2] + [GpuReading(index=2, name="NVIDIA GeForce RTX 3090"),
                                            GpuReading(index=3, name="NVIDIA GeForce RTX 3090")],

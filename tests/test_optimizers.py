@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO, compose
 from trainloop.config import CONFIG_DIR, ConfigError, validate
 from trainloop.optim import OPTIMIZERS, build_optimizer, planned_state_bytes
-from trainloop.plan import main as plan_main
-from trainloop.plan import model_shape
+from trainloop.tools.plan import main as plan_main
+from trainloop.tools.plan import model_shape
 
 OPTIONS = sorted(p.stem for p in (CONFIG_DIR / "optimizer").glob("*.yaml"))
 

@@ -1,4 +1,4 @@
-"""trainloop.plan: predicted bytes against live objects, saved tensors, RSS and the ZeRO paper."""
+"""trainloop.tools.plan: predicted bytes against live objects, saved tensors, RSS and the ZeRO paper."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from conftest import SMALL, clean_env, compose, launch
 from trainloop.optim import OPTIMIZERS
-from trainloop.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
+from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
 
 
 def storage_bytes(tensors) -> int:

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, compose, launch
 from trainloop.config import CONFIG_DIR
-from trainloop.reference import DOCS_FILE, field_docs, render
+from trainloop.tools.reference import DOCS_FILE, field_docs, render
 
 
 def test_committed_reference_is_current():

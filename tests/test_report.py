@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch, read_metrics, train
-from trainloop.report import COLORS, PANEL_H, PANEL_W, PANELS, nice_axis, tick_labels
+from trainloop.tools.report import COLORS, PANEL_H, PANEL_W, PANELS, nice_axis, tick_labels
 
 
 def read_png(path: Path) -> tuple[int, int, list[bytes]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, train
-from trainloop.hardware import GpuReading
+from trainloop.tools.hardware import GpuReading
 from trainloop.telemetry import Telemetry
 
 

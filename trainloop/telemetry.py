@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from trainloop import hardware
+from trainloop.tools import hardware
 
 log = logging.getLogger("trainloop")
 

@@ -4,7 +4,7 @@ The parsers take plain text or plain readings (`nvidia-smi topo -m` output, NVML
 `nvidia-smi --query-gpu` CSV), so they are checked against real outputs on any machine. The
 readers below them ask this machine, through NVML (`pip install nvidia-ml-py`, optional) or
 the `nvidia-smi` binary, and never fail: what cannot be read is reported as missing.
-Shared by `trainloop.doctor`, `trainloop.plan` and the telemetry sampler.
+Shared by the doctor, the planner and the telemetry sampler (trainloop/telemetry.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,525 @@
+"""`python -m trainloop.plan [options] [overrides]`: will this run fit, before it is started?
+
+The model is built on the meta device (shapes, no weights). From the parameter shapes, the
+optimizer, the precision, the ZeRO stage, the offload targets and the world size it predicts
+the bytes each process needs on the GPU, in CPU RAM and on NVMe:
+
+- parameters, gradients and optimizer states: exact for a plain run (counted from the shapes:
+  AdamW 8 B/param plus a 4-byte step per tensor, 8-bit AdamW 2 B plus block scales, Adafactor
+  its factored row/column statistics, SGD 4 B); under DeepSpeed the ZeRO paper's formulas:
+  16-bit weights and gradients (2 + 2 B) and fp32 master weights plus optimizer states
+  (K = 12 B for AdamW), stage 1 partitioning the optimizer states over the world size,
+  stage 2 also the gradients, stage 3 also the parameters; offload moves them to CPU or NVMe;
+- activations for the micro-batch and sequence length, per layer of the transformer's shape,
+  with and without gradient checkpointing (coefficients of Hugging Face's Llama and GPT-2
+  code, checked against saved-tensor measurements in tests/test_plan.py);
+- the optimizer step's temporaries, DDP's gradient buckets, DeepSpeed's buffers (estimates).
+
+Then it compares them with this machine (trainloop.hardware, as the doctor reads it) for the
+config and for every preset in conf/preset/. `--measure N` also runs N real steps here and
+prints what they used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+from trainloop.config import CONFIG_DIR, ConfigError, compose_config
+from trainloop.optim import planned_state_bytes, planned_step_temporaries
+
+GIB = 1024**3
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's shape, from the meta device
+
+
+@dataclass
+class ModelShape:
+    family: str  # llama (SwiGLU, RoPE, RMSNorm) or gpt2 (GELU MLP, LayerNorm, learned positions)
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    shapes: list[tuple[int, ...]]  # every parameter, tied ones once
+    layer_linear_params: int  # weights and biases of one layer's matmuls (autocast copies them)
+    largest_layer_params: int
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def model_shape(cfg) -> ModelShape:
+    """Build the configured model on the meta device and read its shape: no memory, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainloop.data import build_tokenizer
+    from trainloop.model import build_model_config
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    config = build_model_config(cfg.model, len(tokenizer))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if model.get_input_embeddings().num_embeddings < config.vocab_size:
+        model.resize_token_embeddings(config.vocab_size)
+    n_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers)
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    matmul = sum(p.numel() for m in layers[0].modules() if _is_matmul(m) for p in m.parameters(recurse=False))
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    family = "gpt2" if config.model_type in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "gpt_bigcode") else "llama"
+    return ModelShape(
+        family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
+        shapes=[tuple(p.shape) for p in model.parameters()], layer_linear_params=matmul,
+        largest_layer_params=max(layer_sizes),
+    )
+
+
+def _is_matmul(module) -> bool:
+    import torch
+
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states: parameters, gradients, optimizer states (their sizes: trainloop/optim.py's table)
+
+
+@dataclass
+class Line:
+    what: str
+    bytes: int
+    where: str  # gpu, cpu or nvme
+    phase: str | None = None  # None: held all along; else counted only in that phase of a step
+    exact: bool = True
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    label: str
+    world_size: int
+    procs_per_node: int
+    device: str  # cuda or cpu: where "the device" is for this run
+    num_params: int
+    lines: list[Line] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def held(self, where: str) -> int:
+        return sum(x.bytes for x in self.lines if x.where == where and x.phase is None)
+
+    def phase(self, where: str, phase: str) -> int:
+        return sum(x.bytes for x in self.lines if x.where == where and x.phase == phase)
+
+    def peak(self, where: str) -> int:
+        """Per process: what is held all along plus the larger of the two phases of a step."""
+        return self.held(where) + max(self.phase(where, "forward/backward"), self.phase(where, "optimizer step"))
+
+    def get(self, what: str) -> int:
+        return sum(x.bytes for x in self.lines if x.what == what)
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "lines"},
+                "lines": [asdict(x) for x in self.lines],
+                "peak": {w: self.peak(w) for w in ("gpu", "cpu", "nvme")}}
+
+
+def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
+                     checkpointing: bool, attention: str) -> tuple[int, int]:
+    """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
+
+    Bytes per token per layer of Hugging Face's Llama and GPT-2 layers, counted from the
+    tensors autograd saves (tests/test_plan.py measures them): the h terms are the norms,
+    projections and residual, i the MLP, heads the attention's log-sum-exp. `half`: 16-bit
+    compute (autocast or a 16-bit model). Under autocast, every layer also keeps the 16-bit
+    copy of its weights that the matmuls used.
+    """
+    h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
+    kv = shape.kv_heads * h // heads  # the width of the key and value projections
+    tokens = batch * seq
+    if shape.family == "llama":
+        per_token = (30 * h + 4 * kv + 8 * i + 4 * heads + 8) if half else (32 * h + 8 * kv + 16 * i + 4 * heads + 8)
+        rest = tokens * (4 * V + (10 if half else 12) * h + 20) + 8 * seq * (h // heads)  # logits, RoPE tables
+    else:
+        per_token = (20 * h + 10 * i + 4 * heads + 16) if half else (32 * h + 20 * i + 4 * heads + 16)
+        rest = tokens * (4 * V + (6 if half else 8) * h + 26) + 8 * seq
+    if attention == "eager":  # the softmax probabilities instead of the log-sum-exp
+        per_token += heads * (seq - 1) * (2 if half else 4)
+    weight_copies = 2 * shape.layer_linear_params if autocast else 0
+    rest += 2 * V * h if autocast else 0  # the output projection's 16-bit copy
+    layer = tokens * per_token + weight_copies
+    if not checkpointing:
+        return shape.num_layers * layer + rest, 0
+    residual = tokens * h * (2 if half and not autocast else 4)  # each layer's input, kept
+    return shape.num_layers * residual + rest, layer
+
+
+def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_node: int | None = None,
+                label: str = "config") -> MemoryPlan:
+    """Per-process bytes on GPU, CPU and NVMe for this config, world size and device."""
+    ds, opt = cfg.deepspeed, cfg.optimizer
+    stage, n = ds.stage, shape.num_params
+    dev = "gpu" if device == "cuda" else "cpu"
+    plan = MemoryPlan(label, world_size, procs_per_node or world_size, device, n)
+    half = cfg.precision.name in ("bf16", "fp16")
+    add = plan.lines.append
+
+    if stage == 0:
+        grads_held = cfg.trainer.gradient_accumulation_steps > 1  # kept between micro-batches
+        add(Line("parameters", 4 * n, dev, note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
+        add(Line("gradients", 4 * n, dev, None if grads_held else "optimizer step",
+                 note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
+        states = planned_state_bytes(opt, shape.shapes)
+        add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / n:.2f} B/param"))
+        add(Line("optimizer step temporaries", planned_step_temporaries(opt, device == "cuda", shape.shapes),
+                 dev, "optimizer step", exact=False))
+        if world_size > 1:
+            add(Line("DDP gradient buckets", 4 * n, dev, exact=False,
+                     note="DDP's flat all-reduce copies of the gradients"))
+    else:
+        pb = 2 if half else 4  # DeepSpeed holds the model in the training precision
+        flat = [(n,)]  # ZeRO hands the optimizer one flat partition: nothing is factored
+        k = 4 + planned_state_bytes(opt, flat) / n  # fp32 master + states
+        part = lambda elements, on: math.ceil(elements / world_size) if on else elements  # noqa: E731
+        p_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_param]
+        o_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_optimizer]
+        g_where = dev if ds.offload_optimizer == "none" else "cpu"  # ZeRO-Offload: gradients go to the CPU
+        add(Line("parameters", pb * part(n, stage >= 3), p_where,
+                 note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage 3)" if stage >= 3 else "")))
+        add(Line("gradients", pb * part(n, stage >= 2), g_where,
+                 note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage {stage})" if stage >= 2 else "")))
+        add(Line("optimizer states", round(k * part(n, True)), o_where,
+                 note=f"K={k:g} B/param (fp32 master + {opt.name}), 1/{world_size} per rank"))
+        bucket = min(ds.reduce_bucket_size, n) * pb
+        if stage < 3:
+            copies = 2 if ds.overlap_comm and ds.contiguous_gradients else 1
+            add(Line("reduce buckets", copies * bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
+        else:
+            small = sum(math.prod(s) for s in shape.shapes if math.prod(s) < ds.stage3_param_persistence_threshold)
+            gathered = shape.largest_layer_params + min(ds.stage3_prefetch_bucket_size, n)
+            add(Line("reduce bucket", bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
+            add(Line("gathered parameters", pb * (gathered + small), dev, "forward/backward", exact=False,
+                     note="one layer + the prefetch bucket + persistent small parameters"))
+            add(Line("gathered parameters", pb * gathered, dev, "optimizer step", exact=False))
+
+    saved, recompute = activation_bytes(
+        shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=half and stage == 0,
+        checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation)
+    add(Line("activations", saved, dev, "forward/backward", exact=False,
+             note=f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
+                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")))
+    if recompute:
+        add(Line("recomputed layer", recompute, dev, "forward/backward", exact=False,
+                 note="one layer's activations, rebuilt during the backward pass"))
+    if not cfg.model.gradient_checkpointing:
+        without = saved
+        with_gc = sum(activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, half and stage == 0,
+                                       True, cfg.model.attn_implementation))
+        plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
+    else:
+        without = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, half and stage == 0,
+                                   False, cfg.model.attn_implementation)[0]
+        plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
+                          f"{_gib(without)} without")
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Against this machine
+
+
+@dataclass
+class Machine:
+    device: str  # cuda or cpu
+    gpu_memory: int | None  # the smallest GPU's, bytes
+    gpu_name: str | None
+    ram_available: int
+    ram_total: int
+    nvme_free: int | None
+    source: str
+
+
+GPU_USABLE = 0.92  # the CUDA context, NCCL and allocator fragmentation take the rest
+RUNTIME_RAM = 1 * GIB  # python, torch and the data of one process: what the lines above leave out
+
+
+def read_machine(cfg, device: str = "auto", gpu_memory_gib: float | None = None,
+                 cpu_memory_gib: float | None = None) -> Machine:
+    from trainloop.tools import hardware
+
+    report = hardware.read_gpus(with_topology=False) if gpu_memory_gib is None and device != "cpu" else None
+    gpus = report.gpus if report else []
+    host = hardware.host_facts()
+    nvme = hardware.disk_facts(cfg.deepspeed.nvme_path)["free"] if cfg.deepspeed.nvme_path else None
+    if device == "auto":
+        device = "cuda" if gpus or gpu_memory_gib else "cpu"
+    if gpu_memory_gib is not None:
+        memory, name, source = int(gpu_memory_gib * GIB), f"GPUs of {gpu_memory_gib:g} GiB", "--gpu-memory"
+    elif gpus and all(g.memory_total for g in gpus):
+        small = min(gpus, key=lambda g: g.memory_total)
+        memory, name, source = small.memory_total, small.name, report.source
+    else:
+        memory, name, source = None, None, "no GPU found" if not gpus else report.source
+    ram_available, ram_total = host["ram_available"], host["ram_total"]
+    if cpu_memory_gib is not None:
+        ram_available = ram_total = int(cpu_memory_gib * GIB)
+        source += ", --cpu-memory"
+    return Machine(device, memory, name, ram_available, ram_total, nvme, source)
+
+
+def verdict(plan: MemoryPlan, machine: Machine) -> tuple[bool | None, list[str]]:
+    """(fits, one line per resource with the numbers). None: cannot tell (no GPU size known)."""
+    fits, lines, node = True, [], plan.procs_per_node
+    if plan.device == "cuda":
+        need = plan.peak("gpu")
+        if machine.gpu_memory is None:
+            fits = None
+            lines.append(f"GPU: {_gib(need)} per process; GPU memory unknown (give --gpu-memory GiB)")
+        else:
+            usable = GPU_USABLE * machine.gpu_memory
+            ok = need <= usable
+            fits &= ok
+            lines.append(f"GPU: {_gib(need)} per process of {_gib(usable)} usable on {machine.gpu_name} "
+                         f"({'fits' if ok else 'does NOT fit'})")
+    ram = node * (plan.peak("cpu") + RUNTIME_RAM)
+    ok = ram <= machine.ram_available
+    fits = fits and ok if fits is not None else None if ok else False
+    lines.append(f"CPU RAM: {_gib(ram)} for {node} process(es) ({_gib(plan.peak('cpu'))} each + "
+                 f"{_gib(RUNTIME_RAM)} runtime) of {_gib(machine.ram_available)} available "
+                 f"({'fits' if ok else 'does NOT fit'})")
+    if plan.peak("nvme"):
+        disk = node * plan.peak("nvme")
+        ok = machine.nvme_free is not None and disk <= machine.nvme_free
+        fits = fits and ok if fits is not None else None if ok else False
+        lines.append(f"NVMe: {_gib(disk)} for {node} process(es) of "
+                     f"{_gib(machine.nvme_free) if machine.nvme_free is not None else '?'} free at "
+                     f"deepspeed.nvme_path ({'fits' if ok else 'does NOT fit'})")
+    return fits, lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring a real run here, to check the prediction
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def measure_training(cfg, steps: int) -> dict:
+    """Train `steps` optimizer steps with the run's own builders; the memory the training took.
+
+    On CPU: peak RSS during training minus RSS just before the model is built (Linux: the peak
+    is reset through /proc/self/clear_refs). On a GPU: torch's peak allocated bytes.
+    """
+    import gc
+
+    import torch
+
+    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.distributed import build_accelerator
+    from trainloop.model import build_model, build_model_config
+    from trainloop.optim import build_optimizer
+
+    accelerator = build_accelerator(cfg)
+    on_cuda = accelerator.device.type == "cuda"
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    model_config = build_model_config(cfg.model, len(tokenizer))
+    train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    loader, _ = build_dataloaders(cfg.data, train_set, valid_set, pin_memory=False)
+    ids = next(iter(loader)).to(accelerator.device)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS now starts from here
+    before = _rss()
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+        gpu_before = torch.cuda.memory_allocated()
+    model = build_model(cfg.model, model_config)
+    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=on_cuda)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    for _ in range(steps * cfg.trainer.gradient_accumulation_steps):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and cfg.trainer.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    result = {"steps": steps, "rss_before": before, "peak_rss": _peak_rss(),
+              "cpu_training_bytes": _peak_rss() - before}
+    if on_cuda:
+        result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def _gib(n: float | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GIB:.2f} GiB" if n >= 0.01 * GIB else f"{n / 1024**2:.2f} MiB"
+
+
+def without_preset(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith("preset=")]
+
+
+def build_report(overrides: list[str], world_size: int, procs_per_node: int | None, device: str,
+                 gpu_memory_gib: float | None, cpu_memory_gib: float | None = None,
+                 compare_presets: bool = True) -> dict:
+    cfg = compose_config(overrides)
+    machine = read_machine(cfg, device, gpu_memory_gib, cpu_memory_gib)
+    cache: dict[str, ModelShape] = {}
+
+    def shape_of(c) -> ModelShape:
+        from omegaconf import OmegaConf
+
+        key = OmegaConf.to_yaml(c.model) + str(c.data.tokenizer)
+        if key not in cache:
+            cache[key] = model_shape(c)
+        return cache[key]
+
+    def one(c, label: str) -> dict:
+        plan = plan_memory(c, shape_of(c), world_size, machine.device, procs_per_node, label)
+        fits, lines = verdict(plan, machine)
+        return {"plan": plan, "fits": fits, "verdict": lines}
+
+    report = {"machine": machine, "world_size": world_size, "config": one(cfg, "the config"), "presets": {}}
+    if compare_presets:
+        base = without_preset(overrides)
+        for name in presets():
+            try:
+                c = compose_config(base + [f"+preset={name}"])
+            except ConfigError as err:
+                report["presets"][name] = {"error": str(err).replace("\n", " ")}
+                continue
+            report["presets"][name] = one(c, f"+preset={name}")
+    return report
+
+
+def render(report: dict) -> str:
+    m, c = report["machine"], report["config"]
+    plan: MemoryPlan = c["plan"]
+    where_dev = "GPU" if plan.device == "cuda" else "device (CPU)"
+    out = [f"trainloop plan: {plan.num_params / 1e6:,.1f}M parameters, {plan.world_size} process(es) "
+           f"({plan.procs_per_node} per node), training on {plan.device}", ""]
+    out.append(f"  {'per process':<28}{'bytes':>14}  {'where':<6} {'when':<18} note")
+    for x in (x for x in plan.lines if x.bytes):
+        where = {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}[x.where]
+        out.append(f"  {x.what + ('' if x.exact else ' ~'):<28}{_gib(x.bytes):>14}  {where:<6} "
+                   f"{x.phase or 'all along':<18} {x.note}")
+    out.append("")
+    for w, name in (("gpu", where_dev if plan.device == "cuda" else None), ("cpu", "CPU RAM"), ("nvme", "NVMe")):
+        if name and (plan.peak(w) or w == "cpu"):
+            out.append(f"  peak {name}: {_gib(plan.peak(w))} per process")
+    out += [f"  {note}" for note in plan.notes]
+    out.append("  (~: an estimate; the rest is exact for a plain run, the ZeRO paper's formula under DeepSpeed)")
+    out += ["", f"this machine ({m.source}): " + (f"{m.gpu_name} ({_gib(m.gpu_memory)}); " if m.gpu_memory else "")
+            + f"RAM {_gib(m.ram_available)} available of {_gib(m.ram_total)}"
+            + (f"; NVMe {_gib(m.nvme_free)} free" if m.nvme_free is not None else "")]
+    out.append(f"  the config: {_fits(c['fits'])}")
+    out += [f"    {line}" for line in c["verdict"]]
+    if report["presets"]:
+        out += ["", "presets (your overrides + +preset=NAME):"]
+        for name, p in report["presets"].items():
+            if "error" in p:
+                out.append(f"  {name}: does not apply: {p['error']}")
+                continue
+            out.append(f"  {name}: {_fits(p['fits'])} ({p['plan'].num_params / 1e6:,.1f}M parameters)")
+            out += [f"    {line}" for line in p["verdict"]]
+    return "\n".join(out)
+
+
+def _fits(flag: bool | None) -> str:
+    return {True: "fits", False: "does NOT fit", None: "cannot tell"}[flag]
+
+
+def to_json(report: dict) -> dict:
+    def part(p: dict) -> dict:
+        return p if "error" in p else {"plan": p["plan"].to_dict(), "fits": p["fits"], "verdict": p["verdict"]}
+
+    return {"machine": asdict(report["machine"]), "world_size": report["world_size"],
+            "config": part(report["config"]), "presets": {k: part(v) for k, v in report["presets"].items()},
+            **({"measured": report["measured"]} if "measured" in report else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainloop.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes in the run (default: $WORLD_SIZE, else 1)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="processes sharing this machine's RAM and disk (default: the world size)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="plan for GPUs or for CPU training (auto: what this machine has)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="plan for GPUs of this size instead of this machine's")
+    parser.add_argument("--cpu-memory", type=float, default=None, metavar="GIB",
+                        help="plan for nodes with this much RAM instead of this machine's available RAM")
+    parser.add_argument("--no-presets", action="store_true", help="do not compare the presets")
+    parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
+                        help="also train STEPS steps here (1 process) and print the memory they used")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("overrides", nargs="*", help="the run's config overrides")
+    args = parser.parse_args(argv)
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size < 1:
+        parser.error("--world-size must be 1 or more")
+    if args.measure and world_size != 1:
+        parser.error("--measure trains one process here: use it with --world-size 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        report = build_report(args.overrides, world_size, args.nproc_per_node, args.device, args.gpu_memory,
+                              args.cpu_memory, compare_presets=not args.no_presets)
+        if args.measure:
+            report["measured"] = measured = measure_training(compose_config(args.overrides), args.measure)
+            plan = report["config"]["plan"]
+            predicted = plan.peak("gpu" if "gpu_training_bytes" in measured else "cpu")
+            got = measured.get("gpu_training_bytes", measured["cpu_training_bytes"])
+            measured["predicted_bytes"], measured["ratio"] = predicted, predicted / got
+    except ConfigError as err:
+        print(f"trainloop.plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(to_json(report), indent=2, default=str))
+    else:
+        print(render(report))
+        if args.measure:
+            m = report["measured"]
+            got = m.get("gpu_training_bytes", m["cpu_training_bytes"])
+            print(f"\nmeasured here over {m['steps']} steps: {_gib(got)} "
+                  f"(predicted {_gib(m['predicted_bytes'])}, ratio {m['ratio']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

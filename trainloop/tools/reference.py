@@ -1,0 +1,212 @@
+"""`python -m trainloop.reference [--write [PATH] | --check]`: the config reference, generated.
+
+Every key comes from the structured configs in trainloop/config.py: its type from the
+annotation, its description from the comment on the field's line (or the comment lines right
+above it), its allowed values from config.choices() / config.POSITIVE, and its default from the
+config `python -m trainloop` composes with no arguments. The options of each group and the
+presets come from conf/<group>/*.yaml and their leading comments. docs/config-reference.md is
+this output; tests/test_reference.py fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import io
+import re
+import sys
+import tokenize
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from trainloop import config as config_module
+from trainloop.config import CONFIG_DIR, POSITIVE, TrainConfig, choices
+
+DOCS_FILE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
+
+
+def field_docs(source: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """(class name, field name) -> (annotation as written, description from its comments)."""
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    docs = {}
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for node in cls.body:
+            if not isinstance(node, ast.AnnAssign):
+                continue
+            text = " ".join(comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments)
+            above = node.lineno - 1
+            while not text and above in comments and lines[above - 1].lstrip().startswith("#"):
+                above -= 1  # no trailing comment: the comment block right above the field
+            if not text:
+                text = " ".join(comments[n] for n in range(above + 1, node.lineno))
+            docs[cls.name, node.target.id] = (ast.unparse(node.annotation), text)
+    return docs
+
+
+def type_name(annotation: str) -> str:
+    if annotation.startswith("Optional[") and annotation.endswith("]"):
+        return f"{type_name(annotation[9:-1])} or null"
+    if annotation.startswith("list[") and annotation.endswith("]"):
+        return f"list of {annotation[5:-1]}"
+    return annotation
+
+
+def yaml_value(value) -> str:
+    """A value as it is written on the command line or in YAML."""
+    if value == "???":
+        return "??? (required)"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(yaml_value, value)) + "]"
+    return str(value)
+
+
+def describe(text: str) -> str:
+    return re.sub(r"\bNone\b", "null", text)  # the comments speak Python; users write YAML
+
+
+def default_config():
+    """The config `python -m trainloop` runs with no arguments."""
+    cfg = config_module.compose_config(check=False, return_hydra_config=True)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return cfg, choices
+
+
+def leading_comment(path: Path) -> str:
+    """The comment lines a YAML file starts with (Hydra's `@package` line left out)."""
+    text = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            text.append(line.lstrip("#").strip())
+    return " ".join(text)
+
+
+def settings(path: Path, skip: tuple[str, ...] = ("name",)) -> str:
+    """What a group option or preset sets, as `key=value` (group choices as `group=option`)."""
+    data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    items = []
+    for entry in data.pop("defaults", []):
+        for group, option in (entry.items() if isinstance(entry, dict) else []):
+            items.append(f"{group.replace('override ', '').lstrip('/')}={option}")
+
+    def flatten(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                flatten(value, f"{prefix}{key}.")
+            elif f"{prefix}{key}" not in skip:
+                items.append(f"{prefix}{key}={yaml_value(value)}")
+
+    flatten(data)
+    return ", ".join(f"`{item}`" for item in items) or "(the defaults)"
+
+
+def allowed(key: str) -> str:
+    if key in choices():
+        return ", ".join(f"`{c}`" for c in choices()[key])
+    return "> 0" if key in POSITIVE else ""
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def optimizer_table(defaults) -> list[str]:
+    """What trainloop/optim.py's table says of each optimizer."""
+    from trainloop.optim import OPTIMIZERS, planned_state_bytes
+
+    yes = {True: "yes", False: "no"}
+    matrix = (4096, 4096)
+    out = ["What each optimizer keeps and works with (trainloop/optim.py's table; state in bytes per",
+           "element of a 4096 x 4096 fp32 matrix, with this page's defaults):", "",
+           "| optimizer | state B/param | reads | deepspeed.offload_optimizer | deepspeed=zero3 | CUDA only |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for name, spec in OPTIMIZERS.items():
+        cfg = OmegaConf.merge(defaults, {"name": name})
+        per_param = planned_state_bytes(cfg, [matrix]) / (matrix[0] * matrix[1])
+        reads = ", ".join(f"`{key}`" for key in spec.reads)
+        out.append(f"| `{name}` | {per_param:.3g} | {reads} | {yes[spec.cpu_offload]} | {yes[spec.zero3]} | "
+                   f"{yes[spec.cuda_only]} |")
+    return out + [""]
+
+
+def render() -> str:
+    docs = field_docs(Path(config_module.__file__).read_text())
+    cfg, choices = default_config()
+    groups = [f for f in dataclasses.fields(TrainConfig)]
+    out = [
+        "# Config reference",
+        "",
+        "<!-- Generated by `python -m trainloop.reference --write` from trainloop/config.py and conf/;",
+        "     do not edit by hand: tests/test_reference.py fails when this file is stale. -->",
+        "",
+        "Every key trainloop reads, with its type, its default (what `python -m trainloop` runs with",
+        "no arguments) and what it does. Set a key with `KEY=VALUE`, choose a group's option with",
+        "`GROUP=OPTION`, add a preset with `+preset=NAME`; `python -m trainloop --cfg job` prints",
+        "the composed config. Unknown keys and values of the wrong type are refused when the config",
+        "is composed; the allowed values and ranges below are checked before anything is built.",
+        "",
+        "Groups: " + ", ".join(f"[{g.name}](#{g.name})" for g in groups) + ", [presets](#presets).",
+    ]
+    for group in groups:
+        cls = group.type if isinstance(group.type, type) else getattr(config_module, group.type)
+        out += ["", f"## {group.name}", ""]
+        folder = CONFIG_DIR / group.name
+        if folder.is_dir():
+            out += [f"Options (`{group.name}=OPTION`, files in conf/{group.name}/); "
+                    f"the default is `{choices.get(group.name)}`.", "",
+                    "| option | what it is | sets |", "| --- | --- | --- |"]
+            for path in sorted(folder.glob("*.yaml")):
+                out.append(f"| `{path.stem}` | {cell(leading_comment(path))} | {cell(settings(path))} |")
+            out.append("")
+            if group.name == "optimizer":
+                out += optimizer_table(cfg.optimizer)
+        out += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            key = f"{group.name}.{f.name}"
+            annotation, text = docs[cls.__name__, f.name]
+            default = yaml_value(OmegaConf.to_container(cfg[group.name])[f.name])
+            out.append(f"| `{key}` | {cell(type_name(annotation))} | `{cell(default)}` | "
+                       f"{allowed(key)} | {cell(describe(text))} |")
+    out += ["", "## presets", "",
+            "Bundles on top of the defaults, each one file in conf/preset/: `+preset=NAME`.", "",
+            "| preset | what it is | sets |", "| --- | --- | --- |"]
+    for path in sorted((CONFIG_DIR / "preset").glob("*.yaml")):
+        out.append(f"| `{path.stem}` | {cell(leading_comment(path))} | {cell(settings(path, skip=()))} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainloop.reference", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", nargs="?", const=DOCS_FILE, type=Path, metavar="PATH",
+                        help=f"write the reference to PATH (default: {DOCS_FILE})")
+    parser.add_argument("--check", nargs="?", const=DOCS_FILE, type=Path, metavar="PATH",
+                        help=f"exit 1 if PATH (default: {DOCS_FILE}) is not the current reference")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not args.check.is_file() or args.check.read_text() != text:
+            print(f"{args.check} is stale: run python -m trainloop.reference --write", file=sys.stderr)
+            return 1
+        return 0
+    if args.write:
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        args.write.write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
