@@ -112,7 +112,8 @@ def test_checkpoints_without_a_file_list_are_checked_by_their_formats(finished_r
     del state["files"]
     (ckpt / STATE_FILE).write_text(json.dumps(state))
     assert why_unloadable(ckpt) is None
-    for name, problem in [("optimizer.bin", "is truncated or corrupt"), ("model.safetensors", "is 304776 bytes, but its header describes 609552")]:
+    for name, problem in [("optimizer.bin", "is truncated or corrupt"),
+                          ("model.safetensors", "is 304776 bytes, but its header describes 609552")]:
         intact = (ckpt / name).read_bytes()
         truncate(ckpt / name)
         assert f"{ckpt / name} {problem}" in why_unloadable(ckpt)

@@ -262,7 +262,7 @@ class Checkpointer:
     def _attempt(action, *args) -> BaseException | None:
         try:
             action(*args)
-        except Exception as err:  # noqa: BLE001 -- every rank must hear of it (_agree_saved)
+        except Exception as err:  # any failure: every rank must hear of it (_agree_saved)
             return err
         return None
 
