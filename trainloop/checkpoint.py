@@ -12,7 +12,8 @@ Exit codes of `python -m trainloop` (each rank's; torchrun and `accelerate launc
 exit 1 whenever a rank exits non-zero, and print each rank's code):
   0   finished (or stopped at trainer.stop_at_step, with a checkpoint)
   1   an unexpected error (traceback)
-  2   a bad config (one message naming the key)
+  2   a bad config or input (one message naming the key or file), a checkpoint that cannot be
+      saved (disk full) or loaded (truncated, corrupt)
   3   stopped on a non-finite loss or gradient norm (trainer.on_nonfinite=stop)
   75  preempted: SIGTERM, SIGUSR1 or one Ctrl-C; a checkpoint was saved, run the same command
       again to continue (EX_TEMPFAIL: "try again later"; 143 would look like a plain kill)
@@ -22,6 +23,7 @@ exit 1 whenever a rank exits non-zero, and print each rank's code):
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -29,6 +31,7 @@ import shutil
 import signal
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -45,6 +48,10 @@ EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint could not be saved (disk full) or loaded: one message, no traceback, exit 2."""
+
+
 class Preempted(Exception):
     """Every rank agreed to stop on a signal and the checkpoint is saved; exit EXIT_PREEMPTED."""
 
@@ -53,20 +60,42 @@ class NonFiniteError(RuntimeError):
     """Training met a non-finite loss, gradient norm or parameter; exit EXIT_NONFINITE."""
 
 
+# DataLoader mechanics: they change how blocks reach the model, never which blocks or in what order.
+DATA_MECHANICS = ("num_proc", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
+                  "multiprocessing_context")
+
+
 def run_fingerprint(cfg, world_size: int) -> dict:
-    """What a checkpoint must agree with to be resumed exactly."""
+    """What a checkpoint must agree with to be resumed exactly (the data's own content is added
+    by Checkpointer.check_data once it is built)."""
     model = OmegaConf.to_container(cfg.model, resolve=True)
     for key in ("attn_implementation", "gradient_checkpointing"):  # do not change the weights
         model.pop(key)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    for key in DATA_MECHANICS:
+        data.pop(key, None)
     return {
         "world_size": world_size,
         "trainer.gradient_accumulation_steps": cfg.trainer.gradient_accumulation_steps,
         "trainer.seed": cfg.trainer.seed,  # the data order is a function of (seed, epoch)
-        "data.batch_size": cfg.data.batch_size,
-        "data.seq_len": cfg.data.seq_len,
         "deepspeed.stage": cfg.deepspeed.stage,
+        **{f"data.{key}": value for key, value in data.items()},
         **{f"model.{key}": value for key, value in model.items()},
     }
+
+
+def refuse_changes(path: Path, saved: dict, current: dict) -> None:
+    """Refuse a checkpoint whose fingerprint differs. A key the checkpoint lacks (saved before
+    trainloop checked it) is not compared, and said so: old checkpoints stay resumable."""
+    changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
+    if changed:
+        raise ConfigError(f"checkpoint {path} was made with another config; changed: "
+                          + "; ".join(changed) + ". Restore those settings to resume it, or "
+                          "start a new run in a new hydra.run.dir")
+    unknown = [k for k in current if k not in saved]
+    if unknown:
+        log.warning("checkpoint %s was saved before trainloop recorded %s: resuming it without "
+                    "comparing those", path, ", ".join(unknown))
 
 
 def step_of(path: Path) -> int:
@@ -93,6 +122,90 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def read_state(path: Path) -> dict:
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is 8 bytes of header length, a JSON header, then the tensors' bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else size
+        if 8 + header_len > size:
+            return f"is truncated ({size} bytes: its header is cut off)"
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return "has a corrupt safetensors header"
+    if 8 + header_len + end != size:
+        return f"is {size} bytes, but its header describes {8 + header_len + end} (truncated?)"
+    return None
+
+
+def torch_file_problem(path: Path) -> str | None:
+    """torch.save writes a zip whose directory is at its end: a truncated one does not open."""
+    with path.open("rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return None  # not torch's zip format (an older pickle): not checked here
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"is truncated or corrupt ({err})"
+    return None
+
+
+def json_problem(path: Path) -> str | None:
+    try:
+        json.loads(path.read_text())
+    except (ValueError, OSError) as err:
+        return f"is not valid JSON ({err})"
+    return None
+
+
+FILE_CHECKS = {".safetensors": safetensors_problem, ".bin": torch_file_problem, ".pt": torch_file_problem,
+               ".pkl": torch_file_problem, ".pth": torch_file_problem, ".json": json_problem}
+
+
+def why_unloadable(path: Path) -> str | None:
+    """Why a complete checkpoint would fail to load, naming the file; None if it looks whole.
+    Cheap: sizes, headers and zip directories, no tensor read."""
+    try:
+        saved = read_state(path)
+        saved["state"]["step"], saved["fingerprint"].items()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{path / STATE_FILE} is unreadable ({type(err).__name__}: {err})"
+    for name, size in saved.get("files", {}).items():  # recorded at save time (since issue 12)
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} is {file.stat().st_size} bytes, but {size} were saved (truncated?)"
+    for file in sorted(path.rglob("*")):
+        check = FILE_CHECKS.get(file.suffix)
+        problem = check(file) if check and file.is_file() else None
+        if problem:
+            return f"{file} {problem}"
+    return None
+
+
+def file_sizes(root: Path) -> dict:
+    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def no_space_left(err: BaseException, where: Path, needed: int) -> bool:
+    """ENOSPC anywhere in the chain; torch's zip writer reports a short write without errno
+    ("unexpected pos"), so a disk with less free space than a checkpoint takes counts too."""
+    cause = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return shutil.disk_usage(where).free < max(needed, 1 << 20)
+
+
 def parameters_finite(accelerator, model) -> bool:
     """True when every rank's parameters (its ZeRO-3 partition, if any) are all finite."""
     import torch
@@ -113,6 +226,7 @@ class Checkpointer:
         self.accelerator = accelerator
         self.root = Path(run_dir) / "checkpoints"
         self.fingerprint = run_fingerprint(cfg, accelerator.num_processes)
+        self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -138,27 +252,68 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()  # every rank's files are written (and closed) from here on
-        if acc.is_main_process:
-            (tmp / STATE_FILE).write_text(json.dumps(
-                {"state": state.state_dict(), "fingerprint": self.fingerprint,
-                 "max_steps": self.cfg.trainer.max_steps}, indent=2))
-            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
-            (tmp / COMPLETE).write_text("")
-            _fsync_tree(tmp)
-            if final.exists():  # another history's (find_resume refuses that) or a user's copy
-                log.warning("replacing %s", final)
-                shutil.rmtree(final.rename(self.root / f"{TMP_PREFIX}removing_{final.name}"))
-            os.replace(tmp, final)
-            _fsync(self.root)  # the rename itself is durable only once the folder is synced
-            _write_atomic(self.root / "latest", final.name)
-            for old in self.complete()[:-self.keep_last]:
-                doomed = old.rename(self.root / f"{TMP_PREFIX}removing_{old.name}")  # never half a checkpoint
-                shutil.rmtree(doomed)
-            log.info("saved checkpoint %s", final)
-        acc.wait_for_everyone()
+        self._agree_saved(self._attempt(acc.save_state, str(tmp)), tmp, final)
+        # every rank's files are written (and closed) from here on
+        failure = self._attempt(self._commit, tmp, final, state) if acc.is_main_process else None
+        self._agree_saved(failure, tmp, final)
         return final
+
+    @staticmethod
+    def _attempt(action, *args) -> BaseException | None:
+        try:
+            action(*args)
+        except Exception as err:  # any failure: every rank must hear of it (_agree_saved)
+            return err
+        return None
+
+    def _agree_saved(self, failure: BaseException | None, tmp: Path, final: Path) -> None:
+        """A barrier that also tells every rank whether any rank failed to write its part, so
+        none waits forever for a rank that failed; each then stops with the message."""
+        import torch
+
+        acc = self.accelerator
+        failed = torch.tensor(float(failure is not None), device=acc.device)
+        if acc.reduce(failed, reduction="sum").item() == 0:
+            return
+        error = self._save_error(failure, tmp, final)
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error
+
+    def _save_error(self, failure: BaseException | None, tmp: Path, final: Path) -> BaseException:
+        previous = self.complete()
+        needed = sum(file_sizes(previous[-1]).values()) if previous else 0
+        resumes = (f"the previous checkpoint {previous[-1]} is intact, and running the same command "
+                   "again resumes from it" if previous else "no checkpoint was saved before it")
+        if failure is None:
+            return CheckpointError(f"saving checkpoint {final} failed on another rank (see its message); {resumes}")
+        if not no_space_left(failure, tmp if tmp.exists() else self.root, needed):
+            return failure  # unexpected: its own traceback
+        free = shutil.disk_usage(tmp if tmp.exists() else self.root).free
+        return CheckpointError(
+            f"no space left on device for checkpoint {final} ({free / 2**20:.1f} MiB free there; a "
+            f"checkpoint takes {needed / 2**20:.1f} MiB). The unfinished save was removed; {resumes}. "
+            "Free space, lower checkpoint.keep_last (a save needs room for one checkpoint more), "
+            "or move hydra.run.dir to a bigger disk")
+
+    def _commit(self, tmp: Path, final: Path, state) -> None:
+        """Main process: trainer state, config, COMPLETE, fsync, rename into place, retention."""
+        (tmp / STATE_FILE).write_text(json.dumps(
+            {"state": state.state_dict(), "fingerprint": self.fingerprint,
+             "max_steps": self.cfg.trainer.max_steps, "files": file_sizes(tmp)}, indent=2))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        (tmp / COMPLETE).write_text("")
+        _fsync_tree(tmp)
+        if final.exists():  # another history's (find_resume refuses that) or a user's copy
+            log.warning("replacing %s", final)
+            shutil.rmtree(final.rename(self.root / f"{TMP_PREFIX}removing_{final.name}"))
+        os.replace(tmp, final)
+        _fsync(self.root)  # the rename itself is durable only once the folder is synced
+        _write_atomic(self.root / "latest", final.name)
+        for old in self.complete()[:-self.keep_last]:
+            doomed = old.rename(self.root / f"{TMP_PREFIX}removing_{old.name}")  # never half a checkpoint
+            shutil.rmtree(doomed)
+        log.info("saved checkpoint %s", final)
 
     def remove_partial(self) -> None:
         """Remove what a save cut short (SIGKILL, node failure) left behind; main process only."""
@@ -172,8 +327,29 @@ class Checkpointer:
                 partial.unlink(missing_ok=True)
 
     def find_resume(self) -> Path | None:
-        """The checkpoint checkpoint.resume names, checked against this run's config."""
+        """The checkpoint checkpoint.resume names, checked against this run's config. The main
+        process decides and every rank takes its answer: all load the same checkpoint."""
+        from accelerate.utils import broadcast_object_list
+
         self.remove_partial()
+        outcome = [None, "the main process failed while choosing a checkpoint (see its traceback)"]
+        try:
+            if self.accelerator.is_main_process:
+                path = self._choose_resume()
+                outcome = [None if path is None else str(path), None]
+        except ConfigError as err:
+            outcome = [None, str(err)]
+        finally:
+            outcome = broadcast_object_list(outcome)
+        if outcome[1] is not None:
+            raise ConfigError(outcome[1])
+        if outcome[0] is None:
+            return None
+        path = Path(outcome[0])
+        self.resuming = (path, read_state(path)["fingerprint"])
+        return path
+
+    def _choose_resume(self) -> Path | None:
         spec = self.cfg.checkpoint.resume
         found = self.complete()
         if spec is None:
@@ -187,20 +363,20 @@ class Checkpointer:
             if not found:
                 log.info("checkpoint.resume=auto: no complete checkpoint in %s; starting fresh", self.root)
                 return None
-            path = found[-1]
+            path = self._newest_loadable(found)
+            found = self.complete()  # without the broken ones, now set aside
         else:
             path = Path(spec).expanduser()
             if not (path / COMPLETE).is_file():
                 raise ConfigError(f"checkpoint.resume={spec!r} is not a complete checkpoint "
                                   f"(no {COMPLETE} marker); give a checkpoints/step_NNNNNNN folder, "
                                   "or auto for the latest in the run directory")
-        saved = json.loads((path / STATE_FILE).read_text())
-        changed = [f"{k}: {saved['fingerprint'].get(k)!r} -> {v!r}"
-                   for k, v in self.fingerprint.items() if saved["fingerprint"].get(k) != v]
-        if changed:
-            raise ConfigError(f"checkpoint {path} was made with another config; changed: "
-                              + "; ".join(changed) + ". Restore those settings to resume it, or "
-                              "start a new run in a new hydra.run.dir")
+            problem = why_unloadable(path)
+            if problem:
+                raise CheckpointError(f"checkpoint.resume={spec!r} does not load: {problem}. "
+                                      + self._intact_sibling_hint(path))
+        saved = read_state(path)
+        refuse_changes(path, saved["fingerprint"], self.fingerprint)
         newer = [p.name for p in found if step_of(p) > saved["state"]["step"]]
         if newer:
             raise ConfigError(f"checkpoint.resume={spec!r}: {self.root} holds later checkpoints "
@@ -211,6 +387,42 @@ class Checkpointer:
                         "now runs to %s", path.name, saved.get("max_steps"),
                         self.cfg.trainer.max_steps, self.cfg.trainer.max_steps)
         return path
+
+    def _newest_loadable(self, found: list[Path]) -> Path:
+        """checkpoint.resume=auto: the newest checkpoint that loads. Newer broken ones are moved
+        aside to broken_step_N (kept for a look), so retention and later resumes never count them."""
+        broken = []
+        for path in reversed(found):
+            problem = why_unloadable(path)
+            if problem is None:
+                break
+            broken.append((path, problem))
+        else:
+            raise CheckpointError(f"no checkpoint in {self.root} loads: "
+                                  + "; ".join(problem for _, problem in broken)
+                                  + ". Remove them to start afresh, or train in a new hydra.run.dir")
+        for bad, problem in broken:
+            aside = self.root / f"broken_{bad.name}"
+            while aside.exists():
+                aside = aside.with_name(aside.name + "_")
+            bad.rename(aside)
+            log.warning("checkpoint %s does not load: %s. Resuming from the older %s instead; the "
+                        "broken one is moved to %s", bad.name, problem, path.name, aside)
+        return path
+
+    def _intact_sibling_hint(self, path: Path) -> str:
+        siblings = sorted((p for p in path.parent.glob("step_*") if (p / COMPLETE).is_file() and p != path),
+                          key=step_of, reverse=True)
+        intact = next((p for p in siblings if why_unloadable(p) is None), None)
+        return (f"The newest intact checkpoint beside it is {intact}" if intact
+                else "No intact checkpoint is beside it")
+
+    def check_data(self, data_fingerprint: dict) -> None:
+        """The data is built after find_resume: add what identifies it (tokenizer, packed blocks)
+        to what each save records, and refuse a resume from a checkpoint trained on other data."""
+        self.fingerprint.update(data_fingerprint)
+        if self.resuming is not None:
+            refuse_changes(self.resuming[0], self.resuming[1], data_fingerprint)
 
     def load(self, path: Path, state) -> None:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;

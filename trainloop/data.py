@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
+import logging
 import os
 from itertools import chain
 from pathlib import Path
@@ -12,6 +15,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainloop.checkpoint import ignore_stop_signals
 from trainloop.config import ConfigError, DataConfig
+
+log = logging.getLogger("trainloop")
 
 EOS = "<|endoftext|>"
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -80,12 +85,67 @@ def load_texts(cfg: DataConfig):
 
         return datasets.Dataset.from_dict({cfg.text_field: [topics[k] for k in sorted(topics)]})
     builder, files = data_files(cfg.path)
-    extra = {"sample_by": "document"} if builder == "text" else {}
-    ds = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+    for file in files:
+        if os.path.getsize(file) == 0:
+            raise ConfigError(f"data.path={cfg.path!r}: {file} is empty; remove it or fill it")
+    try:
+        ds = read_files(builder, files)
+    except UNREADABLE:  # find the file to name, reading each alone: only on this error path
+        for file in files:
+            try:
+                read_files(builder, [file])
+            except UNREADABLE as err:
+                raise ConfigError(f"data.path={cfg.path!r}: {file} cannot be read as {builder} "
+                                  f"({root_cause(err)}); fix or remove that file") from None
+        raise
     if cfg.text_field not in ds.column_names:
         raise ConfigError(f"data.text_field={cfg.text_field!r} is not a column of {cfg.path}: "
                           f"its columns are {ds.column_names}; set data.text_field=ONE_OF_THEM")
     return ds
+
+
+# What `datasets` raises for a file that is not what its extension says: DatasetGenerationError
+# (wrapping e.g. UnicodeDecodeError, made a ValueError by read_files), pyarrow's ArrowInvalid (a
+# ValueError), StopIteration (json with no rows); OSError for a file it may not open.
+UNREADABLE = (ValueError, StopIteration, OSError)
+
+
+def read_files(builder: str, files: list[str]):
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    extra = {"sample_by": "document"} if builder == "text" else {}
+    datasets_log = logging.getLogger("datasets")
+    level = datasets_log.level
+    datasets_log.setLevel(logging.CRITICAL)  # it logs each failure at ERROR; load_texts says it once
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", **extra)
+    except DatasetGenerationError as err:
+        raise ValueError(root_cause(err)) from err
+    finally:
+        datasets_log.setLevel(level)
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost exception of a chain, in one short line."""
+    while err.__cause__ or err.__context__:
+        err = err.__cause__ or err.__context__
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
+def drop_rows_without_text(texts, field: str, num_proc: int | None):
+    """Rows where the text field is missing or empty are skipped, and said so; none left is refused."""
+    kept = texts.filter(lambda batch: [bool(t) for t in batch[field]], batched=True, num_proc=num_proc,
+                        desc="drop rows without text")
+    skipped = len(texts) - len(kept)
+    if skipped == len(texts):
+        raise ConfigError(f"none of the {len(texts)} rows has text in data.text_field={field!r}: "
+                          "set data.text_field to the column that holds the text")
+    if skipped:
+        log.warning("skipped %d of %d rows with no text in data.text_field=%r (missing or empty)",
+                    skipped, len(texts), field)
+    return kept
 
 
 class PackedBlocks(Dataset):
@@ -103,11 +163,11 @@ class PackedBlocks(Dataset):
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks, PackedBlocks]:
     """Tokenize (cached by `datasets` for files), append EOS per document, pack, split."""
-    texts = load_texts(cfg)
+    texts = drop_rows_without_text(load_texts(cfg), cfg.text_field, cfg.num_proc)
     field, eos, seq_len = cfg.text_field, tokenizer.eos_token_id, cfg.seq_len
 
     def tokenize(batch):
-        ids = tokenizer([t or "" for t in batch[field]], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(batch[field], add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [eos] for x in ids]}
 
     def pack(batch):
@@ -124,6 +184,20 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks,
     split = packed.train_test_split(test_size=cfg.validation_fraction, seed=seed)
     as_tensor = lambda d: PackedBlocks(torch.tensor(d["input_ids"], dtype=torch.long))  # noqa: E731
     return as_tensor(split["train"]), as_tensor(split["test"])
+
+
+def data_fingerprint(tokenizer, train: PackedBlocks, valid: PackedBlocks) -> dict:
+    """What identifies the data a run trains on, for the resume check: the tokenizer's vocabulary
+    and the packed blocks themselves. Hashing the tokens is exact (any change of files, text
+    field, tokenizer, packing or split shows) and cheap next to tokenizing them."""
+    vocab = tokenizer.get_vocab()
+    vocab_hash = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    blocks_hash = hashlib.sha256()
+    for part in (train.blocks, valid.blocks):
+        blocks_hash.update(part.contiguous().numpy())
+    return {"tokenizer vocabulary": f"{len(vocab)} tokens, sha256 {vocab_hash[:16]}",
+            "data content": f"{len(train)} train + {len(valid)} valid blocks of {train.blocks.shape[1]} "
+                            f"tokens, sha256 {blocks_hash.hexdigest()[:16]}"}
 
 
 def worker_context(method: str):

@@ -32,7 +32,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer, Preempted, Preemption
     from trainloop.compile import compile_model
-    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, data_fingerprint
     from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits, describe_parallelism
     from trainloop.export import export_model
     from trainloop.guard import StepGuard
@@ -56,6 +56,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     with accelerator.main_process_first():
         train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    checkpointer.check_data(data_fingerprint(tokenizer, train_set, valid_set))
 
     on_cuda = accelerator.device.type == "cuda"
     set_seed(cfg.trainer.seed)

@@ -1,0 +1,222 @@
+"""Faults end in one message that says what happened: a full disk during a save, a truncated or
+broken checkpoint (resume=auto falls back to the newest one that loads), unreadable data files,
+rows without text, and a resume onto other data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import compose, launch, read_metrics, train
+from trainloop.checkpoint import COMPLETE, STATE_FILE, why_unloadable
+from trainloop.config import ConfigError
+
+FINISHED = ["checkpoint.every_steps=1", "checkpoint.keep_last=2", "checkpoint.save_final_model=false"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """4 steps on the pydoc data, a checkpoint after each, step_0000003 and step_0000004 kept."""
+    return train(tmp_path_factory.mktemp("faults") / "run", *FINISHED)
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The single `trainloop: error:` line of a run that failed on bad input, without a traceback."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("trainloop: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+# --- A full disk ------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB file system: one smoke checkpoint (1.8 MiB) fits, a second does not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mount)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_save_is_one_message_and_the_previous_checkpoint_stays(small_disk):
+    run = small_disk / "run"
+    proc = launch(["python", "-m", "trainloop", "+preset=smoke", "trainer.max_steps=4", "checkpoint.every_steps=2",
+                   "logging.progress_bar=false", f"hydra.run.dir={run}"], check=False)
+    error = one_error_line(proc)
+    previous = run / "checkpoints" / "step_0000002"
+    assert "no space left on device for checkpoint" in error and "step_0000004" in error, error
+    assert f"the previous checkpoint {previous} is intact" in error, error
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000002"]  # no .tmp_
+    assert why_unloadable(previous) is None
+
+
+# --- Broken checkpoints -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("broken", ["model.safetensors", "optimizer.bin", STATE_FILE])
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_loads(finished_run, tmp_path, caplog, broken):
+    run = copy_of(finished_run, tmp_path)
+    truncate(run / "checkpoints" / "step_0000004" / broken)
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        train(run, *FINISHED, "trainer.max_steps=5")
+    warned = [r.getMessage() for r in caplog.records if "does not load" in r.getMessage()]
+    assert len(warned) == 1 and f"step_0000004/{broken}" in warned[0], warned
+    assert f"resumed from {run / 'checkpoints' / 'step_0000003'} at step 3" in caplog.text
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4, 4, 5]
+    root = run / "checkpoints"  # the broken one is kept aside, never counted as a checkpoint again
+    assert sorted(p.name for p in root.iterdir()) == ["broken_step_0000004", "latest", "step_0000004", "step_0000005"]
+
+
+@pytest.mark.parametrize("broken", ["model.safetensors", "optimizer.bin", STATE_FILE])
+def test_an_explicit_checkpoint_that_does_not_load_is_refused_naming_the_file(finished_run, tmp_path, broken):
+    run = copy_of(finished_run, tmp_path)
+    truncate(run / "checkpoints" / "step_0000004" / broken)
+    with pytest.raises(ConfigError, match=re.escape(f"step_0000004/{broken}")) as refused:
+        train(tmp_path / "elsewhere", f"checkpoint.resume={run / 'checkpoints' / 'step_0000004'}")
+    assert f"The newest intact checkpoint beside it is {run / 'checkpoints' / 'step_0000003'}" in str(refused.value)
+
+
+def test_a_broken_checkpoint_is_one_message_from_the_command_line(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    truncate(run / "checkpoints" / "step_0000004" / "model.safetensors")
+    proc = launch(["python", "-m", "trainloop", "+preset=smoke", f"hydra.run.dir={tmp_path / 'elsewhere'}",
+                   f"checkpoint.resume={run / 'checkpoints' / 'step_0000004'}"], check=False)
+    assert "step_0000004/model.safetensors is 304776 bytes, but 609552 were saved" in one_error_line(proc)
+
+
+def test_checkpoints_without_a_file_list_are_checked_by_their_formats(finished_run, tmp_path):
+    """Checkpoints saved before trainloop recorded file sizes: headers and zip directories."""
+    ckpt = copy_of(finished_run, tmp_path) / "checkpoints" / "step_0000004"
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    del state["files"]
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+    assert why_unloadable(ckpt) is None
+    for name, problem in [("optimizer.bin", "is truncated or corrupt"),
+                          ("model.safetensors", "is 304776 bytes, but its header describes 609552")]:
+        intact = (ckpt / name).read_bytes()
+        truncate(ckpt / name)
+        assert f"{ckpt / name} {problem}" in why_unloadable(ckpt)
+        (ckpt / name).write_bytes(intact)
+    (ckpt / "model.safetensors").write_bytes(b"\x01")
+    assert "header is cut off" in why_unloadable(ckpt)
+
+
+def test_resume_auto_refuses_when_no_checkpoint_loads(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    for step in ("step_0000003", "step_0000004"):
+        truncate(run / "checkpoints" / step / "optimizer.bin")
+    with pytest.raises(ConfigError, match="no checkpoint in .* loads: .*step_0000004/optimizer.bin"):
+        train(run, *FINISHED, "trainer.max_steps=5")
+    assert (run / "checkpoints" / "step_0000004" / COMPLETE).is_file()  # nothing moved or removed
+
+
+# --- Resuming onto other data -------------------------------------------------------------------
+
+def test_resuming_with_other_data_is_refused_naming_it(finished_run, tiny_jsonl):
+    with pytest.raises(ConfigError, match=r"changed: data\.name: 'pydoc' -> 'files'; data\.path: None -> "):
+        train(finished_run, "data=files", f"data.path={tiny_jsonl}", "data.text_field=content")
+
+
+def test_resuming_after_the_data_files_changed_is_refused(tmp_path, tiny_jsonl):
+    files = ["data=files", f"data.path={tiny_jsonl}", "data.text_field=content", "trainer.max_steps=2", *FINISHED]
+    run = train(tmp_path / "run", *files)
+    lines = tiny_jsonl.read_text().splitlines()
+    tiny_jsonl.write_text("\n".join(lines[1:]) + "\n")  # one document less
+    with pytest.raises(ConfigError, match=r"changed: data content: '\d+ train \+ \d+ valid blocks"):
+        train(run, *files[:-len(FINISHED) - 1], "trainer.max_steps=3", *FINISHED)
+
+
+def test_a_checkpoint_from_before_the_data_checks_still_resumes(finished_run, tmp_path, caplog):
+    run = copy_of(finished_run, tmp_path)
+    state_file = run / "checkpoints" / "step_0000004" / STATE_FILE
+    state = json.loads(state_file.read_text())
+    state["fingerprint"] = {k: v for k, v in state["fingerprint"].items()
+                            if not k.startswith("data.") or k in ("data.batch_size", "data.seq_len")}
+    state["fingerprint"].pop("data content")
+    state["fingerprint"].pop("tokenizer vocabulary")
+    state_file.write_text(json.dumps(state))
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        train(run, *FINISHED, "trainer.max_steps=5")
+    assert "resumed from" in caplog.text and "at step 4" in caplog.text
+    assert re.search(r"saved before trainloop recorded data\.name, .*data\.path", caplog.text), caplog.text
+    assert "saved before trainloop recorded tokenizer vocabulary, data content" in caplog.text
+
+
+# --- Bad data files -----------------------------------------------------------------------------
+
+GARBAGE = bytes(range(256)) * 40  # not UTF-8 (0x80 cannot start a character), not parquet
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("empty.jsonl", b"", "is empty"),
+    ("garbage.jsonl", GARBAGE, "cannot be read as json (UnicodeDecodeError"),
+    ("garbage.txt", GARBAGE, "cannot be read as text (UnicodeDecodeError"),
+    ("garbage.parquet", GARBAGE, "cannot be read as parquet (ArrowInvalid"),
+])
+def test_an_unreadable_data_file_is_refused_naming_the_key_and_the_file(tmp_path, name, content, says):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / name).write_bytes(content)
+    if name.endswith(".jsonl"):  # a readable file beside it: the message names the bad one
+        (data / "good.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"data.path='{data}': {data / name} {says}")):
+        train(tmp_path / "run", "data=files", f"data.path={data}")
+
+
+def test_garbage_data_is_one_message_from_the_command_line(tmp_path):
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(GARBAGE)
+    proc = launch(["python", "-m", "trainloop", "+preset=smoke", "data=files", f"data.path={garbage}",
+                   f"hydra.run.dir={tmp_path / 'run'}"], check=False)
+    assert f"{garbage} cannot be read as parquet" in one_error_line(proc)
+
+
+def rows_file(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_rows_without_the_text_field_are_skipped_and_counted(tmp_path, caplog):
+    from pydoc_data.topics import topics
+
+    from trainloop.data import build_datasets, byte_level_tokenizer
+
+    texts = [topics[k] for k in sorted(topics)[:30]]
+    mixed = rows_file(tmp_path, [row for t in texts for row in ({"content": t}, {"other": "no content"})])
+    cfg = compose("data=files", f"data.path={mixed}", "data.text_field=content", "data.seq_len=64").data
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        train_set, valid_set = build_datasets(cfg, byte_level_tokenizer(), seed=0)
+    assert "skipped 30 of 60 rows with no text in data.text_field='content'" in caplog.text
+    tokens = sum(len(t.encode()) + 1 for t in texts)  # byte tokens + one EOS per document, none for the rest
+    assert len(train_set) + len(valid_set) == tokens // 64
+
+
+def test_data_where_no_row_has_text_is_refused(tmp_path):
+    from trainloop.data import build_datasets, byte_level_tokenizer
+
+    empty = rows_file(tmp_path, [{"content": None, "other": "x"}, {"content": "", "other": "y"}])
+    cfg = compose("data=files", f"data.path={empty}", "data.text_field=content").data
+    with pytest.raises(ConfigError, match="none of the 2 rows has text in data.text_field='content'"):
+        build_datasets(cfg, byte_level_tokenizer(), seed=0)
