@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import compose, launch, read_metrics, train
-from trainloop.checkpoint import COMPLETE, Preemption
+from trainloop.checkpoint import COMPLETE
+from trainloop.preemption import Preemption
 from trainloop.config import ConfigError
 
 

@@ -52,7 +52,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from trainloop.checkpoint import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
+    from trainloop.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
     from trainloop.config import CONFIG_DIR, ConfigError, check_command_line, register_configs
 
     register_configs()
@@ -72,7 +72,7 @@ def main() -> None:
         except NonFiniteError as err:
             print(f"trainloop: error: {err}", file=sys.stderr)
             sys.exit(EXIT_NONFINITE)
-        except Preempted as stop:  # exit codes: trainloop/checkpoint.py
+        except Preempted as stop:  # exit codes: trainloop/errors.py
             print(f"trainloop: {stop}", file=sys.stderr)
             sys.exit(EXIT_PREEMPTED)
         except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic saves under RUN_DIR/checkpoints/step_NNNNNNN, resume, retention, preemption.
+"""Checkpoints: atomic saves under RUN_DIR/checkpoints/step_NNNNNNN, resume, retention.
 
 A save is written to a temporary folder by every rank (accelerate's save_state: model,
 optimizer, scheduler, scaler, every RNG per rank, the accumulation micro-step), completed with
@@ -7,57 +7,33 @@ then named in `latest`. A folder without COMPLETE is never loaded (a save cut sh
 leaves `.tmp_step_*`, removed at the next start), and older checkpoints are removed only after
 a newer one is complete. The parameters are checked to be finite first: a non-finite state is
 never saved over a good one. The checkpoints folder must be on a file system every node sees.
-
-Exit codes of `python -m trainloop` (each rank's; torchrun and `accelerate launch` themselves
-exit 1 whenever a rank exits non-zero, and print each rank's code):
-  0   finished (or stopped at trainer.stop_at_step, with a checkpoint)
-  1   an unexpected error (traceback)
-  2   a bad config or input (one message naming the key or file), a checkpoint that cannot be
-      saved (disk full) or loaded (truncated, corrupt)
-  3   stopped on a non-finite loss or gradient norm (trainer.on_nonfinite=stop)
-  75  preempted: SIGTERM, SIGUSR1 or one Ctrl-C; a checkpoint was saved, run the same command
-      again to continue (EX_TEMPFAIL: "try again later"; 143 would look like a plain kill)
-  130 a second Ctrl-C: stopped at once, without a checkpoint
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import json
 import logging
 import os
 import shutil
-import signal
-import threading
-import time
 import zipfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from trainloop.config import ConfigError
+from trainloop.errors import NonFiniteError
 
 log = logging.getLogger("trainloop")
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
-EXIT_NONFINITE = 3
-EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130
 
 
 class CheckpointError(ConfigError):
     """A checkpoint could not be saved (disk full) or loaded: one message, no traceback, exit 2."""
 
-
-class Preempted(Exception):
-    """Every rank agreed to stop on a signal and the checkpoint is saved; exit EXIT_PREEMPTED."""
-
-
-class NonFiniteError(RuntimeError):
-    """Training met a non-finite loss, gradient norm or parameter; exit EXIT_NONFINITE."""
 
 
 # DataLoader mechanics: they change how blocks reach the model, never which blocks or in what order.
@@ -431,76 +407,3 @@ class Checkpointer:
         state.load_state_dict(json.loads((path / STATE_FILE).read_text())["state"])
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, state.step, state.epoch,
                  state.batches_in_epoch)
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader workers' init: a scheduler signals every process, but a worker that dies on
-    SIGTERM (torch's default there) or Ctrl-C crashes the main process before it can save.
-    The main process kills its workers at exit instead (see _kill_workers_at_exit)."""
-    for name in Preemption.SIGNALS:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-
-
-def _kill_workers_at_exit() -> None:
-    """multiprocessing ends daemonic children at exit with SIGTERM and waits for them; workers
-    that ignore SIGTERM would make that wait endless after a crash, so SIGKILL them first."""
-    import multiprocessing
-
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report these kills
-    for child in multiprocessing.active_children():
-        if child.daemon and child.pid:
-            os.kill(child.pid, signal.SIGKILL)
-
-
-class Preemption:
-    """SIGTERM, SIGUSR1 (SLURM's warning) and one Ctrl-C ask the run to stop after this step.
-
-    The handler only sets a flag; the loop agrees on it across ranks at the next optimizer step,
-    saves a checkpoint and raises Preempted. A second Ctrl-C stops at once (KeyboardInterrupt).
-    Launchers forward a Ctrl-C they also received, so a second SIGINT within a second of the
-    first counts as the same one.
-    """
-
-    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._first_at = 0.0
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        now = time.monotonic()
-        if self.requested and name == "SIGINT" and now - self._first_at > 1.0:
-            raise KeyboardInterrupt("second Ctrl-C: stopping at once, without a checkpoint")
-        if not self.requested:
-            self.requested, self._first_at = name, now
-            log.warning("received %s: finishing this optimizer step, saving a checkpoint, then exiting "
-                        "with code %d (Ctrl-C again to stop at once)", name, EXIT_PREEMPTED)
-
-    def __enter__(self) -> "Preemption":
-        atexit.unregister(_kill_workers_at_exit)  # once, and after multiprocessing's own hook
-        atexit.register(_kill_workers_at_exit)
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                if hasattr(signal, name):
-                    sig = getattr(signal, name)
-                    self._previous[sig] = signal.signal(sig, self._handle)
-        else:
-            log.warning("not in the main thread: SIGTERM/SIGUSR1 will not save a checkpoint")
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type in (Preempted, NonFiniteError):
-            # Every rank agreed to stop and exits with its own code; a launcher that saw another
-            # rank exit first sends SIGTERM to the rest, which must not turn their code into -15.
-            # SIG_IGN, unlike a Python handler, lasts through the interpreter's shutdown.
-            self.requested = self.requested or "stop"
-            for sig in self._previous:
-                if sig != signal.SIGINT:  # a second Ctrl-C still stops at once
-                    signal.signal(sig, signal.SIG_IGN)
-            return
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainloop.checkpoint import ignore_stop_signals
+from trainloop.preemption import ignore_stop_signals
 from trainloop.config import ConfigError, DataConfig
 
 log = logging.getLogger("trainloop")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainloop.checkpoint import NonFiniteError
+from trainloop.errors import NonFiniteError
 
 log = logging.getLogger("trainloop")
 

@@ -30,7 +30,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     from accelerate.utils import set_seed
 
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
-    from trainloop.checkpoint import Checkpointer, Preempted, Preemption
+    from trainloop.checkpoint import Checkpointer
+    from trainloop.errors import Preempted
+    from trainloop.preemption import Preemption
     from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, data_fingerprint
     from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits, describe_parallelism

@@ -1,0 +1,28 @@
+"""How a run ends: the exception types that stop it and the exit code of each.
+
+Exit codes of `python -m trainloop` (each rank's; torchrun and `accelerate launch` themselves
+exit 1 whenever a rank exits non-zero, and print each rank's code):
+  0   finished (or stopped at trainer.stop_at_step, with a checkpoint)
+  1   an unexpected error (traceback)
+  2   a bad config or input (one message naming the key or file), a checkpoint that cannot be
+      saved (disk full) or loaded (truncated, corrupt)
+  3   stopped on a non-finite loss or gradient norm (trainer.on_nonfinite=stop)
+  75  preempted: SIGTERM, SIGUSR1 or one Ctrl-C; a checkpoint was saved, run the same command
+      again to continue (EX_TEMPFAIL: "try again later"; 143 would look like a plain kill)
+  130 a second Ctrl-C: stopped at once, without a checkpoint
+
+A bad config is trainloop.config.ConfigError (exit 2); the types below are the others.
+"""
+
+EXIT_BAD_CONFIG = 2
+EXIT_NONFINITE = 3
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop on a signal and the checkpoint is saved; exit EXIT_PREEMPTED."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a non-finite loss, gradient norm or parameter; exit EXIT_NONFINITE."""
