@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from trainloop.config import ConfigError
 from trainloop.errors import NonFiniteError
+from trainloop.parallel import local_shard
 
 log = logging.getLogger("trainloop")
 
@@ -188,7 +189,7 @@ def parameters_finite(accelerator, model) -> bool:
 
     bad = torch.zeros((), device=accelerator.device)
     for p in model.parameters():
-        local = getattr(p, "ds_tensor", p)  # ZeRO-3 keeps this rank's shard in ds_tensor
+        local = local_shard(p)
         if local.numel():
             bad += (~torch.isfinite(local.detach())).any().float()
     return accelerator.reduce(bad, reduction="sum").item() == 0

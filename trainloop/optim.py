@@ -21,11 +21,13 @@ Shape = tuple[int, ...]
 def parameter_groups(model, weight_decay: float) -> list[dict]:
     """Decay matrices and embeddings; never biases or norm weights (the 1-D parameters).
 
-    Under ZeRO-3 every parameter is an empty 1-D placeholder; ds_shape is its real shape.
-    An empty group is left out: DeepSpeed drops it, and the scheduler must see the same groups.
+    Shapes are the full ones (a ZeRO-3 parameter is a 1-D placeholder on each rank). An empty
+    group is left out: DeepSpeed drops it, and the scheduler must see the same groups.
     """
+    from trainloop.parallel import full_shape
+
     params = [p for p in model.parameters() if p.requires_grad]
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    matrix = [len(full_shape(p)) >= 2 for p in params]
     groups = [
         {"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
         {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0},
