@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainloop.config import ConfigError, validate
+from trainloop.rundir import LaunchRecord, hold_run_dir
 
 log = logging.getLogger("trainloop")
 
@@ -21,10 +23,24 @@ def check_complete(cfg: DictConfig) -> None:
                           + " (set them on the command line, e.g. KEY=VALUE)")
 
 
-def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
-    """Train with `cfg`, writing into `run_dir`; return the last validation loss."""
+def is_main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None = None) -> float | None:
+    """Train with `cfg`, writing into `run_dir`; return the last validation loss.
+
+    The main rank holds run_dir until the run ends (its run dir is the one every rank agrees
+    on); `record`, this launch's Hydra files, is written to run_dir/.hydra once the run is
+    accepted: config, data and checkpoint checked, just before the first step.
+    """
     check_complete(cfg)
     validate(cfg)
+    with hold_run_dir(run_dir) if is_main_rank() else nullcontext():
+        return train_in_run_dir(cfg, run_dir, record)
+
+
+def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None) -> float | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
 
     from accelerate.utils import set_seed
@@ -88,6 +104,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state)
+    if record is not None and accelerator.is_main_process:
+        record.write(run_dir)
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, accelerator.num_processes)
     if batch_search is not None:
