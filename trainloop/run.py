@@ -126,5 +126,19 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
                  "to continue", state.step, cfg.trainer.max_steps)
     elif cfg.checkpoint.save_final_model:
         export_model(accelerator, model, tokenizer, Path(run_dir) / "final")
-    accelerator.end_training()
+    end_distributed(accelerator)
     return eval_loss
+
+
+def end_distributed(accelerator) -> None:
+    """Tear the process group down only once every rank is done with every collective.
+
+    The main process still writes the final model while the other ranks already hold the
+    result of the last broadcast; a rank that went on to tear down its gloo connections and exit
+    then did so while its peers were still mid-collective with it. And DDP keeps the gloo backend
+    (and its native threads) alive to the end of the process whatever destroy_process_group does,
+    so the ranks must reach interpreter exit with nothing left in flight between them.
+    """
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
