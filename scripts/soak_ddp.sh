@@ -7,8 +7,10 @@
 #   PYTHON=/path/to/venv/bin/python scripts/soak_ddp.sh 20
 #
 # Each run gets a run dir of its own under a temporary folder; a failed run's log is kept
-# (failed-N.log) and its path printed. Exits 0 only if every run exited 0.
+# (failed-N.log; PYTHONFAULTHANDLER=1 puts each thread's Python stack there on a crash) and its
+# path printed. Exits 0 only if every run exited 0.
 set -uo pipefail
+cd "$(dirname "$0")/.."  # the repository root: `-m trainloop` is this checkout
 
 COUNT=${1:-20}
 shift || true
@@ -22,7 +24,7 @@ free_port() { "$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0
 passed=0
 for i in $(seq 1 "$COUNT"); do
     started=$SECONDS
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$TORCHRUN" --nproc_per_node 2 --master_addr 127.0.0.1 \
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONFAULTHANDLER=1 "$TORCHRUN" --nproc_per_node 2 --master_addr 127.0.0.1 \
         --master_port "$(free_port)" -m trainloop +preset=smoke trainer.max_steps=10 trainer.eval_every=1000 \
         logging.progress_bar=false hydra.run.dir="$out/run-$i" "$@" >"$out/run-$i.log" 2>&1
     code=$?
