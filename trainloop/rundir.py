@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import json
+import logging
 import os
 import socket
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainloop.config import ConfigError
+
+log = logging.getLogger("trainloop")
 
 RUN_LOCK = ".trainloop.lock"
 RECORD_DIR = ".hydra"
@@ -55,6 +58,9 @@ def hold_run_dir(run_dir: str | os.PathLike):
         except BlockingIOError:
             raise ConfigError(f"run dir {run_dir} is in use by another run ({_describe_holder(fd)}); "
                               "wait for it to end, stop it, or choose another hydra.run.dir") from None
+        except OSError as err:  # a file system without flock (some network mounts): run unguarded
+            log.warning("cannot lock run dir %s (%s): a second launch into it would not be refused",
+                        run_dir, err)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(_holder()) + "\n").encode(), 0)
         yield run_dir
