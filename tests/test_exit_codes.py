@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from conftest import clean_env, launch
 from trainloop.__main__ import exit_code_of_hydra_failure
 
 
@@ -17,6 +17,13 @@ def test_a_config_hydra_rejects_exits_2_naming_the_key(tmp_path, override, named
     proc = launch(["python", "-m", "trainloop", override, f"hydra.run.dir={tmp_path / 'run'}"], check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert named in proc.stderr
+
+
+def test_with_hydra_full_error_a_rejected_config_still_exits_2(tmp_path):
+    proc = launch(["python", "-m", "trainloop", "trainer.no_such_key=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                  check=False, env=clean_env(HYDRA_FULL_ERROR="1"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and "trainer.no_such_key" in proc.stderr
 
 
 def test_an_error_after_the_run_started_keeps_hydras_exit_code():
