@@ -131,13 +131,14 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
 
 
 def end_distributed(accelerator) -> None:
-    """Tear the process group down only once every rank is done with every collective.
+    """Tear the process group down only once every rank has finished every collective.
 
-    The main process still writes the final model while the other ranks already hold the
-    result of the last broadcast; a rank that went on to tear down its gloo connections and exit
-    then did so while its peers were still mid-collective with it. And DDP keeps the gloo backend
-    (and its native threads) alive to the end of the process whatever destroy_process_group does,
-    so the ranks must reach interpreter exit with nothing left in flight between them.
+    2-process runs that had saved their final model sometimes lost rank 1 to SIGABRT at exit
+    (`terminate called without an active exception`). The ranks leave the last broadcast at
+    different times (the sender returns before the receiver has read), and DDP keeps the gloo
+    backend and its native threads alive until the process ends whatever destroy_process_group
+    does, so one rank's exit, which closes its connections, could overlap a peer still talking
+    to it. After this barrier no rank has anything in flight with another.
     """
     if accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
