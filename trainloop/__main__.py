@@ -4,6 +4,10 @@ Launchers: torchrun and `accelerate launch` pass the rank in the environment; th
 launcher passes `--local_rank=N` on the command line, which Hydra would reject, so it is taken
 off sys.argv here. Heavy imports (torch, transformers, deepspeed) wait until a run starts, so
 `--help` and `--cfg job` stay fast.
+
+Exit codes: 2 for a bad config, whether Hydra finds it (an unknown key, a wrong type, an unknown
+option, before the run starts) or trainloop does (ConfigError); an error that escapes a run that
+started exits 1, as Hydra reports it. The rest are in trainloop/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ def rank_overrides() -> list[str]:
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra/hydra_logging=none"]
 
 
+def exit_code_of_hydra_failure(code, run_started: bool):
+    """Hydra reports any error with exit 1; one raised before the task function ran is the
+    config's (composing, overriding, type-checking it): exit 2, as for trainloop's own checks."""
+    return 2 if code == 1 and not run_started else code
+
+
 def main() -> None:
     sys.argv = [sys.argv[0]] + take_launcher_args(sys.argv[1:])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,20 +62,26 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from trainloop.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
     from trainloop.config import CONFIG_DIR, ConfigError, check_command_line, register_configs
+    from trainloop.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
+    from trainloop.lifetime import watch_launcher
 
     register_configs()
+    watch_launcher()  # under a launcher: this rank ends when the launcher dies
+    run_started = False
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
     def app(cfg: DictConfig) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
+        from trainloop.rundir import LaunchRecord
         from trainloop.run import run
 
+        nonlocal run_started
+        run_started = True
         try:
             check_command_line(cfg, HydraConfig.get().overrides.task)
-            return run(cfg, run_dir=HydraConfig.get().runtime.output_dir)
+            return run(cfg, run_dir=HydraConfig.get().runtime.output_dir, record=LaunchRecord.from_hydra(cfg))
         except ConfigError as err:  # a known bad input: one message, no traceback
             print(f"trainloop: error: {err}", file=sys.stderr)
             sys.exit(2)
@@ -79,7 +95,17 @@ def main() -> None:
             print("trainloop: interrupted", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
 
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        sys.exit(exit_code_of_hydra_failure(done.code, run_started))
+    except Exception:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead of exiting 1
+        if run_started:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -4,44 +4,53 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainloop.config import ConfigError, validate
+from trainloop.config import ConfigError, check_complete, validate
+from trainloop.rundir import LaunchRecord, hold_run_dir
 
 log = logging.getLogger("trainloop")
 
 
-def check_complete(cfg: DictConfig) -> None:
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError("required keys have no value: " + ", ".join(missing)
-                          + " (set them on the command line, e.g. KEY=VALUE)")
+def is_main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
-def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
-    """Train with `cfg`, writing into `run_dir`; return the last validation loss."""
+def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None = None) -> float | None:
+    """Train with `cfg`, writing into `run_dir`; return the last validation loss.
+
+    The main rank holds run_dir until the run ends (its run dir is the one every rank agrees
+    on); `record`, this launch's Hydra files, is written to run_dir/.hydra once the run is
+    accepted: config, data and checkpoint checked, just before the first step.
+    """
     check_complete(cfg)
     validate(cfg)
+    with hold_run_dir(run_dir) if is_main_rank() else nullcontext():
+        return train_in_run_dir(cfg, run_dir, record)
+
+
+def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None) -> float | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
 
     from accelerate.utils import set_seed
 
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer
-    from trainloop.errors import Preempted
-    from trainloop.preemption import Preemption
     from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, data_fingerprint
     from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits, describe_parallelism
+    from trainloop.errors import Preempted
     from trainloop.export import export_model
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
     from trainloop.model import build_model, build_model_config, context_length
     from trainloop.optim import build_optimizer, build_scheduler
+    from trainloop.preemption import Preemption
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
     accelerator = build_accelerator(cfg)
@@ -91,6 +100,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state)
+    if record is not None and accelerator.is_main_process:
+        record.write(run_dir)
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, accelerator.num_processes)
     if batch_search is not None:
@@ -111,5 +122,20 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
                  "to continue", state.step, cfg.trainer.max_steps)
     elif cfg.checkpoint.save_final_model:
         export_model(accelerator, model, tokenizer, Path(run_dir) / "final")
-    accelerator.end_training()
+    end_distributed(accelerator)
     return eval_loss
+
+
+def end_distributed(accelerator) -> None:
+    """Tear the process group down only once every rank has finished every collective.
+
+    2-process runs that had saved their final model sometimes lost rank 1 to SIGABRT at exit
+    (`terminate called without an active exception`). The ranks leave the last broadcast at
+    different times (the sender returns before the receiver has read), and DDP keeps the gloo
+    backend and its native threads alive until the process ends whatever destroy_process_group
+    does, so one rank's exit, which closes its connections, could overlap a peer still talking
+    to it. After this barrier no rank has anything in flight with another.
+    """
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+    accelerator.end_training()

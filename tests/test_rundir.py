@@ -1,0 +1,122 @@
+"""One run per run directory, each launch's record kept, and no rank outliving its launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL, clean_env, end_family, family, launch
+from trainloop.config import ConfigError
+from trainloop.rundir import RUN_LOCK, hold_run_dir
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def start(args: list[str], output: Path) -> subprocess.Popen:
+    with open(output, "w") as out:
+        return subprocess.Popen(args, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(condition, proc: subprocess.Popen, output: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"it ended (exit {proc.returncode}):\n{output.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, output.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:  # an orphan's zombie (no init to reap it in a container) is not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_held_run_dir_is_refused_naming_its_holder(tmp_path):
+    with hold_run_dir(tmp_path):
+        with pytest.raises(ConfigError, match=rf"in use by another run \(host {socket.gethostname()}, "
+                                              rf"pid {os.getpid()}, started "):
+            with hold_run_dir(tmp_path):
+                pass
+    with hold_run_dir(tmp_path):  # released when the block ends: runs one after another go on
+        pass
+
+
+def test_the_lock_of_a_killed_run_does_not_block_the_next(tmp_path):
+    holder = ("import os, signal, sys\nfrom trainloop.rundir import hold_run_dir\n"
+              "with hold_run_dir(sys.argv[1]):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], env=clean_env())
+    assert proc.wait() == -signal.SIGKILL and f'"pid": {proc.pid},' in (tmp_path / RUN_LOCK).read_text()
+    with hold_run_dir(tmp_path):
+        pass
+
+
+def test_a_second_launch_into_a_running_run_dir_is_refused(tmp_path):
+    run_dir, output = tmp_path / "run", tmp_path / "first.txt"
+    first = start([sys.executable, "-m", "trainloop", *SMALL, "trainer.max_steps=100000",
+                   "trainer.eval_every=100000", f"hydra.run.dir={run_dir}"], output)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), first, output)
+        second = launch(["python", "-m", "trainloop", *SMALL, f"hydra.run.dir={run_dir}"], check=False)
+    finally:
+        end_family(first, stacks=False)
+        first.wait()
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"is in use by another run (host {socket.gethostname()}, pid {first.pid}, started" in second.stderr
+    steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len({line.split(",")[0] for line in steps}) == len(steps)  # each step once: one writer
+
+
+def test_a_refused_launch_keeps_the_record_of_the_run_before(tmp_path):
+    run_dir, record = tmp_path / "run", tmp_path / "run" / ".hydra"
+    launch(["python", "-m", "trainloop", *SMALL, f"hydra.run.dir={run_dir}"])
+    before = {p.name: p.read_bytes() for p in record.iterdir()}
+    assert sorted(before) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+
+    # refused after the run dir is held: the checkpoint there was made with another seq_len
+    refused = launch(["python", "-m", "trainloop", *SMALL, "data.seq_len=100000", f"hydra.run.dir={run_dir}"],
+                     check=False)
+    assert refused.returncode == 2 and "data.seq_len: 64 -> 100000" in refused.stderr, refused.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in record.iterdir()} == before
+
+    # a resumed launch is recorded as the current one; the first launch's files are kept
+    launch(["python", "-m", "trainloop", *SMALL, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"])
+    assert "trainer.max_steps=5" in (record / "overrides.yaml").read_text()
+    assert "max_steps: 5" in (record / "config.yaml").read_text()
+    assert {p.name: p.read_bytes() for p in (record / "launches" / "001").iterdir()} == before
+
+
+def test_killing_the_launcher_ends_every_rank(tmp_path):
+    run_dir, output = tmp_path / "run", tmp_path / "output.txt"
+    torchrun = start([TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                      str(free_port()), "-m", "trainloop", *SMALL, "trainer.max_steps=100000",
+                      "trainer.eval_every=100000", f"hydra.run.dir={run_dir}"], output)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), torchrun, output)
+    except BaseException:
+        end_family(torchrun, stacks=False)
+        raise
+    ranks = family(torchrun.pid)[1:]
+    torchrun.send_signal(signal.SIGKILL)
+    torchrun.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    running = [pid for pid in ranks if alive(pid)]
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+    assert not running, f"ranks {running} still ran 30 s after torchrun was killed:\n{output.read_text()[-4000:]}"
+    assert "the launcher (pid" in output.read_text()
