@@ -95,17 +95,38 @@ def main() -> None:
             print("trainloop: interrupted", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
 
+    code = 0
     try:
         app()
     except SystemExit as done:
-        sys.exit(exit_code_of_hydra_failure(done.code, run_started))
+        code = exit_code_of_hydra_failure(done.code, run_started)
     except Exception:  # HYDRA_FULL_ERROR=1: Hydra re-raises instead of exiting 1
         if run_started:
             raise
         import traceback
 
         traceback.print_exc()
-        sys.exit(2)
+        code = 2
+    leave(code, under_launcher=world_size > 1)
+
+
+def leave(code, under_launcher: bool) -> None:
+    """Exit with `code`. A rank under a launcher skips the interpreter's native teardown once
+    Python's exit handlers have run and every stream is flushed: DDP keeps references to the gloo
+    process group, so its native threads outlive destroy_process_group, and tearing them down at
+    interpreter exit could abort a rank that had finished its work (SIGABRT, `terminate called
+    without an active exception`), turning a finished run into a FAILED one."""
+    code = 0 if code is None else code
+    if not under_launcher or not isinstance(code, int):
+        sys.exit(code)
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()  # multiprocessing's and trainloop's own exit handlers
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

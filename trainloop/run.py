@@ -8,7 +8,7 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainloop.config import ConfigError, check_complete, validate
 from trainloop.rundir import LaunchRecord, hold_run_dir
