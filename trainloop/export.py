@@ -6,6 +6,7 @@ from every rank first.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -52,9 +53,43 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def check_token_ids(directory: Path, tokenizer) -> None:
+    """config.json and generation_config.json name the tokenizer's own bos/eos/pad ids, each
+    inside the vocabulary: an id the model cannot emit, or one naming another token, makes
+    `generate` run on past the end of the text or stop in the middle of it."""
+    from trainloop.model import SPECIAL_TOKENS
+
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    wanted = {key: getattr(tokenizer, key) for key in SPECIAL_TOKENS}
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((directory / name).read_text())
+        for key, value in wanted.items():
+            ids = written.get(key)
+            outside = [i for i in (ids if isinstance(ids, list) else [ids]) if i is not None and not 0 <= i < vocab]
+            if outside:
+                raise RuntimeError(f"{directory / name}: {key}={ids} is outside the vocabulary of {vocab} tokens")
+            if ids != value and not (isinstance(ids, list) and value in ids):
+                raise RuntimeError(f"{directory / name}: {key}={ids}, but the tokenizer's is {value}")
+
+
+def unwrap(accelerator, model):
+    """The bare model. accelerate's unwrap_model imports DeepSpeed whenever it is installed (its
+    banner, and seconds), so it is left to the runs that use DeepSpeed."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if uses_deepspeed(accelerator):
+        return accelerator.unwrap_model(model)
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model = model.module
+    return model
+
+
+def uses_deepspeed(accelerator) -> bool:
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
 def is_zero3(accelerator) -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
+    return uses_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
 def gather_state_dict(accelerator, model) -> dict:
@@ -65,10 +100,12 @@ def gather_state_dict(accelerator, model) -> dict:
     parameters are gathered one at a time with DeepSpeed, which holds one whole tensor at once.
     """
     if not is_zero3(accelerator):
-        return accelerator.get_state_dict(model)
+        if uses_deepspeed(accelerator):
+            return accelerator.get_state_dict(model)
+        return unwrap(accelerator, model).state_dict()
     import deepspeed
 
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     state = {}
     for name, param in unwrapped.named_parameters():  # a tied weight comes once, under its first name
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -91,12 +128,13 @@ def export_model(accelerator, model, tokenizer, directory: Path) -> None:
     outcome = [None]
     if accelerator.is_main_process:
         try:
-            unwrapped = accelerator.unwrap_model(model)
+            unwrapped = unwrap(accelerator, model)
             if not state_dict:
                 raise RuntimeError("the gathered state dict of the final model is empty")
             unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(directory)
             count = check_export(directory, live_shapes(unwrapped))
+            check_token_ids(directory, tokenizer)
             log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
         except Exception as err:  # noqa: BLE001 - handed to every rank below
             outcome = [f"{type(err).__name__}: {err}"]
