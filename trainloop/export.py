@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("trainloop")
@@ -72,24 +73,9 @@ def check_token_ids(directory: Path, tokenizer) -> None:
                 raise RuntimeError(f"{directory / name}: {key}={ids}, but the tokenizer's is {value}")
 
 
-def unwrap(accelerator, model):
-    """The bare model. accelerate's unwrap_model imports DeepSpeed whenever it is installed (its
-    banner, and seconds), so it is left to the runs that use DeepSpeed."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if uses_deepspeed(accelerator):
-        return accelerator.unwrap_model(model)
-    while isinstance(model, (DistributedDataParallel, DataParallel)):
-        model = model.module
-    return model
-
-
-def uses_deepspeed(accelerator) -> bool:
-    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
-
-
 def is_zero3(accelerator) -> bool:
-    return uses_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
 
 
 def gather_state_dict(accelerator, model) -> dict:
@@ -100,12 +86,10 @@ def gather_state_dict(accelerator, model) -> dict:
     parameters are gathered one at a time with DeepSpeed, which holds one whole tensor at once.
     """
     if not is_zero3(accelerator):
-        if uses_deepspeed(accelerator):
-            return accelerator.get_state_dict(model)
-        return unwrap(accelerator, model).state_dict()
+        return accelerator.get_state_dict(model)
     import deepspeed
 
-    unwrapped = unwrap(accelerator, model)
+    unwrapped = accelerator.unwrap_model(model)
     state = {}
     for name, param in unwrapped.named_parameters():  # a tied weight comes once, under its first name
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -124,11 +108,15 @@ def export_model(accelerator, model, tokenizer, directory: Path) -> None:
     """
     from accelerate.utils import broadcast_object_list
 
+    if accelerator.device.type == "cpu":
+        # save_pretrained unwraps through accelerate, which imports DeepSpeed whenever it is
+        # installed, used or not; on a CPU DeepSpeed's own detection picks the same, with a banner.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     state_dict = gather_state_dict(accelerator, model)
     outcome = [None]
     if accelerator.is_main_process:
         try:
-            unwrapped = unwrap(accelerator, model)
+            unwrapped = accelerator.unwrap_model(model)
             if not state_dict:
                 raise RuntimeError("the gathered state dict of the final model is empty")
             unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
