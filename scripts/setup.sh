@@ -7,8 +7,10 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet -c constraints.txt -e ".[test]"
+# -qq: pip's errors only. Its warnings include one line for every package a configured index
+# or find-links folder does not hold, which says nothing about this install.
+"$VENV/bin/python" -m pip install -qq --upgrade pip
+"$VENV/bin/python" -m pip install -qq -c constraints.txt -e ".[test]"
 
 # DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against libaio.
 if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then

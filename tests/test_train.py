@@ -53,3 +53,17 @@ def test_loader_workers_load_the_batches_one_process_loads(method):
     assert len(train_alone) == 10 and all(torch.equal(a, b) for a, b in zip(train_alone, train_workers, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(valid_alone, valid_workers, strict=True))
     assert compose().data.multiprocessing_context == "forkserver"
+
+
+def test_a_default_run_says_only_what_matters(tmp_path):
+    """A run without DeepSpeed never imports it (its "Setting accelerator to CPU" banner), saving a
+    model with tied embeddings does not warn about them, and a CPU gets no tensor-core advice."""
+    run_dir = tmp_path / "run"
+    done = launch(["python", "-m", "trainloop", "+preset=smoke", "trainer.max_steps=2", "logging.progress_bar=false",
+                   f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert any("saved the final model" in line for line in lines)
+    noise = [line for line in lines if "deepspeed" in line.lower() or "Setting accelerator to" in line
+             or "Removed shared tensor" in line
+             or "tensor cores" in line or "not a multiple of" in line]
+    assert not noise, "\n".join(noise)

@@ -26,18 +26,21 @@ log = logging.getLogger("trainloop")
 TRIAL_STEPS = 2  # the second step runs with the optimizer state of the first in memory
 
 
-def tensor_core_multiple(precision: str, device: torch.device) -> int:
-    """The multiple the guide recommends: 64 on A100-class GPUs in fp16/bf16, otherwise 8."""
-    if device.type == "cuda" and precision in ("fp16", "bf16"):
+def tensor_core_multiple(precision: str, device: torch.device) -> int | None:
+    """The multiple the guide recommends: 64 on A100-class GPUs in fp16/bf16, otherwise 8;
+    None off a GPU, which has no tensor cores to feed."""
+    if device.type != "cuda":
+        return None
+    if precision in ("fp16", "bf16"):
         major, minor = torch.cuda.get_device_capability(device)
         if major >= 8 and minor == 0:  # data-centre parts: A100 (8.0), H100 (9.0), B200 (10.0)
             return 64
     return 8
 
 
-def batch_size_advice(sizes: dict[str, int], multiple: int) -> str | None:
+def batch_size_advice(sizes: dict[str, int], multiple: int | None) -> str | None:
     """One warning naming every size that is not a multiple of `multiple`, or None."""
-    off = [f"{name}={value}" for name, value in sizes.items() if value % multiple]
+    off = [f"{name}={value}" for name, value in sizes.items() if multiple and value % multiple]
     if not off:
         return None
     return (f"{', '.join(off)} not a multiple of {multiple}: GPU matrix multiplies (tensor cores) "

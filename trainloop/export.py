@@ -6,7 +6,9 @@ from every rank first.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("trainloop")
@@ -52,6 +54,25 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def check_token_ids(directory: Path, tokenizer) -> None:
+    """config.json and generation_config.json name the tokenizer's own bos/eos/pad ids, each
+    inside the vocabulary: an id the model cannot emit, or one naming another token, makes
+    `generate` run on past the end of the text or stop in the middle of it."""
+    from trainloop.model import SPECIAL_TOKENS
+
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    wanted = {key: getattr(tokenizer, key) for key in SPECIAL_TOKENS}
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((directory / name).read_text())
+        for key, value in wanted.items():
+            ids = written.get(key)
+            outside = [i for i in (ids if isinstance(ids, list) else [ids]) if i is not None and not 0 <= i < vocab]
+            if outside:
+                raise RuntimeError(f"{directory / name}: {key}={ids} is outside the vocabulary of {vocab} tokens")
+            if ids != value and not (isinstance(ids, list) and value in ids):
+                raise RuntimeError(f"{directory / name}: {key}={ids}, but the tokenizer's is {value}")
+
+
 def is_zero3(accelerator) -> bool:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3
@@ -87,6 +108,10 @@ def export_model(accelerator, model, tokenizer, directory: Path) -> None:
     """
     from accelerate.utils import broadcast_object_list
 
+    if accelerator.device.type == "cpu":
+        # save_pretrained unwraps through accelerate, which imports DeepSpeed whenever it is
+        # installed, used or not; on a CPU DeepSpeed's own detection picks the same, with a banner.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     state_dict = gather_state_dict(accelerator, model)
     outcome = [None]
     if accelerator.is_main_process:
@@ -97,6 +122,7 @@ def export_model(accelerator, model, tokenizer, directory: Path) -> None:
             unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(directory)
             count = check_export(directory, live_shapes(unwrapped))
+            check_token_ids(directory, tokenizer)
             log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
         except Exception as err:  # noqa: BLE001 - handed to every rank below
             outcome = [f"{type(err).__name__}: {err}"]

@@ -2,15 +2,49 @@
 
 from __future__ import annotations
 
+import ast
+import logging
+import re
+
 from trainloop.config import ConfigError, ModelConfig
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_model_config(cfg: ModelConfig, vocab_size: int):
-    """The transformers config, without weights: cheap, so checks can run before any compute."""
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    """The tokenizer's bos/eos/pad ids, as the model config and generation config name them."""
+    return {key: getattr(tokenizer, key) for key in SPECIAL_TOKENS}
+
+
+def build_model_config(cfg: ModelConfig, vocab_size: int, token_ids: dict[str, int | None] | None = None):
+    """The transformers config, without weights: cheap, so checks can run before any compute.
+
+    `token_ids` (special_token_ids(tokenizer)) replace the architecture's defaults (Llama's eos 2,
+    GPT-2's 50256), which name other tokens, or none, in the tokenizer the model is trained with.
+    """
+    config = _shape_config(cfg, vocab_size)
+    carry_token_ids(config, token_ids or {})
+    outside = {k: v for k, v in (token_ids or {}).items() if v is not None and not 0 <= v < config.vocab_size}
+    if outside:
+        raise ConfigError(f"the tokenizer's special token ids {outside} are outside the model's vocabulary of "
+                          f"{config.vocab_size} tokens: use a tokenizer made for this model (data.tokenizer)")
+    return config
+
+
+def carry_token_ids(config, token_ids: dict[str, int | None]) -> None:
+    """Set the ids on a model or generation config; a list of stop ids that holds the tokenizer's
+    eos (a pretrained chat model's) is kept whole."""
+    for key, value in token_ids.items():
+        current = getattr(config, key, None)
+        if not (isinstance(current, list) and value in current):
+            setattr(config, key, value)
+
+
+def _shape_config(cfg: ModelConfig, vocab_size: int):
     from transformers import AutoConfig, GPT2Config, LlamaConfig
 
     if cfg.name == "hf":
@@ -66,6 +100,9 @@ def build_model(cfg: ModelConfig, config):
         raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r}: {err}") from None
     if model.get_input_embeddings().num_embeddings < config.vocab_size:
         model.resize_token_embeddings(config.vocab_size)
+    # a pretrained generation_config.json keeps the model's own ids
+    carry_token_ids(model.generation_config, {key: getattr(config, key) for key in SPECIAL_TOKENS})
+    expect_tied_aliases(model)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: works with torch.compile and with inputs that need no grad.
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
@@ -74,3 +111,36 @@ def build_model(cfg: ModelConfig, config):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
+
+
+class TiedAliasWarnings(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...}" warning for the tied aliases a model
+    declares (lm_head.weight sharing the embedding): every checkpoint save drops the duplicate and
+    loading ties it again, as the config says. Any other shared tensor still warns."""
+
+    def __init__(self):
+        super().__init__()
+        self.aliases: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = re.search(r"Removed shared tensor (\{.*?\}) while saving", record.getMessage())
+        return not (found and {_bare(name) for name in ast.literal_eval(found.group(1))} <= self.aliases)
+
+
+def _bare(name: str) -> str:
+    """A parameter name without the prefixes of wrappers (DDP's `module.`, torch.compile's `_orig_mod.`)."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.split(".", 1)[1]
+    return name
+
+
+TIED_ALIAS_WARNINGS = TiedAliasWarnings()
+
+
+def expect_tied_aliases(model) -> None:
+    """Let the saves of `model` drop its declared weight aliases without a warning."""
+    named_once = {name for name, _ in model.named_parameters()}
+    TIED_ALIAS_WARNINGS.aliases |= {name for name, _ in model.named_parameters(remove_duplicate=False)} - named_once
+    logger = logging.getLogger("accelerate.utils.other")
+    if TIED_ALIAS_WARNINGS not in logger.filters:
+        logger.addFilter(TIED_ALIAS_WARNINGS)

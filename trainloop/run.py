@@ -48,7 +48,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
-    from trainloop.model import build_model, build_model_config, context_length
+    from trainloop.model import build_model, build_model_config, context_length, special_token_ids
     from trainloop.optim import build_optimizer, build_scheduler
     from trainloop.preemption import Preemption
 
@@ -61,7 +61,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     resume_from = checkpointer.find_resume()
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-    model_config = build_model_config(cfg.model, len(tokenizer))
+    model_config = build_model_config(cfg.model, len(tokenizer), special_token_ids(tokenizer))
     if cfg.data.seq_len > context_length(model_config):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
