@@ -100,8 +100,10 @@ def build_model(cfg: ModelConfig, config):
         raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r}: {err}") from None
     if model.get_input_embeddings().num_embeddings < config.vocab_size:
         model.resize_token_embeddings(config.vocab_size)
-    # a pretrained generation_config.json keeps the model's own ids
-    carry_token_ids(model.generation_config, {key: getattr(config, key) for key in SPECIAL_TOKENS})
+    # a pretrained model's config.json and generation_config.json keep the model's own ids
+    ids = {key: getattr(config, key) for key in SPECIAL_TOKENS}
+    carry_token_ids(model.config, ids)
+    carry_token_ids(model.generation_config, ids)
     expect_tied_aliases(model)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: works with torch.compile and with inputs that need no grad.
