@@ -196,8 +196,11 @@ def test_auto_batch_size_halves_on_real_oom_and_keeps_the_effective_batch(tmp_pa
     assert all("can't allocate memory" in t["error"] for t in record["tried"][:-1])
     assert batch == sizes[-1] < 32 and batch * accumulation == 32 and record["effective_batch_size"] == 32
     assert f"auto batch size: per-device batch {batch} x {accumulation} accumulation steps" in proc.stdout + proc.stderr
-    saved = (sorted(auto_dir.glob("checkpoints/step_*"))[-1] / "config.yaml").read_text()
+    last = sorted(auto_dir.glob("checkpoints/step_*"))[-1]
+    saved = (last / "config.yaml").read_text()
     assert f"batch_size: {batch}\n" in saved and f"gradient_accumulation_steps: {accumulation}\n" in saved
+    fingerprint = json.loads((last / "trainer_state.json").read_text())["fingerprint"]  # says the same
+    assert (fingerprint["data.batch_size"], fingerprint["trainer.gradient_accumulation_steps"]) == (batch, accumulation)
 
     by_hand = train(tmp_path / "by_hand", *common, f"data.batch_size={batch}",
                     f"trainer.gradient_accumulation_steps={accumulation}")

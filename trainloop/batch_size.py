@@ -205,10 +205,10 @@ def search_batch_size(model, make_optimizer, samples, effective: int, device: to
 
 
 def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume_from=None) -> BatchSearch:
-    """trainer.auto_batch_size: find the batch, agree on it across ranks, write it into `cfg`.
+    """trainer.auto_batch_size: find the batch and agree on it across ranks; the caller applies it.
 
-    Sets data.batch_size and trainer.gradient_accumulation_steps (and the accelerator's) so that
-    their product, the per-device effective batch, is unchanged. Runs before torch.compile and
+    The settled data.batch_size and trainer.gradient_accumulation_steps keep their product, the
+    per-device effective batch, unchanged. Runs before torch.compile and
     outside DDP, so each rank searches alone (DDP's gradient buckets are not in the trial); the
     ranks then take the smallest batch any of them found. A resumed run takes the batch its
     checkpoint was trained with, since the data order depends on it.
@@ -236,9 +236,6 @@ def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume
             raise ConfigError(f"trainer.auto_batch_size: not even a batch of 1 fits (tried {tried}); turn on "
                               "model.gradient_checkpointing, lower data.seq_len, choose a smaller optimizer "
                               "state (optimizer=adamw8bit or adafactor), or raise trainer.auto_batch_size_budget_mb")
-    cfg.data.batch_size = search.batch_size
-    cfg.trainer.gradient_accumulation_steps = search.accumulation
-    accelerator.gradient_accumulation_steps = search.accumulation
     tried = ", ".join(f"{t['batch_size']} ({'fits' if t['fits'] else 'out of memory'})"
                       for t in search.tried) or f"none, resumed from {resume_from}"
     log.info("auto batch size: per-device batch %d x %d accumulation steps = %d per device, effective batch "

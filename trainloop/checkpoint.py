@@ -202,8 +202,14 @@ class Checkpointer:
         self.keep_last = cfg.checkpoint.keep_last
         self.accelerator = accelerator
         self.root = Path(run_dir) / "checkpoints"
-        self.fingerprint = run_fingerprint(cfg, accelerator.num_processes)
+        self.data_fingerprint: dict = {}  # set by check_data once the data is built
         self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
+
+    @property
+    def fingerprint(self) -> dict:
+        """What this run's saves record, from the config as the run applied it (a batch size
+        settled by trainer.auto_batch_size included), and the data's own fingerprint."""
+        return {**run_fingerprint(self.cfg, self.accelerator.num_processes), **self.data_fingerprint}
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -353,7 +359,7 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint.resume={spec!r} does not load: {problem}. "
                                       + self._intact_sibling_hint(path))
         saved = read_state(path)
-        refuse_changes(path, saved["fingerprint"], self.fingerprint)
+        refuse_changes(path, *map(self._comparable, (saved["fingerprint"], self.fingerprint)))
         newer = [p.name for p in found if step_of(p) > saved["state"]["step"]]
         if newer:
             raise ConfigError(f"checkpoint.resume={spec!r}: {self.root} holds later checkpoints "
@@ -394,10 +400,21 @@ class Checkpointer:
         return (f"The newest intact checkpoint beside it is {intact}" if intact
                 else "No intact checkpoint is beside it")
 
+    def _comparable(self, fingerprint: dict) -> dict:
+        """With trainer.auto_batch_size the run settles batch x accumulation itself (a resume
+        takes the checkpoint's): only their product, the per-device batch, must agree."""
+        batch_keys = ("data.batch_size", "trainer.gradient_accumulation_steps")
+        if not self.cfg.trainer.auto_batch_size or not all(k in fingerprint for k in batch_keys):
+            return fingerprint
+        comparable = {k: v for k, v in fingerprint.items() if k not in batch_keys}
+        comparable["data.batch_size x trainer.gradient_accumulation_steps"] = \
+            fingerprint[batch_keys[0]] * fingerprint[batch_keys[1]]
+        return comparable
+
     def check_data(self, data_fingerprint: dict) -> None:
         """The data is built after find_resume: add what identifies it (tokenizer, packed blocks)
         to what each save records, and refuse a resume from a checkpoint trained on other data."""
-        self.fingerprint.update(data_fingerprint)
+        self.data_fingerprint = data_fingerprint
         if self.resuming is not None:
             refuse_changes(self.resuming[0], self.resuming[1], data_fingerprint)
 

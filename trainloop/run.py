@@ -75,8 +75,10 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
                              cpu_offload=bool(cfg.deepspeed.stage) and cfg.deepspeed.offload_optimizer != "none")
     batch_search = None
-    if cfg.trainer.auto_batch_size:  # sets data.batch_size and the accumulation in cfg
+    if cfg.trainer.auto_batch_size:  # the run takes the settled batch from here on, and records it
         batch_search = settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume_from)
+        cfg.data.batch_size = batch_search.batch_size
+        cfg.trainer.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = batch_search.accumulation
     advice = batch_size_advice({"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
                                 "hidden size": model_config.hidden_size, "vocab size": model_config.vocab_size},
                                tensor_core_multiple(cfg.precision.name, accelerator.device))
