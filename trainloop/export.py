@@ -11,12 +11,14 @@ import logging
 import os
 from pathlib import Path
 
+from trainloop.parallel import full_shape, full_state_dict
+
 log = logging.getLogger("trainloop")
 
 
 def live_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Parameter names and full shapes; under ZeRO-3 a partitioned parameter keeps its ds_shape."""
-    return {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()}
+    """Parameter names and full shapes, whatever part of them this rank holds."""
+    return {name: full_shape(p) for name, p in model.named_parameters()}
 
 
 def saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -73,34 +75,6 @@ def check_token_ids(directory: Path, tokenizer) -> None:
                 raise RuntimeError(f"{directory / name}: {key}={ids}, but the tokenizer's is {value}")
 
 
-def is_zero3(accelerator) -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
-
-
-def gather_state_dict(accelerator, model) -> dict:
-    """The full weights, on the main process ({} elsewhere). Every rank must call it.
-
-    Under ZeRO-3 each rank holds a shard of every parameter. accelerate's get_state_dict can
-    come back empty there (shared/FACTS.md) and needs the 16-bit gather flag, so the
-    parameters are gathered one at a time with DeepSpeed, which holds one whole tensor at once.
-    """
-    if not is_zero3(accelerator):
-        return accelerator.get_state_dict(model)
-    import deepspeed
-
-    unwrapped = accelerator.unwrap_model(model)
-    state = {}
-    for name, param in unwrapped.named_parameters():  # a tied weight comes once, under its first name
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if accelerator.is_main_process:
-                state[name] = param.detach().cpu().clone()
-    if accelerator.is_main_process:  # buffers are not partitioned: take them as they are
-        aliases = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
-        state.update({k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items() if k not in aliases})
-    return state
-
-
 def export_model(accelerator, model, tokenizer, directory: Path) -> None:
     """Gather the full weights (all ranks take part), write them once, and verify the files.
 
@@ -112,7 +86,7 @@ def export_model(accelerator, model, tokenizer, directory: Path) -> None:
         # save_pretrained unwraps through accelerate, which imports DeepSpeed whenever it is
         # installed, used or not; on a CPU DeepSpeed's own detection picks the same, with a banner.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    state_dict = gather_state_dict(accelerator, model)
+    state_dict = full_state_dict(accelerator, model)
     outcome = [None]
     if accelerator.is_main_process:
         try:
