@@ -261,6 +261,38 @@ def announce_op_builds(cfg, on_cuda: bool) -> None:
                      "the lock is stale: delete it)", builder.name, folder / "lock")
 
 
+def restore_cpu_adam_step_count(optimizer) -> None:
+    """After a resume, bring DeepSpeed's CPU Adam to where the uninterrupted run's would be.
+
+    Its C++ side keeps beta^t for the bias correction, multiplied up one step at a time; a fresh
+    one that is handed step t+1 computes pow(beta, t+1) instead, which differs in the last bit
+    (0.95 from step 6 on, in fp32) and moved ZeRO-3 offload's weights by 1.2e-7 relative. Replaying
+    steps 1..t on empty tensors builds the same product, so a resume stays bitwise.
+    """
+    import sys
+
+    if "deepspeed" not in sys.modules:  # no DeepSpeed in this run, so no CPU Adam
+        return
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cpu_adam = optimizer
+    for _ in range(4):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the CPU Adam
+        if isinstance(cpu_adam, DeepSpeedCPUAdam) or cpu_adam is None:
+            break
+        cpu_adam = getattr(cpu_adam, "optimizer", None)
+    if not isinstance(cpu_adam, DeepSpeedCPUAdam):
+        return
+    steps = max((int(state["step"]) for state in cpu_adam.state.values() if "step" in state), default=0)
+    empty = torch.empty(0)
+    for step in range(1, steps + 1):
+        for group in cpu_adam.param_groups:  # in the order its step() visits them
+            beta1, beta2 = group["betas"]
+            cpu_adam.ds_opt_adam.adam_update(cpu_adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                             group["weight_decay"], group["bias_correction"],
+                                             empty, empty, empty, empty)
+
+
 def build_ops() -> list[str]:
     """JIT-build (or load from ~/.cache/torch_extensions) the DeepSpeed ops trainloop runs with.
 

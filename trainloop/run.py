@@ -88,6 +88,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike) -> float | None:
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state)
+        from trainloop.deepspeed import restore_cpu_adam_step_count
+        restore_cpu_adam_step_count(optimizer)  # bitwise resume under optimizer offload (see there)
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, accelerator.num_processes)
     if batch_search is not None:
