@@ -3,7 +3,8 @@
 The Accelerator is built from the composed config. On a machine without a GPU and with
 WORLD_SIZE > 1, a plain `Accelerator()` reports DistributedType.NO in every process and each
 trains alone (shared/FACTS.md); trainloop picks the CPU path (gloo) itself instead.
-DeepSpeed is configured from the config alone (trainloop/deepspeed.py): launcher flags that
+Without a launcher, a DeepSpeed run is a 1-process group on loopback that trainloop describes
+itself. DeepSpeed is configured from the config alone (trainloop/deepspeed.py): launcher flags that
 say otherwise stop the run, and the log states the ZeRO stage the engine really runs.
 """
 
@@ -33,6 +34,7 @@ def world_size_from_env() -> int:
 
 
 LAUNCHER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 _solo_env: dict[str, str] = {}  # what single_process_group_env set, so that a later run in this process knows
 
 
@@ -49,7 +51,7 @@ def single_process_group_env() -> None:
     LOCAL_RANK is set; this is how HF Trainer users run `--deepspeed` on one GPU without a launcher.
     """
     launched = [k for k in LAUNCHER_RANK_VARS if k in os.environ and os.environ[k] != _solo_env.get(k)]
-    if launched:
+    if launched or any(k in os.environ for k in MPI_SIZE_VARS):  # mpirun: accelerate reads its ranks
         return
     # a fresh port each time: a run before this one in the same process (a sweep) held the last one
     _solo_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -72,11 +74,11 @@ def _asked_processes() -> str:
 
 
 def check_single_process_accelerate_launch(env: dict[str, str]) -> None:
-    """`accelerate launch --num_processes N` without --multi_gpu starts ONE process where there are
-    not N GPUs (shared/FACTS.md). Its single-process launcher exports ACCELERATE_USE_CPU always, and MASTER_ADDR only when
-    asked for several processes, but never RANK or WORLD_SIZE."""
+    """`accelerate launch --num_processes N` without --multi_gpu starts ONE process where there
+    are not N GPUs (shared/FACTS.md). Its single-process launcher exports ACCELERATE_USE_CPU
+    always, and MASTER_ADDR only when asked for several processes, but never RANK or WORLD_SIZE."""
     started_alone = "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
-    if not started_alone or any(k in env for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):  # mpirun
+    if not started_alone or any(k in env for k in MPI_SIZE_VARS):  # mpirun
         return
     n = _asked_processes()
     raise ConfigError(
