@@ -82,10 +82,11 @@ def check_single_process_accelerate_launch(env: dict[str, str]) -> None:
         return
     n = _asked_processes()
     raise ConfigError(
-        f"`accelerate launch --num_processes {n}` started one process, not {n}: without --multi_gpu (and "
-        f"with fewer than {n} GPUs) it runs the script once, with no RANK or WORLD_SIZE. For {n} processes type `accelerate launch "
-        f"--multi_gpu --num_processes {n} -m trainloop ...` (on CPU too) or `torchrun --nproc_per_node {n} "
-        "-m trainloop ...`; for one process, `python -m trainloop ...`")
+        f"`accelerate launch --num_processes {n}` started one process, not {n}: without --multi_gpu "
+        f"(and with fewer than {n} GPUs) it runs the script once, with no RANK or WORLD_SIZE. "
+        f"For {n} processes type `accelerate launch --multi_gpu --num_processes {n} -m trainloop ...` "
+        f"(on CPU too) or `torchrun --nproc_per_node {n} -m trainloop ...`; for one process, "
+        "`python -m trainloop ...`")
 
 
 def check_device_support(cfg, on_cuda: bool) -> None:
@@ -193,6 +194,10 @@ def _accelerate_env_for_plugin():
                 os.environ[key] = value
 
 
+def _is_op_load_notice(line: str) -> bool:
+    return line.startswith("DeepSpeed ") and line.rstrip().endswith(" built successfully")
+
+
 @contextmanager
 def _without_op_load_notices():
     """DeepSpeed prints `DeepSpeed <op> built successfully` from every rank each time it loads its
@@ -203,8 +208,7 @@ def _without_op_load_notices():
             yield
     finally:
         lines = captured.getvalue().splitlines(keepends=True)
-        sys.stdout.write("".join(line for line in lines
-                                 if not (line.startswith("DeepSpeed ") and line.rstrip().endswith(" built successfully"))))
+        sys.stdout.write("".join(line for line in lines if not _is_op_load_notice(line)))
 
 
 def build_accelerator(cfg):
