@@ -41,8 +41,8 @@ def test_accelerate_launch_that_started_one_process_of_two_says_what_to_type(tmp
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("with 2 GPUs accelerate launch starts 2 processes without --multi_gpu")
-    proc = launch(["accelerate", "launch", "--num_processes", "2", "-m", "trainloop", "+preset=[smoke,zero3_offload]",
-                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
+    proc = launch(["accelerate", "launch", "--num_processes", "2", "-m", "trainloop",
+                   "+preset=[smoke,zero3_offload]", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
     assert proc.returncode != 0
     assert ("trainloop: error: `accelerate launch --num_processes 2` started one process, not 2" in proc.stderr), \
         proc.stderr[-3000:]
@@ -75,8 +75,9 @@ def _can_write_in(folder: Path) -> bool:
 
 
 def test_read_only_nvme_path_is_one_line_before_anything_is_built(tmp_path, read_only_dir):
-    proc = launch(["python", "-m", "trainloop", "+preset=[smoke,zero3_nvme]", f"deepspeed.nvme_path={read_only_dir}",
-                   *QUICK, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
+    proc = launch(["python", "-m", "trainloop", "+preset=[smoke,zero3_nvme]",
+                   f"deepspeed.nvme_path={read_only_dir}", *QUICK, f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("trainloop: error:")]
     assert len(errors) == 1 and f"deepspeed.nvme_path={read_only_dir}: cannot write files in it" in errors[0], \
@@ -97,10 +98,11 @@ def test_first_use_op_build_is_announced_with_its_cache_folder(tmp_path, monkeyp
     caplog.set_level(logging.INFO, logger="trainloop")
     announce_op_builds(compose("+preset=[smoke,zero3_offload]"), on_cuda=False)
     said = caplog.text
-    assert "DeepSpeed compiles its cpu_adam op (the CPU Adam of optimizer offload) in this run: one time only" in said
+    assert "DeepSpeed compiles its cpu_adam op (the CPU Adam of optimizer offload) in this run: one time" in said
     assert f"cached in {extensions / 'cpu_adam'}" in said
     assert "compiles its deepspeed_shm_comm op" in said
-    assert f"another process is building cpu_adam already: waiting for its lock {extensions / 'cpu_adam' / 'lock'}" in said
+    lock = extensions / "cpu_adam" / "lock"
+    assert f"another process is building cpu_adam already: waiting for its lock {lock}" in said
     assert "async_io" not in said  # no NVMe offload here
 
 
