@@ -210,3 +210,36 @@ def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     assert f"resumed from {root / previous}" in log
     assert (run / "final" / "model.safetensors").is_file()
     assert not list(root.glob(".tmp_*"))
+
+
+def test_cpu_adam_resumes_bitwise(deepspeed_ops, monkeypatch):
+    """DeepSpeed's CPU Adam (the optimizer of ZeRO offload), 20 steps straight against 10, a
+    state_dict round trip into a new optimizer, and 10: bitwise. Without restoring its step count,
+    its bias correction at step 11 is pow(0.95, 11), not 0.95 multiplied up 11 times: 1 ulp apart."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from trainloop.deepspeed import restore_cpu_adam_step_count
+
+    def train(params, optimizer, steps):
+        for step in steps:
+            generator = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step()
+
+    def fresh(tensors):
+        params = [torch.nn.Parameter(t.clone()) for t in tensors]
+        return params, DeepSpeedCPUAdam(params, lr=1e-3, betas=(0.9, 0.95), adamw_mode=True)
+
+    start = [torch.randn(1000, generator=torch.Generator().manual_seed(0)), torch.randn(300)]
+    straight, optimizer = fresh(start)
+    train(straight, optimizer, range(1, 21))
+    first, optimizer = fresh(start)
+    train(first, optimizer, range(1, 11))
+    resumed, again = fresh([p.detach() for p in first])
+    again.load_state_dict(optimizer.state_dict())
+    restore_cpu_adam_step_count(again)
+    train(resumed, again, range(11, 21))
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))

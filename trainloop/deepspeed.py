@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 
 from trainloop.config import ConfigError, DeepSpeedConfig
+
+log = logging.getLogger("trainloop")
 
 AUTO = "auto"
 DEFAULTS = DeepSpeedConfig()
@@ -21,8 +24,10 @@ TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgath
 INSTALL_LIBAIO = ("install libaio and run again: `apt-get install libaio-dev` (Debian/Ubuntu, as root), "
                   "`dnf install libaio-devel` (Fedora/RHEL) or `conda install -c conda-forge libaio`; "
                   "scripts/setup.sh installs it when run as root on Debian/Ubuntu")
-
-
+# builder class -> (what the run uses it for, how long its first build took on a 2-core CPU machine)
+OPS = {"ShareMemCommBuilder": ("collectives between CPU processes", "about a minute"),
+       "CPUAdamBuilder": ("the CPU Adam of optimizer offload", "about a minute"),
+       "AsyncIOBuilder": ("NVMe offload's async I/O", "up to 10 minutes")}
 
 
 def owned_values(cfg, world_size: int, on_cuda: bool) -> dict[str, tuple[object, str]]:
@@ -165,26 +170,127 @@ def require_async_io(cfg) -> None:
     ds = cfg.deepspeed
     if "nvme" not in (ds.offload_optimizer, ds.offload_param):
         return
+    check_nvme_path(ds.nvme_path)
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible():
         raise ConfigError("deepspeed offload to nvme needs DeepSpeed's async I/O, which cannot be built "
                           f"here: libaio (headers and library) was not found; {INSTALL_LIBAIO}")
-    path = Path(ds.nvme_path).expanduser()
+
+
+def check_nvme_path(nvme_path: str) -> None:
+    """DeepSpeed creates its swap files under nvme_path deep inside engine setup: a folder it cannot
+    write to would surface there as a long traceback from every rank."""
+    import tempfile
+
+    path = Path(nvme_path).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # permissions alone miss read-only mounts (and root)
+            pass
     except OSError as err:
-        raise ConfigError(f"deepspeed.nvme_path={ds.nvme_path}: cannot create it ({err.strerror})") from None
+        action = "create" if not path.is_dir() else "write files in"
+        raise ConfigError(f"deepspeed.nvme_path={nvme_path}: cannot {action} it ({err.strerror}); DeepSpeed "
+                          "swaps the optimizer state and parameters to files there: choose a writable "
+                          "folder on a fast local disk") from None
 
 
 def build_deepspeed_plugin(cfg, world_size: int, on_cuda: bool):
     """accelerate's DeepSpeedPlugin around the generated JSON; checks what DeepSpeed needs first."""
     require_deepspeed(cfg)
+    logging.getLogger("compilers").setLevel(logging.WARNING)  # DeepSpeed's libaio probe logs each gcc call
     require_async_io(cfg)
+    announce_op_builds(cfg, on_cuda)
     from accelerate.utils import DeepSpeedPlugin
 
     config = deepspeed_config(cfg, world_size, on_cuda)
     return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=cfg.deepspeed.stage == 3 and cfg.deepspeed.zero3_init)
+
+
+def ops_for(cfg, on_cuda: bool) -> list[str]:
+    """The DeepSpeed op builders this run will load (a JIT build each, the first time)."""
+    ds = cfg.deepspeed
+    names = [] if on_cuda else ["ShareMemCommBuilder"]
+    if ds.offload_optimizer != "none":
+        names.append("CPUAdamBuilder")  # trainloop/optim.py builds DeepSpeedCPUAdam under offload
+    if "nvme" in (ds.offload_optimizer, ds.offload_param):
+        names.append("AsyncIOBuilder")
+    return names
+
+
+def _builder(name: str):
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    # DeepSpeed's swapper loads the generic AsyncIOBuilder; the others come from the accelerator
+    return AsyncIOBuilder() if name == "AsyncIOBuilder" else get_accelerator().create_op_builder(name)
+
+
+def pending_build(builder) -> Path | None:
+    """The op's build folder if loading it will compile (nothing built there yet, or sources newer)."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if builder is None or installed_ops.get(builder.name) or not builder.is_compatible():
+        return None  # prebuilt at install (DS_BUILD_OPS=1), or DeepSpeed will not load it here
+    folder = Path(_get_build_directory(builder.name, verbose=False))
+    library = folder / f"{builder.name}.so"
+    if not library.exists():
+        return folder
+    sources = [Path(builder.deepspeed_src_path(s)) for s in builder.strip_empty_entries(builder.sources())]
+    built_at = library.stat().st_mtime
+    return folder if any(s.exists() and s.stat().st_mtime > built_at for s in sources) else None
+
+
+def announce_op_builds(cfg, on_cuda: bool) -> None:
+    """Say which one-time compile is about to run, and where it is cached: otherwise the run is
+    silent for a minute (CPU Adam) to ten (async I/O) on a small machine."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return  # each machine builds once: the other local ranks wait for the same lock
+    for name in ops_for(cfg, on_cuda):
+        builder = _builder(name)
+        folder = pending_build(builder)
+        if folder is None:
+            continue
+        purpose, duration = OPS[name]
+        log.info("DeepSpeed compiles its %s op (%s) in this run: one time only, %s on a small machine; cached in %s "
+                 "for later runs (`python -m trainloop.deepspeed` builds DeepSpeed's ops ahead of a run)",
+                 builder.name, purpose, duration, folder)
+        if (folder / "lock").exists():
+            log.info("another process is building %s already: waiting for its lock %s (if no build is running, "
+                     "the lock is stale: delete it)", builder.name, folder / "lock")
+
+
+def restore_cpu_adam_step_count(optimizer) -> None:
+    """After a resume, bring DeepSpeed's CPU Adam to where the uninterrupted run's would be.
+
+    Its C++ side keeps beta^t for the bias correction, multiplied up one step at a time; a fresh
+    one that is handed step t+1 computes pow(beta, t+1) instead, which differs in the last bit
+    (0.95 from step 6 on, in fp32) and moved ZeRO-3 offload's weights by 1.2e-7 relative. Replaying
+    steps 1..t on empty tensors builds the same product, so a resume stays bitwise.
+    """
+    import sys
+
+    if "deepspeed" not in sys.modules:  # no DeepSpeed in this run, so no CPU Adam
+        return
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cpu_adam = optimizer
+    for _ in range(4):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the CPU Adam
+        if isinstance(cpu_adam, DeepSpeedCPUAdam) or cpu_adam is None:
+            break
+        cpu_adam = getattr(cpu_adam, "optimizer", None)
+    if not isinstance(cpu_adam, DeepSpeedCPUAdam):
+        return
+    steps = max((int(state["step"]) for state in cpu_adam.state.values() if "step" in state), default=0)
+    empty = torch.empty(0)
+    for step in range(1, steps + 1):
+        for group in cpu_adam.param_groups:  # in the order its step() visits them
+            beta1, beta2 = group["betas"]
+            cpu_adam.ds_opt_adam.adam_update(cpu_adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                             group["weight_decay"], group["bias_correction"],
+                                             empty, empty, empty, empty)
 
 
 def build_ops() -> list[str]:

@@ -3,16 +3,20 @@
 The Accelerator is built from the composed config. On a machine without a GPU and with
 WORLD_SIZE > 1, a plain `Accelerator()` reports DistributedType.NO in every process and each
 trains alone (shared/FACTS.md); trainloop picks the CPU path (gloo) itself instead.
-DeepSpeed is configured from the config alone (trainloop/deepspeed.py): launcher flags that
+Without a launcher, a DeepSpeed run is a 1-process group on loopback that trainloop describes
+itself. DeepSpeed is configured from the config alone (trainloop/deepspeed.py): launcher flags that
 say otherwise stop the run, and the log states the ZeRO stage the engine really runs.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import socket
+import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import torch
@@ -27,6 +31,62 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+LAUNCHER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_solo_env: dict[str, str] = {}  # what single_process_group_env set, so that a later run in this process knows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_group_env() -> None:
+    """Without a launcher, describe a 1-process group on loopback, as torchrun would for one process.
+
+    DeepSpeed needs a process group even for one process, and accelerate only makes one when
+    LOCAL_RANK is set; this is how HF Trainer users run `--deepspeed` on one GPU without a launcher.
+    """
+    launched = [k for k in LAUNCHER_RANK_VARS if k in os.environ and os.environ[k] != _solo_env.get(k)]
+    if launched or any(k in os.environ for k in MPI_SIZE_VARS):  # mpirun: accelerate reads its ranks
+        return
+    # a fresh port each time: a run before this one in the same process (a sweep) held the last one
+    _solo_env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(_solo_env)
+
+
+def _asked_processes() -> str:
+    """The N of `--num_processes N` on the parent's (accelerate launch's) command line, if readable."""
+    try:
+        command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:  # not Linux, or the parent is gone
+        return "N"
+    for i, arg in enumerate(command):
+        name, eq, value = arg.partition("=")
+        if name in ("--num_processes", "--num-processes"):
+            value = value if eq else (command[i + 1] if i + 1 < len(command) else "")
+            return value if value.isdigit() else "N"
+    return "N"
+
+
+def check_single_process_accelerate_launch(env: dict[str, str]) -> None:
+    """`accelerate launch --num_processes N` without --multi_gpu starts ONE process where there
+    are not N GPUs (shared/FACTS.md). Its single-process launcher exports ACCELERATE_USE_CPU
+    always, and MASTER_ADDR only when asked for several processes, but never RANK or WORLD_SIZE."""
+    started_alone = "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
+    if not started_alone or any(k in env for k in MPI_SIZE_VARS):  # mpirun
+        return
+    n = _asked_processes()
+    raise ConfigError(
+        f"`accelerate launch --num_processes {n}` started one process, not {n}: without --multi_gpu "
+        f"(and with fewer than {n} GPUs) it runs the script once, with no RANK or WORLD_SIZE. "
+        f"For {n} processes type `accelerate launch --multi_gpu --num_processes {n} -m trainloop ...` "
+        f"(on CPU too) or `torchrun --nproc_per_node {n} -m trainloop ...`; for one process, "
+        "`python -m trainloop ...`")
 
 
 def check_device_support(cfg, on_cuda: bool) -> None:
@@ -134,6 +194,23 @@ def _accelerate_env_for_plugin():
                 os.environ[key] = value
 
 
+def _is_op_load_notice(line: str) -> bool:
+    return line.startswith("DeepSpeed ") and line.rstrip().endswith(" built successfully")
+
+
+@contextmanager
+def _without_op_load_notices():
+    """DeepSpeed prints `DeepSpeed <op> built successfully` from every rank each time it loads its
+    CPU collectives op, built or not; trainloop says once when a build really runs. Other output passes."""
+    captured = io.StringIO()
+    try:
+        with redirect_stdout(captured):
+            yield
+    finally:
+        lines = captured.getvalue().splitlines(keepends=True)
+        sys.stdout.write("".join(line for line in lines if not _is_op_load_notice(line)))
+
+
 def build_accelerator(cfg):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
@@ -141,12 +218,14 @@ def build_accelerator(cfg):
     on_cuda = torch.cuda.is_available()
     check_device_support(cfg, on_cuda)
     check_launcher_env(cfg, dict(os.environ))
+    check_single_process_accelerate_launch(dict(os.environ))
     if cfg.precision.tf32 and on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
     kwargs, handlers = {}, []
     if cfg.deepspeed.stage or cfg.deepspeed.config_file:
+        single_process_group_env()
         if not on_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
             # without it accelerate computes world size 1 on CPU and DeepSpeed's batch check fails
@@ -155,7 +234,7 @@ def build_accelerator(cfg):
     elif not on_cuda:
         kwargs["cpu"] = True  # MULTI_CPU over gloo when launched with several processes
 
-    with _accelerate_env_for_plugin():
+    with _accelerate_env_for_plugin(), _without_op_load_notices():
         if cfg.deepspeed.stage or cfg.deepspeed.config_file:
             from trainloop.deepspeed import build_deepspeed_plugin
 
@@ -211,29 +290,3 @@ def check_batch_fits(cfg, world_size: int, train_blocks: int) -> None:
             f"blocks per step, but the data holds {train_blocks}: lower data.batch_size, use fewer "
             "processes, or add data"
         )
-
-
-def describe_parallelism(cfg, accelerator, model) -> str:
-    """What really runs, read back from accelerate and the DeepSpeed engine, for the log.
-
-    A DeepSpeed config that did not take (a launcher that started one process per replica, a
-    plugin that was dropped) is an error here, not a quiet run without ZeRO.
-    """
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    where = f"{accelerator.num_processes} process(es), {accelerator.device}, backend {accelerator.state.backend}"
-    if kind == DistributedType.DEEPSPEED:
-        stage = model.zero_optimization_stage()
-        if stage != cfg.deepspeed.stage:
-            raise RuntimeError(f"DeepSpeed runs ZeRO stage {stage} but deepspeed.stage={cfg.deepspeed.stage}")
-        devices = {part: getattr(section, "device", "none") for part, section in
-                   (("optimizer", model.zero_offload_optimizer()), ("parameter", model.zero_offload_param()))}
-        devices = {part: str(getattr(device, "value", device)) for part, device in devices.items()}  # enum or str
-        offload = [f"{part} offload to {device}" for part, device in devices.items() if device != "none"]
-        return f"DeepSpeed ZeRO-{stage} engaged{' with ' + ' and '.join(offload) if offload else ''} " \
-               f"({kind}, {where})"
-    if cfg.deepspeed.stage:
-        raise RuntimeError(f"deepspeed.stage={cfg.deepspeed.stage} but accelerate runs {kind}: DeepSpeed "
-                           "was not engaged")
-    return f"{kind} ({where})"

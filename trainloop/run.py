@@ -42,7 +42,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.checkpoint import Checkpointer
     from trainloop.compile import compile_model
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, data_fingerprint
-    from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits, describe_parallelism
+    from trainloop.deepspeed import restore_cpu_adam_step_count
+    from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits
     from trainloop.errors import Preempted
     from trainloop.export import export_model
     from trainloop.guard import StepGuard
@@ -50,6 +51,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.metrics import Metrics
     from trainloop.model import build_model, build_model_config, context_length, special_token_ids
     from trainloop.optim import build_optimizer, build_scheduler
+    from trainloop.parallel import describe, full_numel
     from trainloop.preemption import Preemption
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
@@ -95,13 +97,14 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
     accelerator.register_for_checkpointing(scheduler)
 
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    n_params = sum(full_numel(p) for p in model.parameters())
     log.info("run dir %s | %s | model %.2fM parameters | %d train / %d valid blocks of %d tokens",
-             run_dir, describe_parallelism(cfg, accelerator, model), n_params / 1e6, len(train_set),
+             run_dir, describe(cfg, accelerator, model), n_params / 1e6, len(train_set),
              len(valid_set), cfg.data.seq_len)
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state)
+        restore_cpu_adam_step_count(optimizer)  # bitwise resume under optimizer offload (see there)
     if record is not None and accelerator.is_main_process:
         record.write(run_dir)
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
