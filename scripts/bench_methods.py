@@ -158,7 +158,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
 
     from trainloop.compile import compile_model
     from trainloop.data import PackedBlocks, build_dataloaders
-    from trainloop.distributed import build_accelerator
+    from trainloop.accelerator import build_accelerator
     from trainloop.model import build_model, build_model_config
     from trainloop.optim import build_optimizer, optimizer_state_bytes
 

@@ -142,7 +142,7 @@ def test_signals_set_the_stop_flag_and_a_second_ctrl_c_stops_at_once():
 
 
 def test_verify_resume_refuses_a_bad_override_before_training(capsys):
-    from trainloop.verify_resume import main
+    from trainloop.tools.verify_resume import main
 
     assert main(["trainer.gradient_accumulation_steps=0"]) == 2
     assert "trainer.gradient_accumulation_steps=0 must be greater than 0" in capsys.readouterr().err

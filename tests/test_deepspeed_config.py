@@ -15,7 +15,8 @@ import pytest
 from conftest import REPO, clean_env, compose, launch, train
 from trainloop.config import ConfigError, validate
 from trainloop.deepspeed import deepspeed_config
-from trainloop.distributed import build_accelerator, check_batch_fits, check_launcher_env
+from trainloop.accelerator import build_accelerator, check_launcher_env
+from trainloop.data import check_batch_fits
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "preset").glob("*.yaml"))
 

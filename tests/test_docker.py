@@ -31,7 +31,7 @@ KEYWORDS = {"FROM", "RUN", "CMD", "LABEL", "MAINTAINER", "EXPOSE", "ENV", "ADD",
             "ENTRYPOINT", "VOLUME", "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL",
             "HEALTHCHECK", "SHELL"}
 
-# What each NGC PyTorch release ships (NVIDIA's release notes, shared/FACTS.md). Changing the
+# What each NGC PyTorch release ships (NVIDIA's release notes for 25.12, read 2026-11-22). Changing the
 # tag in Dockerfile.ngc makes test_dependency_ranges_admit_the_image fail until this is updated.
 NGC_RELEASES = {"25.12-py3": {"torch": "2.10.0a0", "python": "3.12"}}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, end_family, launch
-from trainloop import verify_resume
+from trainloop.tools import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
           "data.num_workers=2", "data.validation_fraction=0.99", "trainer.eval_batches=2"]

@@ -220,7 +220,7 @@ def worker_context(method: str):
 def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memory: bool):
     """Shuffled, full-batch training loader and an ordered validation loader.
 
-    Accelerate swaps the shuffling sampler for a seedable one (see distributed.py), so the
+    Accelerate swaps the shuffling sampler for a seedable one (see accelerator.py), so the
     order is a function of (seed, epoch) on every rank and after every resume.
     """
     if len(train) < cfg.batch_size:
@@ -234,3 +234,14 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
     valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)
     return train_loader, valid_loader
+
+
+def check_batch_fits(cfg, world_size: int, train_blocks: int) -> None:
+    """Every rank needs a full micro-batch each step; with fewer blocks the loop would get none."""
+    needed = cfg.data.batch_size * world_size
+    if train_blocks < needed:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} x {world_size} processes needs {needed} training "
+            f"blocks per step, but the data holds {train_blocks}: lower data.batch_size, use fewer "
+            "processes, or add data"
+        )

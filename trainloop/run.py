@@ -38,12 +38,12 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
 
     from accelerate.utils import set_seed
 
+    from trainloop.accelerator import agree_run_dir, build_accelerator
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer
     from trainloop.compile import compile_model
-    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, data_fingerprint
+    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, check_batch_fits, data_fingerprint
     from trainloop.deepspeed import restore_cpu_adam_step_count
-    from trainloop.distributed import agree_run_dir, build_accelerator, check_batch_fits
     from trainloop.errors import Preempted
     from trainloop.export import export_model
     from trainloop.guard import StepGuard

@@ -343,7 +343,7 @@ def measure_training(cfg, steps: int) -> dict:
     import torch
 
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
-    from trainloop.distributed import build_accelerator
+    from trainloop.accelerator import build_accelerator
     from trainloop.model import build_model, build_model_config
     from trainloop.optim import build_optimizer
 

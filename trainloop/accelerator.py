@@ -1,8 +1,9 @@
-"""Who am I, which backend, one run directory for every rank.
+"""The Accelerator, built from the composed config, and the run directory every rank agrees on.
 
-The Accelerator is built from the composed config. On a machine without a GPU and with
-WORLD_SIZE > 1, a plain `Accelerator()` reports DistributedType.NO in every process and each
-trains alone (shared/FACTS.md); trainloop picks the CPU path (gloo) itself instead.
+On a machine without a GPU and with WORLD_SIZE > 1, a plain `Accelerator()` reports
+DistributedType.NO in every process and each trains alone, unsynchronised (seen with accelerate
+1.15 under torchrun and `accelerate launch --multi_gpu` on CPU); trainloop picks the CPU path
+(gloo) itself instead.
 Without a launcher, a DeepSpeed run is a 1-process group on loopback that trainloop describes
 itself. DeepSpeed is configured from the config alone (trainloop/deepspeed.py): launcher flags that
 say otherwise stop the run, and the log states the ZeRO stage the engine really runs.
@@ -75,7 +76,7 @@ def _asked_processes() -> str:
 
 def check_single_process_accelerate_launch(env: dict[str, str]) -> None:
     """`accelerate launch --num_processes N` without --multi_gpu starts ONE process where there
-    are not N GPUs (shared/FACTS.md). Its single-process launcher exports ACCELERATE_USE_CPU
+    are not N GPUs (seen with accelerate 1.15 on a CPU machine). Its single-process launcher exports ACCELERATE_USE_CPU
     always, and MASTER_ADDR only when asked for several processes, but never RANK or WORLD_SIZE."""
     started_alone = "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
     if not started_alone or any(k in env for k in MPI_SIZE_VARS):  # mpirun
@@ -279,14 +280,3 @@ def agree_run_dir(accelerator, run_dir: str | os.PathLike) -> Path:
         except OSError:
             pass
     return agreed
-
-
-def check_batch_fits(cfg, world_size: int, train_blocks: int) -> None:
-    """Every rank needs a full micro-batch each step; with fewer blocks the loop would get none."""
-    needed = cfg.data.batch_size * world_size
-    if train_blocks < needed:
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} x {world_size} processes needs {needed} training "
-            f"blocks per step, but the data holds {train_blocks}: lower data.batch_size, use fewer "
-            "processes, or add data"
-        )
