@@ -7,13 +7,16 @@ off sys.argv here. Heavy imports (torch, transformers, deepspeed) wait until a r
 
 Exit codes: 2 for a bad config, whether Hydra finds it (an unknown key, a wrong type, an unknown
 option, before the run starts) or trainloop does (ConfigError); an error that escapes a run that
-started exits 1, as Hydra reports it. The rest are in trainloop/checkpoint.py.
+started exits 1, as Hydra reports it. The full table is in trainloop/errors.py.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from trainloop.errors import (EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError,
+                              Preempted)
 
 
 def take_launcher_args(argv: list[str]) -> list[str]:
@@ -43,7 +46,7 @@ def rank_overrides() -> list[str]:
 def exit_code_of_hydra_failure(code, run_started: bool):
     """Hydra reports any error with exit 1; one raised before the task function ran is the
     config's (composing, overriding, type-checking it): exit 2, as for trainloop's own checks."""
-    return 2 if code == 1 and not run_started else code
+    return EXIT_BAD_CONFIG if code == 1 and not run_started else code
 
 
 def main() -> None:
@@ -55,7 +58,7 @@ def main() -> None:
         print(f"trainloop: error: a sweep (-m) cannot run under a launcher (WORLD_SIZE={world_size}): "
               "sweep with plain `python -m trainloop -m ...`, or launch each job on its own",
               file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_CONFIG)
     if not any(a.startswith("-") and a not in ("-m", "--multirun") for a in sys.argv[1:]):
         sys.argv += rank_overrides()
 
@@ -63,7 +66,6 @@ def main() -> None:
     from omegaconf import DictConfig
 
     from trainloop.config import CONFIG_DIR, ConfigError, check_command_line, register_configs
-    from trainloop.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted
     from trainloop.lifetime import watch_launcher
 
     register_configs()
@@ -84,7 +86,7 @@ def main() -> None:
             return run(cfg, run_dir=HydraConfig.get().runtime.output_dir, record=LaunchRecord.from_hydra(cfg))
         except ConfigError as err:  # a known bad input: one message, no traceback
             print(f"trainloop: error: {err}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(EXIT_BAD_CONFIG)
         except NonFiniteError as err:
             print(f"trainloop: error: {err}", file=sys.stderr)
             sys.exit(EXIT_NONFINITE)
@@ -106,7 +108,7 @@ def main() -> None:
         import traceback
 
         traceback.print_exc()
-        code = 2
+        code = EXIT_BAD_CONFIG
     leave(code, under_launcher=world_size > 1)
 
 

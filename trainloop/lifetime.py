@@ -3,7 +3,7 @@
 torchrun (or `accelerate launch`, the `deepspeed` launcher) starts each rank in a session of its
 own, so when the launcher is killed outright (`kill -9`, an OOM kill) nothing tells the ranks:
 they would train on as orphans. A daemon thread watches the parent; when it is gone the rank
-sends itself SIGTERM, which the preemption path (trainloop/checkpoint.py) turns into "finish
+sends itself SIGTERM, which the preemption path (trainloop/preemption.py) turns into "finish
 the step, save, exit 75", and if the rank is still alive LAUNCHER_GONE_GRACE_S later (stuck in
 a collective with a rank that already died, say) it ends at once.
 """
