@@ -348,7 +348,8 @@ def validate(cfg: Any) -> None:
 
     ds, opt = cfg.deepspeed, OPTIMIZERS.get(cfg.optimizer.name)
     if opt and ds.stage == 3 and not opt.zero3:
-        problems.append(f"optimizer={cfg.optimizer.name} cannot run under deepspeed stage 3: "
+        library = f" ({opt.library})" if opt.library else ""
+        problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under deepspeed stage 3: "
                         f"{opt.not_zero3_because}; use optimizer=adamw, or deepspeed=zero2")
     if opt and ds.stage and ds.offload_optimizer != "none" and not opt.cpu_offload:
         problems.append(

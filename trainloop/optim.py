@@ -130,12 +130,14 @@ class Optimizer:
     zero3: bool = True  # works on ZeRO-3's partitioned parameters
     cuda_only: bool = False
     not_zero3_because: str = ""
+    library: str = ""  # the package that implements it, where that is not torch or transformers
 
 
 ADAM_KEYS = ("lr", "weight_decay", "betas", "eps")
 OFFLOAD_READS = ADAM_KEYS  # what DeepSpeed's CPU Adam reads when it steps in (build_optimizer)
 EIGHT_BIT = dict(state_bytes=_adam8bit_state, shared_state_bytes=2 * 256 * 4, reads=ADAM_KEYS, zero3=False,
-                 not_zero3_because="ZeRO-3 partitions the parameters the 8-bit optimizer must see whole")
+                 not_zero3_because="ZeRO-3 partitions the parameters the 8-bit optimizer must see whole",
+                 library="bitsandbytes")
 
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, _adamw_state, _adamw_temporaries, reads=(*ADAM_KEYS, "impl"), cpu_offload=True),
