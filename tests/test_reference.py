@@ -70,7 +70,7 @@ def test_troubleshooting_quotes_trainloop_as_it_speaks():
     """The bold code fragments in docs/troubleshooting.md are trainloop's own message text."""
     quotes = re.findall(r"\*\*`([^`]+)`\*\*", (REPO / "docs" / "troubleshooting.md").read_text())
     assert len(quotes) >= 20
-    messages = [text for path in sorted((REPO / "trainloop").glob("*.py"))
+    messages = [text for path in sorted((REPO / "trainloop").rglob("*.py"))
                 for text in _string_literals(path.read_text())]
     missing = [quote for quote in quotes if not any(quote in text for text in messages)]
     assert not missing, f"docs/troubleshooting.md quotes messages trainloop no longer has: {missing}"

@@ -189,8 +189,8 @@ def check_nvme_path(nvme_path: str) -> None:
         with tempfile.TemporaryFile(dir=path):  # permissions alone miss read-only mounts (and root)
             pass
     except OSError as err:
-        action = "create" if not path.is_dir() else "write files in"
-        raise ConfigError(f"deepspeed.nvme_path={nvme_path}: cannot {action} it ({err.strerror}); DeepSpeed "
+        problem = "cannot create it" if not path.is_dir() else "cannot write files in it"
+        raise ConfigError(f"deepspeed.nvme_path={nvme_path}: {problem} ({err.strerror}); DeepSpeed "
                           "swaps the optimizer state and parameters to files there: choose a writable "
                           "folder on a fast local disk") from None
 
