@@ -16,6 +16,8 @@ PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
 NEEDS = {  # options whose required keys the user must give
     ("model", "hf"): ["model.name_or_path=/some/model"],
     ("data", "files"): ["data.path=/some/data.jsonl"],
+    ("data", "chat"): ["data.path=/some/chats.jsonl"],
+    ("data", "prompt_completion"): ["data.path=/some/pairs.jsonl"],
 }
 
 

@@ -58,18 +58,45 @@ def files(tmp_path_factory) -> dict[str, Path]:
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(
         root / "bpe")
     (root / "ds.json").write_text(json.dumps({"zero_optimization": {"round_robin_gradients": True}}))
+    # Fine-tuning rows: short prompts, replies longer than the smoke preset's 64-token blocks, so
+    # data.overlong shows; a second column of each kind for the field keys to point at.
+    for name, part in (("chat_a", keys[:15]), ("chat_b", keys[15:])):
+        with (root / f"{name}.jsonl").open("w") as f:
+            for key in part:
+                reply = topics[key][:150]
+                f.write(json.dumps({"messages": [{"role": "user", "content": key[:4]}, {"role": "assistant", "content": reply}],
+                                    "other": [{"role": "user", "content": reply[:4]},
+                                              {"role": "assistant", "content": key}]}) + "\n")
+    for name, part in (("pairs_a", keys[:15]), ("pairs_b", keys[15:])):
+        with (root / f"{name}.jsonl").open("w") as f:
+            for key in part:
+                f.write(json.dumps({"prompt": key[:4], "completion": topics[key][:150],
+                                    "question": topics[key][:30], "answer": key}) + "\n")
+    (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                     "{% if add_generation_prompt %}assistant: {% endif %}")
     return {"corpus_a": root / "corpus_a.jsonl", "corpus_b": root / "corpus_b.jsonl", "model_a": root / "model_a",
-            "model_b": root / "model_b", "bpe": root / "bpe", "ds.json": root / "ds.json"}
+            "model_b": root / "model_b", "bpe": root / "bpe", "ds.json": root / "ds.json",
+            "chat_a": root / "chat_a.jsonl", "chat_b": root / "chat_b.jsonl", "pairs_a": root / "pairs_a.jsonl",
+            "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja"}
 
 
-def probes(files) -> dict[str, object]:
-    """A value for each key of each group, unlike its default."""
+# The corpus each data option reads (a, the base) and its probe for data.path (b).
+CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs"}
+
+
+def probes(files, data_option: str = "files") -> dict[str, object]:
+    """A value for each key of each group, unlike its default (for data keys: the data option's)."""
+    fine_tuning = data_option in ("chat", "prompt_completion")
     return {
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
         "model.max_position_embeddings": 512, "model.vocab_multiple": 128, "model.dropout": 0.1,
         "model.attn_implementation": "eager", "model.gradient_checkpointing": True,
-        "data.path": files["corpus_b"], "data.text_field": "other", "data.tokenizer": files["bpe"],
+        "data.path": files[f"{CORPUS.get(data_option, 'corpus')}_b"], "data.text_field": "other",
+        "data.messages_field": "other", "data.chat_template": files["chat.jinja"],
+        "data.prompt_field": "question", "data.completion_field": "answer",
+        "data.train_on": "all" if fine_tuning else "assistant", "data.packing": "stream",
+        "data.overlong": "split" if fine_tuning else "truncate", "data.tokenizer": files["bpe"],
         "data.seq_len": 32, "data.batch_size": 2, "data.validation_fraction": 0.2, "data.num_workers": 1,
         "data.persistent_workers": True, "data.prefetch_factor": 4, "data.multiprocessing_context": "spawn",
         "optimizer.lr": 0.5, "optimizer.weight_decay": 0.3, "optimizer.betas": [0.8, 0.9],
@@ -110,7 +137,8 @@ def built(group: str, cfg):
         train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
         loader, _ = build_dataloaders(cfg.data, train, valid, pin_memory=False)
         context = type(loader.multiprocessing_context).__name__ if loader.multiprocessing_context else None
-        return (digest(train.blocks), digest(valid.blocks), loader.batch_size, loader.num_workers,
+        blocks = [digest(part.tensors[key]) for part in (train, valid) for key in sorted(part.tensors)]
+        return (blocks, loader.batch_size, loader.num_workers,
                 loader.persistent_workers, loader.prefetch_factor, context)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     if group in ("optimizer", "scheduler"):
@@ -158,7 +186,7 @@ def test_every_key_is_probed(files):
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, files):
     if group == "data":  # model=hf here would make the model's own tokenizer the data's
-        base = [f"data={option}", *([f"data.path={files['corpus_a']}"] if option == "files" else [])]
+        base = [f"data={option}", *([f"data.path={files[CORPUS[option] + '_a']}"] if option in CORPUS else [])]
     elif group == "model":
         base = [f"model={option}", *([f"model.name_or_path={files['model_a']}"] if option == "hf" else [])]
     else:
@@ -166,7 +194,7 @@ def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, fi
     base = ["+preset=smoke", *base]
     before = built(group, compose(*base))
     silently_ignored, over_refused = [], []
-    for key, value in probes(files).items():
+    for key, value in probes(files, option if group == "data" else "files").items():
         if not key.startswith(group + ".") or f"{key}=" in " ".join(base):
             continue
         overrides = [*base, f"{key}={json.dumps(value) if isinstance(value, list) else value}"]

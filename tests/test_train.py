@@ -45,7 +45,7 @@ def test_loader_workers_load_the_batches_one_process_loads(method):
         cfg = compose("data.batch_size=4", *overrides).data
         train_loader, valid_loader = build_dataloaders(cfg, blocks, blocks, pin_memory=False)
         torch.manual_seed(0)  # the shuffle order
-        return train_loader, [b.clone() for b in train_loader], [b.clone() for b in valid_loader]
+        return train_loader, [b["input_ids"].clone() for b in train_loader], [b["input_ids"].clone() for b in valid_loader]
 
     _, train_alone, valid_alone = epoch()
     loader, train_workers, valid_workers = epoch("data.num_workers=2", f"data.multiprocessing_context={method}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainloop.config import ConfigError
+from trainloop.loop import token_loss_sum
 
 log = logging.getLogger("trainloop")
 
@@ -140,7 +141,15 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)) or should_reduce_batch_size(err)
 
 
-def trial_steps(model, make_optimizer, batch: torch.Tensor, autocast) -> None:
+def stacked(samples, size: int, device: torch.device) -> dict:
+    """The first `size` samples as one batch: training blocks (dicts), or plain rows of token ids."""
+    first = [samples[i] for i in range(size)]
+    if not isinstance(first[0], dict):
+        first = [{"input_ids": ids, "labels": ids} for ids in first]
+    return {key: torch.stack([s[key] for s in first]).to(device) for key in first[0]}
+
+
+def trial_steps(model, make_optimizer, batch: dict, autocast) -> None:
     """TRIAL_STEPS forward/backward/optimizer steps that leave the model's weights unchanged.
 
     A throwaway optimizer (learning rate 0, gradients zeroed before its step) allocates its real
@@ -152,7 +161,8 @@ def trial_steps(model, make_optimizer, batch: torch.Tensor, autocast) -> None:
     try:
         for _ in range(TRIAL_STEPS):
             with autocast():
-                loss = model(input_ids=batch, labels=batch).loss
+                summed, count = token_loss_sum(model, batch)
+                loss = summed / count.clamp(min=1)
             loss.backward()
             for p in model.parameters():
                 if p.grad is not None:
@@ -179,14 +189,14 @@ def search_batch_size(model, make_optimizer, samples, effective: int, device: to
         # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
         # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
         try:
-            trial_steps(model, make_optimizer, samples[0][None].to(device), autocast)
+            trial_steps(model, make_optimizer, stacked(samples, 1, device), autocast)
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
             search.tried.append({"batch_size": 1, "fits": False, "error": str(err).splitlines()[0][:200]})
             return search
         for size in candidates(effective, min(limit or len(samples), len(samples))):
-            batch = torch.stack([samples[i] for i in range(size)]).to(device)
+            batch = stacked(samples, size, device)
             error = None
             try:
                 with memory_budget(device, budget):

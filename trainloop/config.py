@@ -38,11 +38,22 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "pydoc"  # pydoc: Python's bundled documentation text; files: data.path
+    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet
-    text_field: str = "text"  # the column that holds the text (json, jsonl, csv, parquet)
+    text_field: str = "text"  # the column that holds the text (data=files)
+    messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
+    chat_template: Optional[str] = None  # data=chat: a Jinja template file; None: the tokenizer's, else built-in
+    prompt_field: str = "prompt"  # data=prompt_completion: the column holding the prompt
+    completion_field: str = "completion"  # data=prompt_completion: the column holding the completion
+    train_on: str = "all"  # tokens with a loss: all; assistant (chat's default); completion (prompt_completion's)
+    # documents: rows packed into seq_len blocks, attention and position ids kept inside each row;
+    # stream: rows end to end, cut every seq_len tokens; none: one padded row per block
+    packing: str = "documents"
+    # a row longer than seq_len (packing documents or none): truncate (chat, prompt_completion),
+    # drop, or split into seq_len pieces packed as rows of their own (pydoc, files: nothing lost)
+    overlong: str = "split"
     tokenizer: Optional[str] = None  # a local tokenizer directory; None: model's own or bytes
-    seq_len: int = 128  # tokens per training block; documents are packed, separated by EOS
+    seq_len: int = 128  # tokens per training block; rows are packed into blocks as data.packing says
     batch_size: int = 8  # per device, per micro-step
     validation_fraction: float = 0.05  # share of the blocks held out for evaluation
     num_proc: Optional[int] = None  # processes for datasets.map
@@ -193,7 +204,10 @@ CHOICES = {
     "model.name": ("tiny", "hf"),
     "model.arch": ("llama", "gpt2"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
-    "data.name": ("pydoc", "files"),
+    "data.name": ("pydoc", "files", "chat", "prompt_completion"),
+    "data.train_on": ("all", "assistant", "completion"),
+    "data.packing": ("documents", "stream", "none"),
+    "data.overlong": ("truncate", "drop", "split"),
     "data.multiprocessing_context": ("forkserver", "spawn", "fork"),
     "optimizer.impl": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("cosine", "linear", "constant"),
@@ -206,6 +220,10 @@ CHOICES = {
     "compile.mode": ("default", "reduce-overhead", "max-autotune"),
 }
 
+# What each data option can take the loss on (data.train_on).
+TRAIN_ON = {"pydoc": ("all",), "files": ("all",), "chat": ("assistant", "all"),
+            "prompt_completion": ("completion", "all")}
+
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.max_position_embeddings",
     "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
@@ -217,6 +235,8 @@ POSITIVE = (
 _TINY = (lambda c: c.model.name == "tiny", "model=tiny")
 _ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
 _ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
+_CHAT = (lambda c: c.data.name == "chat", "data=chat")
+_PROMPT_COMPLETION = (lambda c: c.data.name == "prompt_completion", "data=prompt_completion")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
 
 # Keys that only some choices read: KEY -> (does this config read it?, the choice that reads it).
@@ -232,8 +252,13 @@ _READ_ONLY_BY = {
     "model.intermediate_size": _TINY,
     "model.max_position_embeddings": _TINY,
     "model.dropout": _TINY,
-    "data.path": (lambda c: c.data.name == "files", "data=files"),
+    "data.path": (lambda c: c.data.name != "pydoc", "data=files, chat or prompt_completion"),
     "data.text_field": (lambda c: c.data.name == "files", "data=files"),
+    "data.messages_field": _CHAT,
+    "data.chat_template": _CHAT,
+    "data.prompt_field": _PROMPT_COMPLETION,
+    "data.completion_field": _PROMPT_COMPLETION,
+    "data.overlong": (lambda c: c.data.packing != "stream", "data.packing=documents or none"),
     "data.multiprocessing_context": (lambda c: c.data.num_workers > 0, "data.num_workers > 0"),
     "trainer.auto_batch_size_budget_mb": (lambda c: c.trainer.auto_batch_size, "trainer.auto_batch_size=true"),
     **{f"deepspeed.{key}": _ZERO for key in (
@@ -335,8 +360,12 @@ def validate(cfg: Any) -> None:
         problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
-    if d.name == "files" and not d.path:
-        problems.append("data=files needs data.path: a file, directory or glob of your text data")
+    if d.name != "pydoc" and not d.path:
+        problems.append(f"data={d.name} needs data.path: a file, directory or glob of your data")
+    serves = TRAIN_ON.get(d.name, ())
+    if d.train_on in CHOICES["data.train_on"] and d.train_on not in serves:
+        problems.append(f"data.train_on={d.train_on} cannot be served by data={d.name}: "
+                        f"choose {' or '.join(serves)}")
     if not 0.0 < d.validation_fraction < 1.0:
         problems.append(f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
     if d.num_workers < 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import json
@@ -76,8 +77,17 @@ def data_files(path: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-def load_texts(cfg: DataConfig):
-    """A `datasets.Dataset` with one document per row in column cfg.text_field."""
+# The columns each data option reads: the config key that names each, with its value.
+def columns_read(cfg: DataConfig) -> dict[str, str]:
+    if cfg.name == "chat":
+        return {"data.messages_field": cfg.messages_field}
+    if cfg.name == "prompt_completion":
+        return {"data.prompt_field": cfg.prompt_field, "data.completion_field": cfg.completion_field}
+    return {"data.text_field": cfg.text_field}
+
+
+def load_rows(cfg: DataConfig):
+    """A `datasets.Dataset` with one document (text, conversation or prompt/completion) per row."""
     import datasets
 
     if cfg.name == "pydoc":
@@ -98,9 +108,10 @@ def load_texts(cfg: DataConfig):
                 raise ConfigError(f"data.path={cfg.path!r}: {file} cannot be read as {builder} "
                                   f"({root_cause(err)}); fix or remove that file") from None
         raise
-    if cfg.text_field not in ds.column_names:
-        raise ConfigError(f"data.text_field={cfg.text_field!r} is not a column of {cfg.path}: "
-                          f"its columns are {ds.column_names}; set data.text_field=ONE_OF_THEM")
+    for key, column in columns_read(cfg).items():
+        if column not in ds.column_names:
+            raise ConfigError(f"{key}={column!r} is not a column of {cfg.path}: its columns are "
+                              f"{ds.column_names}; set {key}=ONE_OF_THEM")
     return ds
 
 
@@ -117,7 +128,7 @@ def read_files(builder: str, files: list[str]):
     extra = {"sample_by": "document"} if builder == "text" else {}
     datasets_log = logging.getLogger("datasets")
     level = datasets_log.level
-    datasets_log.setLevel(logging.CRITICAL)  # it logs each failure at ERROR; load_texts says it once
+    datasets_log.setLevel(logging.CRITICAL)  # it logs each failure at ERROR; load_rows says it once
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", **extra)
     except DatasetGenerationError as err:
@@ -148,53 +159,277 @@ def drop_rows_without_text(texts, field: str, num_proc: int | None):
     return kept
 
 
-class PackedBlocks(Dataset):
-    """Rows of a [num_blocks, seq_len] LongTensor: each row is both input and label."""
+IGNORE = -100  # the label torch's cross-entropy skips: no loss on this token
+ROLES = ("system", "user", "assistant", "tool")
 
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
+# For tokenizers without a chat template (the built-in byte-level one included): each message
+# is a role line, its content and the end-of-text token, so a reply ends where the model learns to stop.
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class PackedBlocks(Dataset):
+    """Training blocks: rows of [num_blocks, seq_len] tensors, one dict of them per block.
+
+    labels are the input ids with IGNORE where no loss is taken; position_ids restart at 0 at
+    each packed row (the model then keeps attention inside the row); attention_mask only for
+    data.packing=none, where rows are padded on the right.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
+        if labels is None:
+            labels = input_ids
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        self.tensors = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if attention_mask is not None:
+            self.tensors["attention_mask"] = attention_mask
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["input_ids"]
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.blocks[i]
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {key: tensor[i] for key, tensor in self.tensors.items()}
+
+    def subset(self, indices: list[int]) -> "PackedBlocks":
+        part = PackedBlocks.__new__(PackedBlocks)
+        part.tensors = {key: tensor[indices] for key, tensor in self.tensors.items()}
+        return part
+
+
+def chat_template(cfg: DataConfig, tokenizer) -> str:
+    """data.chat_template if given, else the tokenizer's own, else the built-in one."""
+    if cfg.chat_template:
+        path = Path(cfg.chat_template).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"data.chat_template={cfg.chat_template!r}: no such file; give a Jinja template file")
+        return path.read_text()
+    own = tokenizer.chat_template
+    if isinstance(own, dict):  # named templates: the default one
+        own = own.get("default")
+    if own:
+        return own
+    log.info("the tokenizer has no chat template: using trainloop's built-in one (data.chat_template=FILE to choose)")
+    return BUILTIN_CHAT_TEMPLATE
+
+
+def check_messages(rows, field: str) -> None:
+    """Every conversation is a list of {role, content} messages with known roles; else one line naming the row."""
+    for r, messages in enumerate(rows[field]):
+        if not messages:
+            raise ConfigError(f"data.messages_field={field!r}: row {r} has no messages; "
+                              "every row needs a list of {role, content} messages")
+        for m, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ROLES:
+                raise ConfigError(f"data.messages_field={field!r}: row {r} message {m} has role {role!r}; "
+                                  f"the roles are {', '.join(ROLES)}")
+            if not isinstance(message.get("content"), str):
+                raise ConfigError(f"data.messages_field={field!r}: row {r} message {m} ({role}) has no "
+                                  "content; every message needs a text 'content'")
+
+
+def chat_tokens(messages: list[dict], tokenizer, template: str, train_on: str) -> tuple[list[int], list[int]]:
+    """The conversation rendered with the template, tokenized piece by piece so each piece's labels
+    are known: an assistant reply (after its header) is a target; with train_on=all, everything is."""
+    def render(upto: list[dict], prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(upto, chat_template=template, tokenize=False,
+                                             add_generation_prompt=prompt) if upto or prompt else ""
+
+    ids, labels, done = [], [], ""
+
+    def add(text: str, target: bool) -> None:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids.extend(piece)
+        labels.extend(piece if target else [IGNORE] * len(piece))
+
+    for i, message in enumerate(messages):
+        reply = message["role"] == "assistant"
+        if reply:  # the header that opens a reply is the prompt's, not the model's to learn
+            header = render(messages[:i], prompt=True)
+            if header.startswith(done):
+                add(header[len(done):], train_on == "all")
+                done = header
+        text = render(messages[:i + 1])
+        if not text.startswith(done):
+            raise ConfigError(f"data.chat_template: the template renders the first {i + 1} messages as text that "
+                              f"does not continue the first {i}'s, so the turns cannot be labelled; use a template "
+                              "that renders a conversation turn by turn (data.chat_template=FILE)")
+        add(text[len(done):], reply or train_on == "all")
+        done = text
+    return ids, labels
+
+
+def row_tokenizer(cfg: DataConfig, tokenizer):
+    """A `datasets.map` function: a batch of rows -> their input_ids and labels (IGNORE where no loss)."""
+    eos = tokenizer.eos_token_id
+    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    if cfg.name == "chat":
+        template = chat_template(cfg, tokenizer)
+
+        def tokenize(batch):
+            pairs = [chat_tokens(m, tokenizer, template, cfg.train_on) for m in batch[cfg.messages_field]]
+            return {"input_ids": [p[0] for p in pairs], "labels": [p[1] for p in pairs]}
+    elif cfg.name == "prompt_completion":
+        def tokenize(batch):
+            prompts = encode(batch[cfg.prompt_field])
+            completions = [c + [eos] for c in encode(batch[cfg.completion_field])]
+            hide = cfg.train_on == "completion"
+            return {"input_ids": [p + c for p, c in zip(prompts, completions)],
+                    "labels": [([IGNORE] * len(p) if hide else p) + c for p, c in zip(prompts, completions)]}
+    else:
+        def tokenize(batch):
+            ids = [x + [eos] for x in encode(batch[cfg.text_field])]
+            return {"input_ids": ids, "labels": ids}
+    return tokenize
+
+
+def load_examples(cfg: DataConfig):
+    """The rows, checked: text rows without text skipped; conversations and prompt/completion pairs validated."""
+    rows = load_rows(cfg)
+    if cfg.name in ("pydoc", "files"):
+        return drop_rows_without_text(rows, cfg.text_field, cfg.num_proc)
+    if cfg.name == "chat":
+        check_messages(rows, cfg.messages_field)
+        if cfg.train_on == "assistant" and not any(
+                m["role"] == "assistant" for messages in rows[cfg.messages_field] for m in messages):
+            raise ConfigError(f"data.train_on=assistant: no row of {cfg.path} has an assistant message, so "
+                              "nothing would be learned; add replies, or set data.train_on=all")
+        return rows
+    for key, column in columns_read(cfg).items():
+        missing = [r for r, value in enumerate(rows[column]) if not isinstance(value, str)]
+        if missing:
+            raise ConfigError(f"{key}={column!r}: row {missing[0]} (and {len(missing) - 1} more) has no text "
+                              "in that column; fix or remove those rows")
+    return rows
+
+
+def fit_rows(cfg: DataConfig, rows: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+    """Rows made to fit data.seq_len as data.overlong says, each with a target token; counted in the log.
+
+    A row's first label is never a target: in a packed block the token before it is another row's.
+    """
+    seq_len, fitted, counts = cfg.seq_len, [], {"truncated": 0, "split": 0, "dropped as overlong": 0,
+                                                "dropped with no target token": 0}
+    for ids, labels in rows:
+        pieces = [(ids, labels)]
+        if len(ids) > seq_len:
+            if cfg.overlong == "drop":
+                counts["dropped as overlong"] += 1
+                continue
+            counts["truncated" if cfg.overlong == "truncate" else "split"] += 1
+            ends = range(0, seq_len if cfg.overlong == "truncate" else len(ids), seq_len)
+            pieces = [(ids[i:i + seq_len], labels[i:i + seq_len]) for i in ends]
+        for piece_ids, piece_labels in pieces:
+            piece_labels = [IGNORE] + piece_labels[1:]
+            if all(label == IGNORE for label in piece_labels):
+                counts["dropped with no target token"] += 1
+                continue
+            fitted.append((piece_ids, piece_labels))
+    said = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+    if said:
+        log.info("data: of %d rows (data.seq_len=%d, data.overlong=%s): %s", len(rows), seq_len, cfg.overlong, said)
+    if not fitted:
+        key = "data.overlong" if counts["dropped as overlong"] else "data.train_on"
+        raise ConfigError(f"{key}={getattr(cfg, key.split('.')[1])}: every one of the {len(rows)} rows was "
+                          f"dropped ({said}); raise data.seq_len, or set data.overlong=truncate or split")
+    return fitted
+
+
+def pack_documents(rows, seq_len: int, pad: int) -> PackedBlocks:
+    """Rows into blocks of seq_len, best fit, longest first (deterministic): position ids restart at
+    each row, so attention stays inside it; the rest of a block is padding with no loss."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    bins: list[list[int]] = []
+    spaces: list[tuple[int, int]] = []  # (free tokens, block), sorted: the tightest fit is found by bisect
+    for i in order:
+        length = len(rows[i][0])
+        k = bisect.bisect_left(spaces, (length, -1))
+        if k < len(spaces):
+            free, b = spaces.pop(k)
+            bins[b].append(i)
+        else:
+            free, b = seq_len, len(bins)
+            bins.append([i])
+        if free - length:
+            bisect.insort(spaces, (free - length, b))
+    ids = torch.full((len(bins), seq_len), pad, dtype=torch.long)
+    labels = torch.full((len(bins), seq_len), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(bins), seq_len), dtype=torch.long)
+    for b, members in enumerate(bins):
+        at = 0
+        for i in members:
+            row_ids, row_labels = rows[i]
+            n = len(row_ids)
+            ids[b, at:at + n] = torch.tensor(row_ids)
+            labels[b, at:at + n] = torch.tensor(row_labels)
+            positions[b, at:at + n] = torch.arange(n)
+            at += n
+        positions[b, at:] = torch.arange(seq_len - at)  # the padding, a row of its own
+    return PackedBlocks(ids, labels, positions)
+
+
+def pad_rows(rows, seq_len: int, pad: int) -> PackedBlocks:
+    """One row per block, padded on the right, with an attention mask (data.packing=none)."""
+    ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    for r, (row_ids, row_labels) in enumerate(rows):
+        ids[r, :len(row_ids)] = torch.tensor(row_ids)
+        labels[r, :len(row_labels)] = torch.tensor(row_labels)
+        mask[r, :len(row_ids)] = 1
+    return PackedBlocks(ids, labels, attention_mask=mask)
+
+
+def pack_stream(tokens, seq_len: int) -> PackedBlocks:
+    """Every row end to end, cut into seq_len blocks, the tail dropped (data.packing=stream): attention
+    crosses rows, separated only by their EOS."""
+    ids = torch.tensor(list(chain.from_iterable(tokens["input_ids"])), dtype=torch.long)
+    labels = torch.tensor(list(chain.from_iterable(tokens["labels"])), dtype=torch.long)
+    usable = len(ids) // seq_len * seq_len
+    return PackedBlocks(ids[:usable].view(-1, seq_len), labels[:usable].view(-1, seq_len))
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks, PackedBlocks]:
-    """Tokenize (cached by `datasets` for files), append EOS per document, pack, split."""
-    texts = drop_rows_without_text(load_texts(cfg), cfg.text_field, cfg.num_proc)
-    field, eos, seq_len = cfg.text_field, tokenizer.eos_token_id, cfg.seq_len
+    """Tokenize (cached by `datasets` for files), label, fit to data.seq_len, pack as data.packing says, split."""
+    import datasets
 
-    def tokenize(batch):
-        ids = tokenizer(batch[field], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
-
-    def pack(batch):
-        stream = list(chain.from_iterable(batch["input_ids"]))
-        usable = len(stream) // seq_len * seq_len
-        return {"input_ids": [stream[i:i + seq_len] for i in range(0, usable, seq_len)]}
-
-    tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names,
-                       num_proc=cfg.num_proc, desc="tokenize")
-    packed = tokens.map(pack, batched=True, batch_size=10_000, num_proc=cfg.num_proc, desc="pack")
+    examples = load_examples(cfg)
+    tokens = examples.map(row_tokenizer(cfg, tokenizer), batched=True, remove_columns=examples.column_names,
+                          num_proc=cfg.num_proc, desc="tokenize")
+    seq_len, pad = cfg.seq_len, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cfg.packing == "stream":
+        packed = pack_stream(tokens, seq_len)
+    else:
+        rows = fit_rows(cfg, list(zip(tokens["input_ids"], tokens["labels"])))
+        packed = (pack_documents if cfg.packing == "documents" else pad_rows)(rows, seq_len, pad)
     if len(packed) < 2:
         raise ConfigError(f"the data holds {len(packed)} block(s) of data.seq_len={seq_len} tokens: "
                           "too little to train and validate; add data or lower data.seq_len")
-    split = packed.train_test_split(test_size=cfg.validation_fraction, seed=seed)
-    as_tensor = lambda d: PackedBlocks(torch.tensor(d["input_ids"], dtype=torch.long))  # noqa: E731
-    return as_tensor(split["train"]), as_tensor(split["test"])
+    # The split `datasets` draws for (number of blocks, seed): the same as before blocks became dicts.
+    split = datasets.Dataset.from_dict({"i": list(range(len(packed)))}).train_test_split(
+        test_size=cfg.validation_fraction, seed=seed)
+    return packed.subset(split["train"]["i"]), packed.subset(split["test"]["i"])
 
 
 def data_fingerprint(tokenizer, train: PackedBlocks, valid: PackedBlocks) -> dict:
     """What identifies the data a run trains on, for the resume check: the tokenizer's vocabulary
-    and the packed blocks themselves. Hashing the tokens is exact (any change of files, text
-    field, tokenizer, packing or split shows) and cheap next to tokenizing them."""
+    and the packed blocks themselves (ids, labels, positions). Hashing the tokens is exact (any
+    change of files, fields, template, tokenizer, packing or split shows) and cheap next to tokenizing them."""
     vocab = tokenizer.get_vocab()
     vocab_hash = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
     blocks_hash = hashlib.sha256()
-    for part in (train.blocks, valid.blocks):
-        blocks_hash.update(part.contiguous().numpy())
+    for part in (train, valid):
+        for key in sorted(part.tensors):
+            blocks_hash.update(part.tensors[key].contiguous().numpy())
     return {"tokenizer vocabulary": f"{len(vocab)} tokens, sha256 {vocab_hash[:16]}",
             "data content": f"{len(train)} train + {len(valid)} valid blocks of {train.blocks.shape[1]} "
                             f"tokens, sha256 {blocks_hash.hexdigest()[:16]}"}

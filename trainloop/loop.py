@@ -1,15 +1,18 @@
-"""The training loop: micro-steps under `accelerator.accumulate`, then clip, step, log, eval, save."""
+"""The training loop: a step's micro-batches (loss per target token of the step), then clip, step, log, eval, save."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 
 from trainloop.telemetry import Telemetry
+
+IGNORE = -100  # labels with no loss (trainloop.data.IGNORE; not imported: data pulls in `datasets`)
 
 
 @dataclass
@@ -52,19 +55,66 @@ def batches_forever(accelerator, loader, state: TrainState):
         state.batches_in_epoch = 0
 
 
+def model_inputs(batch: dict) -> dict:
+    """What the model reads. No attention mask with packed rows: the model builds a block-diagonal
+    one from the restarting position ids, and only without a mask and without a cache."""
+    keys = ("input_ids", "position_ids", "attention_mask")
+    return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
+
+
+def token_loss_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed next-token loss over the batch's target tokens, and their number.
+
+    Summed, not averaged: a step's loss is divided once by all its target tokens, over every
+    micro-batch and rank, so each token weighs the same however the tokens fall into micro-batches.
+    """
+    logits = model(**model_inputs(batch)).logits
+    targets = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, (targets != IGNORE).sum()
+
+
 @torch.no_grad()
 def evaluate(accelerator, model, loader, max_batches: int | None) -> float:
-    """Mean next-token loss over the validation split, identical on every rank."""
+    """Next-token loss per target token over the validation split (all ranks), identical on every rank."""
     model.eval()
     total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-    for i, ids in enumerate(loader):
+    for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        loss = model(input_ids=ids, labels=ids).loss
-        total += torch.stack([loss.double() * ids.shape[0], torch.tensor(ids.shape[0], device=total.device)])
+        loss, count = token_loss_sum(model, batch)
+        total += torch.stack([loss.double(), count.double()])
     model.train()
     total = accelerator.reduce(total, reduction="sum")
-    return (total[0] / total[1]).item()
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def step_batches(batches, state: TrainState, accumulation: int, epoch_batches: int) -> list[dict]:
+    """The micro-batches of one optimizer step: `accumulation` of them, fewer at the end of an epoch
+    (where accelerate, too, steps on what is left)."""
+    group = []
+    while len(group) < accumulation:
+        group.append(next(batches))
+        if state.batches_in_epoch == epoch_batches:
+            break
+    return group
+
+
+@contextmanager
+def micro_step(accelerator, model, last: bool):
+    """accelerate's `accumulate`, with the step's last micro-batch named by the loop: the loop reads
+    a step's batches before running them, so accelerate's own end-of-epoch test would fire early."""
+    accelerator.sync_gradients = last
+    with nullcontext() if last else accelerator.no_sync(model):
+        yield
+
+
+def step_target_tokens(accelerator, group: list[dict]) -> torch.Tensor:
+    """The step's target tokens over every rank (labels shifted by one, as the loss reads them)."""
+    count = sum((b["labels"][:, 1:] != IGNORE).sum() for b in group).to(accelerator.device)
+    count = accelerator.reduce(count, reduction="sum") if accelerator.num_processes > 1 else count
+    return count.clamp(min=1)
 
 
 def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
@@ -77,28 +127,32 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
     max_norm = tc.max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     step_loss = torch.zeros((), device=accelerator.device)
-    micro, wait, tokens = 0, 0.0, 0  # since the last log line
+    steps, wait, tokens = 0, 0.0, 0  # since the last log line
     eval_loss, t_log = None, time.perf_counter()
     model.train()
+    # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
+    # scaled by both, the gradient is the sum of token-loss gradients / the step's target tokens.
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    epoch_batches = len(train_loader)
     while state.step < tc.max_steps:
         t_data = time.perf_counter()
-        ids = next(batches)
+        group = step_batches(batches, state, accelerator.gradient_accumulation_steps, epoch_batches)
         wait += time.perf_counter() - t_data
-        with accelerator.accumulate(model):
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)  # under DeepSpeed this also steps at the boundary
-            step_loss += loss.detach()
-            if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
-                if verdict.update:
-                    optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        micro += 1
-        tokens += tokens_per_batch
-        state.tokens_seen += tokens_per_batch
-        if not accelerator.sync_gradients:
-            continue
+        step_tokens = step_target_tokens(accelerator, group)
+        for i, batch in enumerate(group):
+            with micro_step(accelerator, model, last=i == len(group) - 1):
+                summed, _ = token_loss_sum(model, batch)
+                accelerator.backward(summed * (scale / step_tokens))  # under DeepSpeed this also steps at the end
+                step_loss += summed.detach() / step_tokens  # this rank's share of the step's loss
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                    verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
+                    if verdict.update:
+                        optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        steps += 1
+        tokens += tokens_per_batch * len(group)
+        state.tokens_seen += tokens_per_batch * len(group)
 
         if verdict.update and not accelerator.optimizer_step_was_skipped:
             scheduler.step()
@@ -111,7 +165,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
         last = state.step == tc.max_steps
         if state.step % tc.log_every == 0 or last:
             elapsed = time.perf_counter() - t_log
-            mean_loss = accelerator.reduce(loss_sum, reduction="mean").item() / micro
+            mean_loss = accelerator.reduce(loss_sum, reduction="sum").item() / steps
             metrics.train(
                 state.step, loss=mean_loss, lr=scheduler.get_last_lr()[0],
                 grad_norm=None if grad_norm is None else float(grad_norm),
@@ -119,7 +173,7 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
                 tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
             )
             loss_sum.zero_()
-            t_log, micro, wait, tokens = time.perf_counter(), 0, 0.0, 0
+            t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
         if state.step % tc.eval_every == 0 or last:
             eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
             metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
