@@ -151,3 +151,31 @@ def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, str
     assert adapter and all(t.numel() for t in adapter.values())
     name, worst = logits_agree(final, base)
     assert worst < 1e-4, worst
+
+
+def test_plan_counts_frozen_quantized_and_adapter_state(base):
+    """trainloop.plan: gradients and AdamW state for the adapters only, the frozen base at
+    4 B/param (or NF4's ~0.52 B for the linear weights), as the real peft model has them."""
+    from peft import get_peft_model
+
+    from trainloop.adapter import lora_config
+    from trainloop.model import build_model, build_model_config
+    from trainloop.tools.plan import model_shape, plan_memory
+
+    cfg = compose("+preset=smoke", *hf(base), "adapter=lora", "adapter.r=4")
+    shape = model_shape(cfg)
+    real = get_peft_model(build_model(cfg.model, build_model_config(cfg.model, 258)), lora_config(cfg.adapter))
+    trained = [p for p in real.parameters() if p.requires_grad]
+    assert shape.num_trainable == sum(p.numel() for p in trained) and shape.num_trainable < shape.num_params / 10
+    plan = plan_memory(cfg, shape, world_size=1, device="cpu")
+    assert plan.get("gradients") == 4 * shape.num_trainable
+    assert plan.get("optimizer states") == 8 * shape.num_trainable + 4 * len(trained)  # AdamW: m, v, step
+    assert plan.get("parameters") == 4 * sum(p.numel() for p in real.parameters())
+
+    quantized = model_shape(compose("+preset=smoke", *hf(base), "adapter=lora", "adapter.r=4", "model.quantization=4bit"))
+    plain = build_model(cfg.model, build_model_config(cfg.model, 258))
+    head = plain.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    assert quantized.quantized_params == linear > 0  # every linear weight but the head's
+    plan = plan_memory(compose("+preset=smoke", *hf(base), "adapter=lora", "model.quantization=4bit"), quantized, 1, "cpu")
+    assert 0.5 * quantized.quantized_params < plan.get("quantized base weights") < 0.53 * quantized.quantized_params
