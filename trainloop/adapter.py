@@ -79,7 +79,7 @@ def check_targets(cfg: AdapterConfig, model_config) -> None:
 
 def apply_adapter(cfg, model):
     """Freeze `model` and wrap it in a peft model with the configured LoRA adapters."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training
 
     if cfg.model.quantization != "none":
         # casts the unquantized parameters (norms, embeddings) to fp32 for stable training, and
@@ -87,7 +87,17 @@ def apply_adapter(cfg, model):
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=cfg.model.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
-    return get_peft_model(model, lora_config(cfg.adapter))
+    return wrap_lora(model, cfg.adapter)
+
+
+def wrap_lora(model, cfg: AdapterConfig):
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():  # peft asks transformers 5 by the old name: not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora_config(cfg))
 
 
 def trainable_names(model) -> set[str]:

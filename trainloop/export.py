@@ -163,11 +163,10 @@ def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dic
     weights (the live one may be sharded or wrapped). A quantized base is replaced by the
     original pretrained weights: the merged export is the unquantized base plus the adapter."""
     import torch
-    from peft import get_peft_model
     from peft.utils import set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from trainloop.adapter import lora_config
+    from trainloop.adapter import wrap_lora
     from trainloop.model import SPECIAL_TOKENS, carry_token_ids
 
     live_config = peft_model.get_base_model().config
@@ -175,11 +174,11 @@ def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dic
         base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
         if base.get_input_embeddings().num_embeddings < live_config.vocab_size:
             base.resize_token_embeddings(live_config.vocab_size)
-        model = get_peft_model(base, lora_config(cfg.adapter))
+        model = wrap_lora(base, cfg.adapter)
         set_peft_model_state_dict(model, adapter_state)
     else:
         base = AutoModelForCausalLM.from_config(live_config, dtype=torch.float32)
-        model = get_peft_model(base, lora_config(cfg.adapter))
+        model = wrap_lora(base, cfg.adapter)
         _load_full(model, state_dict)
     ids = {key: getattr(live_config, key, None) for key in SPECIAL_TOKENS}
     carry_token_ids(model.get_base_model().config, ids)

@@ -109,14 +109,12 @@ def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, int]:
 
     if cfg.adapter.name == "none":
         return None, 0
-    from peft import get_peft_model
-
-    from trainloop.adapter import lora_config
+    from trainloop.adapter import wrap_lora
 
     head = model.get_output_embeddings()
     quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     with torch.device("meta"):
-        peft_model = get_peft_model(model, lora_config(cfg.adapter))
+        peft_model = wrap_lora(model, cfg.adapter)
     trainable = [tuple(p.shape) for p in peft_model.parameters() if p.requires_grad]
     return trainable, quantized if cfg.model.quantization != "none" else 0
 
