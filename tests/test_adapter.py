@@ -179,3 +179,20 @@ def test_plan_counts_frozen_quantized_and_adapter_state(base):
     assert quantized.quantized_params == linear > 0  # every linear weight but the head's
     plan = plan_memory(compose("+preset=smoke", *hf(base), "adapter=lora", "model.quantization=4bit"), quantized, 1, "cpu")
     assert 0.5 * quantized.quantized_params < plan.get("quantized base weights") < 0.53 * quantized.quantized_params
+
+
+def test_an_empty_or_different_adapter_file_fails_the_export_check(tmp_path):
+    """What ZeRO-3 exports elsewhere write (an adapter file without tensors) is caught."""
+    from safetensors.torch import save_file
+
+    from trainloop.export import check_adapter
+
+    live = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.ones(4, 8)}
+    save_file({}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(RuntimeError, match="not the live adapter"):
+        check_adapter(tmp_path, live)
+    save_file({k: v * 2 for k, v in live.items()}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(RuntimeError, match="differ from the live adapter"):
+        check_adapter(tmp_path, live)
+    save_file(live, tmp_path / "adapter_model.safetensors")
+    check_adapter(tmp_path, live)

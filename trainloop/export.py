@@ -128,7 +128,7 @@ def export_adapter_run(cfg, peft_model, state_dict: dict, tokenizer, directory: 
     import torch
     from peft.utils import get_peft_model_state_dict
 
-    live = {k: v for k, v in get_peft_model_state_dict(peft_model, state_dict=state_dict).items()}
+    live = get_peft_model_state_dict(peft_model, state_dict=state_dict)
     if not live or any(v.numel() == 0 for v in live.values()):
         raise RuntimeError(f"the gathered adapter is empty ({len(live)} tensors): nothing to export")
     peft_model.save_pretrained(directory / "adapter", state_dict=state_dict, safe_serialization=True)
