@@ -146,6 +146,8 @@ def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, str
                  tmp_path / "output.txt")
     code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
     assert code == 0, out[-4000:]
+    log = (tmp_path / "runs" / "second_half.log").read_text()
+    assert "resumed from" in log and ("ZeRO-3 engaged" in log) == (strategy == "zero3")
     final = tmp_path / "runs" / "resumed" / "final"
     adapter = adapter_tensors(final)
     assert adapter and all(t.numel() for t in adapter.values())
