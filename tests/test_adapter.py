@@ -13,7 +13,7 @@ import torch
 
 from conftest import compose, launch, train
 from test_export import pretrained_llama
-from test_resume import finish, start
+from test_resume import child_env, finish, start  # noqa: F401 - child_env is a fixture
 from trainloop.config import ConfigError, validate
 from trainloop.tools import verify_resume
 
@@ -120,19 +120,6 @@ def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
     assert len(error) == 1 and "adapter.target_modules" in error[0] and "['qkv']" in error[0], proc.stderr[-3000:]
     assert "q_proj" in error[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-@pytest.fixture
-def child_env(monkeypatch):
-    """verify_resume starts its runs with this process's environment: make it a clean one."""
-    import os
-
-    from conftest import clean_env
-
-    for key in list(os.environ):
-        monkeypatch.delenv(key)
-    for key, value in clean_env().items():
-        monkeypatch.setenv(key, value)
 
 
 @pytest.mark.slow
