@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,10 @@ METHODS = [
     Method("compile inductor, regional", "torch.compile", ["compile=inductor", "compile.regional=true"]),
     Method("eager attention", "(attention)", ["model.attn_implementation=eager"]),
     Method("flash_attention_2", "(attention)", ["model.attn_implementation=flash_attention_2"]),
+    Method("lora r=16", "(adapters)", ["adapter=lora", "adapter.r=16", "adapter.alpha=32"]),
+    # the same tiny model, saved once by the driver (MODEL_DIR): quantization needs pretrained weights
+    Method("qlora r=16 (4-bit NF4, bf16)", "(adapters)", ["model=hf", "model.name_or_path=MODEL_DIR", "adapter=lora",
+           "adapter.r=16", "adapter.alpha=32", "model.quantization=4bit", "precision=bf16"]),
     Method("+preset=memory_saver", "(presets)", ["+preset=memory_saver"]),
     Method("+preset=speed", "(presets)", ["+preset=speed"]),
 ]
@@ -156,6 +161,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     from accelerate.utils import set_seed
     from omegaconf import OmegaConf
 
+    from trainloop.adapter import apply_adapter
     from trainloop.compile import compile_model
     from trainloop.data import PackedBlocks, build_dataloaders
     from trainloop.accelerator import build_accelerator
@@ -173,7 +179,9 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     # kernels, thread pools) on a one-block model, so that what is measured is the method's
     # memory and not the libraries it imports.
     small = OmegaConf.merge(cfg.model, {"num_layers": 1, "gradient_checkpointing": False})
-    scrap = build_model(small, build_model_config(small, data["vocab_size"])).to(accelerator.device)
+    scrap = build_model(small, build_model_config(small, data["vocab_size"]), cfg.precision.name).to(accelerator.device)
+    if cfg.adapter.name != "none":
+        scrap = apply_adapter(OmegaConf.merge(cfg, {"model": small}), scrap)
     scrap_optimizer = build_optimizer(cfg.optimizer, scrap, on_cuda=on_cuda)
     ids = data["train"][:2].to(accelerator.device)
     with accelerator.autocast():
@@ -193,7 +201,9 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
         exact_peak = _reset_peak_rss()
         before = _status_bytes("VmRSS")
     set_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, model_config)
+    model = build_model(cfg.model, model_config, cfg.precision.name)
+    if cfg.adapter.name != "none":  # trains the adapters only: the base is frozen
+        model = apply_adapter(cfg, model)
     compile_model(cfg.compile, model)
     optimizer = build_optimizer(cfg.optimizer, model, on_cuda=on_cuda)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -261,6 +271,18 @@ def tokenize_once(path: Path) -> None:
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     train_set, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     torch.save({"train": train_set.blocks, "vocab_size": len(tokenizer)}, path)
+    save_tiny_model(cfg, len(tokenizer), path.parent / "model")
+
+
+def save_tiny_model(cfg, vocab_size: int, directory: Path) -> None:
+    """The baseline's model with its seeded initial weights, as a local model directory
+    (MODEL_DIR in a method's overrides): what the qlora row quantizes."""
+    from accelerate.utils import set_seed
+
+    from trainloop.model import build_model, build_model_config
+
+    set_seed(cfg.trainer.seed)
+    build_model(cfg.model, build_model_config(cfg.model, vocab_size)).save_pretrained(directory)
 
 
 def run_method(method: Method, steps: int, warmup: int, on_cuda: bool, data_file: Path) -> dict:
@@ -269,7 +291,8 @@ def run_method(method: Method, steps: int, warmup: int, on_cuda: bool, data_file
     if method.needs_cuda and not on_cuda:
         return {"skipped": f"needs a CUDA GPU: {method.needs_cuda}"}
     cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup),
-           "--data-file", str(data_file), "--", *method.overrides]
+           "--data-file", str(data_file), "--",
+           *(o.replace("MODEL_DIR", str(data_file.parent / "model")) for o in method.overrides)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
@@ -343,7 +366,7 @@ def main() -> None:
         report(method.name, results[-1][1])
     last = run(METHODS[0])  # the baseline again: the two bracket the others, their spread is the noise
     report("baseline", last)
-    data_file.unlink()
+    shutil.rmtree(data_file.parent)
     reference = {**first, **{k: (first[k] + last[k]) / 2 for k in ("speed", "tokens_per_s", "peak_bytes")}}
 
     cores = os.cpu_count()

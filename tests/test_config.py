@@ -13,6 +13,7 @@ from trainloop.config import CONFIG_DIR, ConfigError, validate
 GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("preset", "__pycache__"))
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONFIG_DIR / g).glob("*.yaml"))]
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
+PRESET_NEEDS = {"qlora": ["model.name_or_path=/some/model"]}  # quantizes a pretrained model
 NEEDS = {  # options whose required keys the user must give
     ("model", "hf"): ["model.name_or_path=/some/model"],
     ("data", "files"): ["data.path=/some/data.jsonl"],
@@ -39,7 +40,7 @@ def test_every_option_composes_and_validates(group, option):
 def test_every_preset_composes_and_validates(preset):
     text = (CONFIG_DIR / "preset" / f"{preset}.yaml").read_text()
     assert text.startswith("# @package _global_"), f"preset/{preset}.yaml must start with the global package line"
-    cfg = compose(f"+preset={preset}", "deepspeed.nvme_path=/tmp")
+    cfg = compose(f"+preset={preset}", "deepspeed.nvme_path=/tmp", *PRESET_NEEDS.get(preset, []))
     validate(cfg)
 
 

@@ -30,7 +30,7 @@ NOT_PROBED = {
     "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
 }
 SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "precision.name",
-             "deepspeed.stage", "compile.backend"}  # these choose the option itself
+             "deepspeed.stage", "compile.backend", "adapter.name"}  # these choose the option itself
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,9 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
         "model.max_position_embeddings": 512, "model.vocab_multiple": 128, "model.dropout": 0.1,
-        "model.attn_implementation": "eager", "model.gradient_checkpointing": True,
+        "model.attn_implementation": "eager", "model.gradient_checkpointing": True, "model.quantization": "4bit",
+        "adapter.r": 4, "adapter.alpha": 32.0, "adapter.dropout": 0.1, "adapter.target_modules": ["q_proj", "v_proj"],
+        "adapter.modules_to_save": ["norm"],
         "data.path": files[f"{CORPUS.get(data_option, 'corpus')}_b"], "data.text_field": "other",
         "data.messages_field": "other", "data.chat_template": files["chat.jinja"],
         "data.prompt_field": "question", "data.completion_field": "answer",
@@ -132,6 +134,17 @@ def built(group: str, cfg):
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
         config = model.config.to_dict()
         return config, model.config._attn_implementation, model.is_gradient_checkpointing
+    if group == "adapter":  # the trainable parameters, their shapes and how each adapter computes
+        from peft.tuners.lora import LoraLayer
+
+        from trainloop.adapter import apply_adapter
+
+        if cfg.adapter.name == "none":
+            return None
+        model = apply_adapter(cfg, build_model(cfg.model, build_model_config(cfg.model, vocab_size=257)))
+        trained = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+        lora = [(m.scaling, repr(m.lora_dropout)) for m in model.modules() if isinstance(m, LoraLayer)]
+        return trained, lora
     if group == "data":
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
         train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from trainloop.config import ConfigError
 from trainloop.errors import NonFiniteError
-from trainloop.parallel import local_shard
+from trainloop.parallel import local_shard, strategy
 
 log = logging.getLogger("trainloop")
 
@@ -48,6 +48,7 @@ def run_fingerprint(cfg, world_size: int) -> dict:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     for key in ("attn_implementation", "gradient_checkpointing"):  # do not change the weights
         model.pop(key)
+    adapter = OmegaConf.to_container(cfg.adapter, resolve=True)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     for key in DATA_MECHANICS:
         data.pop(key, None)
@@ -58,6 +59,7 @@ def run_fingerprint(cfg, world_size: int) -> dict:
         "deepspeed.stage": cfg.deepspeed.stage,
         **{f"data.{key}": value for key, value in data.items()},
         **{f"model.{key}": value for key, value in model.items()},
+        **{f"adapter.{key}": value for key, value in adapter.items()},
     }
 
 
@@ -195,6 +197,32 @@ def parameters_finite(accelerator, model) -> bool:
     return accelerator.reduce(bad, reduction="sum").item() == 0
 
 
+def _keep_trainable(models, weights, output_dir) -> None:
+    """accelerate's save-state hook: drop the frozen parameters from the weights it saves."""
+    for model, state in zip(models, weights):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k not in trainable]:
+            del state[key]
+
+
+def _expect_trainable(path: Path, model) -> None:
+    """The checkpoint holds exactly this model's trainable parameters: the adapter loads with
+    strict=False (the frozen base is absent by design), so a mismatch is caught here instead."""
+    from safetensors import safe_open
+
+    file = path / "model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} is not an adapter checkpoint")
+    with safe_open(file, framework="pt") as f:
+        saved = set(f.keys())
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if saved != trainable:
+        raise CheckpointError(
+            f"{file} holds {len(saved)} tensors, but this run trains {len(trainable)} "
+            f"(missing {sorted(trainable - saved)[:3]}, unexpected {sorted(saved - trainable)[:3]}): "
+            "it was saved with another adapter config; start a new run in a new hydra.run.dir")
+
+
 class Checkpointer:
     def __init__(self, cfg, accelerator, run_dir: Path):
         self.cfg = cfg
@@ -235,11 +263,40 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        self._agree_saved(self._attempt(acc.save_state, str(tmp)), tmp, final)
+        self._agree_saved(self._attempt(self._save_state, tmp), tmp, final)
         # every rank's files are written (and closed) from here on
         failure = self._attempt(self._commit, tmp, final, state) if acc.is_main_process else None
         self._agree_saved(failure, tmp, final)
         return final
+
+    @property
+    def adapter_only(self) -> bool:
+        """With an adapter, checkpoints hold the trainable parameters only: the frozen base is
+        rebuilt from its source (model.name_or_path, or the seeded init) at every start."""
+        return self.cfg.adapter.name != "none"
+
+    def _save_state(self, directory: Path) -> None:
+        acc = self.accelerator
+        if not self.adapter_only:
+            acc.save_state(str(directory))
+        elif strategy(acc).startswith("zero"):
+            acc.save_state(str(directory), exclude_frozen_parameters=True)
+        else:
+            handle = acc.register_save_state_pre_hook(_keep_trainable)
+            try:
+                acc.save_state(str(directory))
+            finally:
+                handle.remove()
+
+    def _load_state(self, path: Path) -> None:
+        acc = self.accelerator
+        if not self.adapter_only:
+            acc.load_state(str(path))
+        elif strategy(acc).startswith("zero"):
+            acc.load_state(str(path), load_module_strict=False)
+        else:
+            _expect_trainable(path, acc._models[0])
+            acc.load_state(str(path), strict=False)  # the frozen base is not in the file
 
     @staticmethod
     def _attempt(action, *args) -> BaseException | None:
@@ -421,7 +478,7 @@ class Checkpointer:
     def load(self, path: Path, state) -> None:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;
         # the data position is in `state`: the loop skips that many batches of the epoch.
-        self.accelerator.load_state(str(path))
+        self._load_state(path)
         state.load_state_dict(json.loads((path / STATE_FILE).read_text())["state"])
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, state.step, state.epoch,
                  state.batches_in_epoch)

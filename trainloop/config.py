@@ -34,6 +34,17 @@ class ModelConfig:
     dropout: float = 0.0  # tiny only: in [0, 1); 0 lets runs on 1 and N processes agree
     attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    quantization: str = "none"  # hf with adapter=lora only: none, 4bit (NF4, QLoRA), 8bit; frozen base weights
+
+
+@dataclass
+class AdapterConfig:
+    name: str = "none"  # none: train every weight; lora: train low-rank adapters, the base frozen (peft)
+    r: int = 8  # lora only: rank of each adapter's two matrices
+    alpha: float = 16.0  # lora only: the adapter's output is scaled by alpha / r
+    dropout: float = 0.0  # lora only: dropout on the adapter's input, in [0, 1)
+    target_modules: Optional[list[str]] = None  # lora only: module names to adapt; None: every linear layer but the output head
+    modules_to_save: Optional[list[str]] = None  # lora only: modules trained in full and saved with the adapter
 
 
 @dataclass
@@ -145,6 +156,7 @@ class CompileConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
+    adapter: AdapterConfig = MISSING
     data: DataConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     scheduler: SchedulerConfig = MISSING
@@ -204,6 +216,8 @@ CHOICES = {
     "model.name": ("tiny", "hf"),
     "model.arch": ("llama", "gpt2"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "model.quantization": ("none", "8bit", "4bit"),
+    "adapter.name": ("none", "lora"),
     "data.name": ("pydoc", "files", "chat", "prompt_completion"),
     "data.train_on": ("all", "assistant", "completion"),
     "data.packing": ("documents", "stream", "none"),
@@ -228,7 +242,7 @@ POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.max_position_embeddings",
     "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
-    "trainer.eval_every", "checkpoint.keep_last",
+    "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
 )
 
 
@@ -237,6 +251,7 @@ _ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
 _ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
 _CHAT = (lambda c: c.data.name == "chat", "data=chat")
 _PROMPT_COMPLETION = (lambda c: c.data.name == "prompt_completion", "data=prompt_completion")
+_LORA = (lambda c: c.adapter.name == "lora", "adapter=lora")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
 
 # Keys that only some choices read: KEY -> (does this config read it?, the choice that reads it).
@@ -252,6 +267,8 @@ _READ_ONLY_BY = {
     "model.intermediate_size": _TINY,
     "model.max_position_embeddings": _TINY,
     "model.dropout": _TINY,
+    "model.quantization": (lambda c: c.model.name == "hf" and c.adapter.name == "lora", "model=hf and adapter=lora"),
+    **{f"adapter.{key}": _LORA for key in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
     "data.path": (lambda c: c.data.name != "pydoc", "data=files, chat or prompt_completion"),
     "data.text_field": (lambda c: c.data.name == "files", "data=files"),
     "data.messages_field": _CHAT,
@@ -335,6 +352,30 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
+def adapter_problems(cfg: Any) -> list[str]:
+    """Adapters and quantized weights: the combinations that cannot work, each with its reason."""
+    a, q, stage = cfg.adapter, cfg.model.quantization, cfg.deepspeed.stage
+    problems = []
+    if a.name == "lora" and not 0.0 <= a.dropout < 1.0:
+        problems.append(f"adapter.dropout={a.dropout} must be in [0, 1)")
+    if a.name == "lora" and a.target_modules is not None and not a.target_modules:
+        problems.append("adapter.target_modules=[] adapts nothing: name modules, or null for every linear layer")
+    if q == "none":
+        return problems
+    if cfg.model.name != "hf":
+        problems.append(f"model.quantization={q} quantizes pretrained weights: use model=hf with "
+                        f"model.name_or_path=DIR (model={cfg.model.name} starts from random weights)")
+    if a.name != "lora":
+        problems.append(f"model.quantization={q} freezes the base weights, so only an adapter can train: "
+                        "add adapter=lora (or +preset=qlora)")
+    if stage:
+        problems.append(f"model.quantization={q} under DeepSpeed ZeRO-{stage}: DeepSpeed cannot partition or "
+                        "flatten bitsandbytes' packed weights; use DDP (torchrun) or one process, or model.quantization=none")
+    if q == "8bit" and cfg.precision.name == "fp16":
+        problems.append("model.quantization=8bit with precision=fp16: use precision=bf16 or fp32")
+    return problems
+
+
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
     from trainloop.optim import OPTIMIZERS
@@ -360,6 +401,7 @@ def validate(cfg: Any) -> None:
         problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    problems += adapter_problems(cfg)
     if d.name != "pydoc" and not d.path:
         problems.append(f"data={d.name} needs data.path: a file, directory or glob of your data")
     serves = TRAIN_ON.get(d.name, ())

@@ -75,8 +75,11 @@ def check_token_ids(directory: Path, tokenizer) -> None:
                 raise RuntimeError(f"{directory / name}: {key}={ids}, but the tokenizer's is {value}")
 
 
-def export_model(accelerator, model, tokenizer, directory: Path) -> None:
+def export_model(accelerator, model, tokenizer, directory: Path, cfg=None) -> None:
     """Gather the full weights (all ranks take part), write them once, and verify the files.
+
+    With an adapter (cfg.adapter), `directory` gets the merged model and `directory/adapter`
+    the adapter alone (export_adapter_run).
 
     A failed check on the main process is raised on every rank, so none waits for it forever.
     """
@@ -93,14 +96,118 @@ def export_model(accelerator, model, tokenizer, directory: Path) -> None:
             unwrapped = accelerator.unwrap_model(model)
             if not state_dict:
                 raise RuntimeError("the gathered state dict of the final model is empty")
-            unwrapped.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(directory)
-            count = check_export(directory, live_shapes(unwrapped))
-            check_token_ids(directory, tokenizer)
-            log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
+            if cfg is not None and cfg.adapter.name != "none":
+                export_adapter_run(cfg, unwrapped, state_dict, tokenizer, directory)
+            else:
+                export_full(unwrapped, state_dict, tokenizer, directory)
         except Exception as err:  # noqa: BLE001 - handed to every rank below
             outcome = [f"{type(err).__name__}: {err}"]
     if accelerator.num_processes > 1:
         broadcast_object_list(outcome, from_process=0)
     if outcome[0] is not None:
         raise RuntimeError(f"exporting the final model to {directory} failed: {outcome[0]}")
+
+
+def export_full(model, state_dict: dict, tokenizer, directory: Path) -> None:
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    count = check_export(directory, live_shapes(model))
+    check_token_ids(directory, tokenizer)
+    log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_adapter_run(cfg, peft_model, state_dict: dict, tokenizer, directory: Path) -> None:
+    """Main process: write `directory/adapter` (the adapter alone, as PeftModel.from_pretrained
+    loads it) and `directory` (base + adapter merged, a plain model in the precision's dtype),
+    each checked before the run counts as done: the adapter's tensors equal the live ones and
+    are not empty (an empty adapter is what an export that trusted ZeRO-3's state dict wrote),
+    and the merged model's logits equal the unmerged model's to 1e-4."""
+    import torch
+    from peft.utils import get_peft_model_state_dict
+
+    live = get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    if not live or any(v.numel() == 0 for v in live.values()):
+        raise RuntimeError(f"the gathered adapter is empty ({len(live)} tensors): nothing to export")
+    peft_model.save_pretrained(directory / "adapter", state_dict=state_dict, safe_serialization=True)
+    check_adapter(directory / "adapter", live)
+    unmerged = _rebuilt_adapter_model(cfg, peft_model, state_dict, live)
+    merged = merge_checked(unmerged)
+    merged.to(getattr(torch, DTYPES[cfg.precision.name]))
+    merged.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    count = check_export(directory, live_shapes(merged))
+    check_token_ids(directory, tokenizer)
+    log.info("saved the merged model (%s parameters) to %s and its adapter (%s parameters) to %s",
+             f"{count:,}", directory, f"{sum(v.numel() for v in live.values()):,}", directory / "adapter")
+
+
+def check_adapter(directory: Path, live: dict) -> None:
+    """The written adapter holds exactly the live adapter's tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    written = load_file(directory / "adapter_model.safetensors")
+    if set(written) != set(live):
+        raise RuntimeError(f"{directory} holds {sorted(written)[:3]}..., not the live adapter's "
+                           f"{len(live)} tensors {sorted(live)[:3]}...")
+    differ = [k for k in live if not torch.equal(written[k].to(live[k].dtype), live[k].cpu())]
+    if differ:
+        raise RuntimeError(f"{directory}: {differ[:5]} differ from the live adapter")
+
+
+def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dict):
+    """A CPU fp32 copy of the trained model, base + adapter unmerged, built from the gathered
+    weights (the live one may be sharded or wrapped). A quantized base is replaced by the
+    original pretrained weights: the merged export is the unquantized base plus the adapter."""
+    import torch
+    from peft.utils import set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from trainloop.adapter import wrap_lora
+    from trainloop.model import SPECIAL_TOKENS, carry_token_ids
+
+    live_config = peft_model.get_base_model().config
+    if cfg.model.quantization != "none":
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
+        if base.get_input_embeddings().num_embeddings < live_config.vocab_size:
+            base.resize_token_embeddings(live_config.vocab_size)
+        model = wrap_lora(base, cfg.adapter)
+        set_peft_model_state_dict(model, adapter_state)
+    else:
+        base = AutoModelForCausalLM.from_config(live_config, dtype=torch.float32)
+        model = wrap_lora(base, cfg.adapter)
+        _load_full(model, state_dict)
+    ids = {key: getattr(live_config, key, None) for key in SPECIAL_TOKENS}
+    carry_token_ids(model.get_base_model().config, ids)
+    carry_token_ids(model.get_base_model().generation_config, ids)
+    return model.eval()
+
+
+def _load_full(model, state_dict: dict) -> None:
+    """Load every gathered weight; only tied aliases (lm_head sharing the embedding) may be absent."""
+    named_once = {name for name, _ in model.named_parameters()}
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - named_once
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
+    if unexpected or set(missing) - aliases:
+        raise RuntimeError(f"the gathered weights do not fit the rebuilt model: missing "
+                           f"{sorted(set(missing) - aliases)[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+
+def merge_checked(model, tolerance: float = 1e-4):
+    """Merge the adapter into the base weights; its logits must equal the unmerged model's."""
+    import torch
+
+    vocab = model.get_base_model().config.vocab_size
+    ids = torch.arange(32).remainder(vocab).unsqueeze(0)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        merged = model.merge_and_unload()
+        after = merged(input_ids=ids).logits
+    worst = (before - after).abs().max().item()
+    if not worst <= tolerance:
+        raise RuntimeError(f"the merged model's logits differ from base + adapter by {worst:.3g} "
+                           f"(more than {tolerance})")
+    return merged

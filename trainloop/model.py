@@ -79,15 +79,19 @@ def context_length(config) -> int:
     return getattr(config, "max_position_embeddings", None) or config.n_positions
 
 
-def build_model(cfg: ModelConfig, config):
-    """Instantiate the model (random init for tiny, pretrained weights for hf) in fp32."""
+def build_model(cfg: ModelConfig, config, precision: str = "fp32"):
+    """Instantiate the model (random init for tiny, pretrained weights for hf) in fp32; with
+    model.quantization, the linear layers' weights in 4 or 8 bits (computing in `precision`)."""
     from transformers import AutoModelForCausalLM
+
+    from trainloop.adapter import quantization_config
 
     try:
         if cfg.name == "hf":
             # Loaded at its own vocabulary size; a larger tokenizer's rows are added below.
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path, attn_implementation=cfg.attn_implementation, ignore_mismatched_sizes=False,
+                quantization_config=quantization_config(cfg, precision),
             )
         else:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)

@@ -39,6 +39,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from accelerate.utils import set_seed
 
     from trainloop.accelerator import agree_run_dir, build_accelerator
+    from trainloop.adapter import apply_adapter, check_targets
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer
     from trainloop.compile import compile_model
@@ -67,13 +68,16 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     if cfg.data.seq_len > context_length(model_config):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
+    check_targets(cfg.adapter, model_config)
     with accelerator.main_process_first():
         train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     checkpointer.check_data(data_fingerprint(tokenizer, train_set, valid_set))
 
     on_cuda = accelerator.device.type == "cuda"
     set_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, model_config)
+    model = build_model(cfg.model, model_config, cfg.precision.name)
+    if cfg.adapter.name != "none":
+        model = apply_adapter(cfg, model)
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
                              cpu_offload=bool(cfg.deepspeed.stage) and cfg.deepspeed.offload_optimizer != "none")
     batch_search = None
@@ -98,8 +102,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     accelerator.register_for_checkpointing(scheduler)
 
     n_params = sum(full_numel(p) for p in model.parameters())
-    log.info("run dir %s | %s | model %.2fM parameters | %d train / %d valid blocks of %d tokens",
-             run_dir, describe(cfg, accelerator, model), n_params / 1e6, len(train_set),
+    n_trained = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained) | %d train / %d valid blocks of %d tokens",
+             run_dir, describe(cfg, accelerator, model), n_params / 1e6, n_trained / 1e6, len(train_set),
              len(valid_set), cfg.data.seq_len)
     state = TrainState()
     if resume_from is not None:
@@ -126,7 +131,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
                  "to continue", state.step, cfg.trainer.max_steps)
     elif cfg.checkpoint.save_final_model:
-        export_model(accelerator, model, tokenizer, Path(run_dir) / "final")
+        export_model(accelerator, model, tokenizer, Path(run_dir) / "final", cfg)
     end_distributed(accelerator)
     return eval_loss
 

@@ -54,6 +54,16 @@ class ModelShape:
     shapes: list[tuple[int, ...]]  # every parameter, tied ones once
     layer_linear_params: int  # weights and biases of one layer's matmuls (autocast copies them)
     largest_layer_params: int
+    trainable: list[tuple[int, ...]] | None = None  # with an adapter: the adapters' shapes (None: all train)
+    quantized_params: int = 0  # elements of the linear weights model.quantization stores in 4 or 8 bits
+
+    @property
+    def trainable_shapes(self) -> list[tuple[int, ...]]:
+        return self.shapes if self.trainable is None else self.trainable
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(math.prod(s) for s in self.trainable_shapes)
 
     @property
     def num_params(self) -> int:
@@ -82,12 +92,36 @@ def model_shape(cfg) -> ModelShape:
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     family = "gpt2" if config.model_type in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "gpt_bigcode") else "llama"
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    trainable, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
     return ModelShape(
-        family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
+        trainable=trainable, quantized_params=quantized, family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
-        shapes=[tuple(p.shape) for p in model.parameters()], layer_linear_params=matmul,
+        shapes=shapes, layer_linear_params=matmul,
         largest_layer_params=max(layer_sizes),
     )
+
+
+def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, int]:
+    """With adapter=lora: the shapes of what trains (peft wraps the meta model too) and how many
+    base weights bitsandbytes quantizes (every linear layer's but the output head's)."""
+    import torch
+
+    if cfg.adapter.name == "none":
+        return None, 0
+    from trainloop.adapter import wrap_lora
+
+    head = model.get_output_embeddings()
+    quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    with torch.device("meta"):
+        peft_model = wrap_lora(model, cfg.adapter)
+    trainable = [tuple(p.shape) for p in peft_model.parameters() if p.requires_grad]
+    return trainable, quantized if cfg.model.quantization != "none" else 0
+
+
+# bitsandbytes' storage per quantized weight: NF4 with double-quantized block scales (64-blocks,
+# fp8 absmax, fp32 per 256 blocks), LLM.int8 with one fp32 scale per row (counted as per weight here)
+QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 
 
 def _is_matmul(module) -> bool:
@@ -179,33 +213,44 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     half = cfg.precision.name in ("bf16", "fp16")
     add = plan.lines.append
 
+    t, t_shapes = shape.num_trainable, shape.trainable_shapes  # what has gradients and optimizer state
+    if shape.trainable is not None:
+        plan.notes.append(f"adapter={cfg.adapter.name}: {t / 1e6:,.2f}M parameters train, "
+                          f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
     if stage == 0:
         grads_held = cfg.trainer.gradient_accumulation_steps > 1  # kept between micro-batches
-        add(Line("parameters", 4 * n, dev, note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
-        add(Line("gradients", 4 * n, dev, None if grads_held else "optimizer step",
+        q = shape.quantized_params
+        if q:
+            q_bytes = QUANTIZED_BYTES[cfg.model.quantization]
+            add(Line("quantized base weights", round(q_bytes * q), dev,
+                     note=f"model.quantization={cfg.model.quantization}, {q_bytes:.3f} B/param, frozen"))
+        adapters = t if shape.trainable is not None else 0  # adapters come on top of the base
+        add(Line("parameters", 4 * (n - q + adapters), dev,
+                 note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
+        add(Line("gradients", 4 * t, dev, None if grads_held else "optimizer step",
                  note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
-        states = planned_state_bytes(opt, shape.shapes)
-        add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / n:.2f} B/param"))
-        add(Line("optimizer step temporaries", planned_step_temporaries(opt, device == "cuda", shape.shapes),
+        states = planned_state_bytes(opt, t_shapes)
+        add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / t:.2f} B/param"))
+        add(Line("optimizer step temporaries", planned_step_temporaries(opt, device == "cuda", t_shapes),
                  dev, "optimizer step", exact=False))
         if world_size > 1:
-            add(Line("DDP gradient buckets", 4 * n, dev, exact=False,
+            add(Line("DDP gradient buckets", 4 * t, dev, exact=False,
                      note="DDP's flat all-reduce copies of the gradients"))
     else:
         pb = 2 if half else 4  # DeepSpeed holds the model in the training precision
-        flat = [(n,)]  # ZeRO hands the optimizer one flat partition: nothing is factored
-        k = 4 + planned_state_bytes(opt, flat) / n  # fp32 master + states
+        flat = [(t,)]  # ZeRO hands the optimizer one flat partition: nothing is factored
+        k = 4 + planned_state_bytes(opt, flat) / t  # fp32 master + states
         part = lambda elements, on: math.ceil(elements / world_size) if on else elements  # noqa: E731
         p_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_param]
         o_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_optimizer]
         g_where = dev if ds.offload_optimizer == "none" else "cpu"  # ZeRO-Offload: gradients go to the CPU
         add(Line("parameters", pb * part(n, stage >= 3), p_where,
                  note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage 3)" if stage >= 3 else "")))
-        add(Line("gradients", pb * part(n, stage >= 2), g_where,
+        add(Line("gradients", pb * part(t, stage >= 2), g_where,
                  note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage {stage})" if stage >= 2 else "")))
-        add(Line("optimizer states", round(k * part(n, True)), o_where,
+        add(Line("optimizer states", round(k * part(t, True)), o_where,
                  note=f"K={k:g} B/param (fp32 master + {opt.name}), 1/{world_size} per rank"))
-        bucket = min(ds.reduce_bucket_size, n) * pb
+        bucket = min(ds.reduce_bucket_size, t) * pb
         if stage < 3:
             copies = 2 if ds.overlap_comm and ds.contiguous_gradients else 1
             add(Line("reduce buckets", copies * bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))

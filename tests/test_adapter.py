@@ -1,0 +1,187 @@
+"""Adapters (issue 14): LoRA and QLoRA train, checkpoint only what trains, resume exactly, and
+export the merged model and the adapter alone, each loading and agreeing with the other;
+combinations that cannot work are refused naming the key."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose, launch, train
+from test_export import pretrained_llama
+from test_resume import child_env, finish, start  # noqa: F401 - child_env is a fixture
+from trainloop.config import ConfigError, validate
+from trainloop.tools import verify_resume
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A pretrained model directory as a user brings one (with its own tokenizer)."""
+    return pretrained_llama(tmp_path_factory.mktemp("adapter") / "base")
+
+
+def hf(base: Path) -> list[str]:
+    return ["model=hf", f"model.name_or_path={base}"]
+
+
+def logits_agree(final: Path, base: Path) -> tuple[str, float]:
+    """final/ alone and base + final/adapter: their logits' largest difference (fp32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), final / "adapter").eval()
+    ids = torch.arange(40).unsqueeze(0) * 7 % 300
+    with torch.no_grad():
+        worst = (merged(input_ids=ids).logits - adapted(input_ids=ids).logits).abs().max().item()
+    return type(merged).__name__, worst
+
+
+def adapter_tensors(final: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(final / "adapter" / "adapter_model.safetensors")
+
+
+def test_lora_checkpoints_the_adapter_only_and_exports_merged_and_adapter(tmp_path, base):
+    from safetensors import safe_open
+
+    run = train(tmp_path / "run", *hf(base), "adapter=lora", "checkpoint.every_steps=2")
+    with safe_open(run / "checkpoints" / "step_0000004" / "model.safetensors", framework="pt") as f:
+        saved = list(f.keys())
+    assert saved and all("lora_" in key for key in saved), saved  # no frozen base weight
+    optimizer = torch.load(run / "checkpoints" / "step_0000004" / "optimizer.bin", weights_only=False)
+    assert len(optimizer["state"]) == len(saved)  # optimizer state of the adapters only
+
+    name, worst = logits_agree(run / "final", base)
+    assert name == "LlamaForCausalLM" and worst < 1e-4, worst
+    adapter = adapter_tensors(run / "final")
+    assert len(adapter) == len(saved) and all(t.numel() for t in adapter.values())
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # it trained
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert "quantization_config" not in config and config["eos_token_id"] == 257  # the tokenizer's
+
+
+def test_lora_resume_is_bitwise(tmp_path, base, child_env):
+    """8 steps straight = 4 + resume + 4, with adapter dropout: losses and merged weights bitwise."""
+    code = verify_resume.main(["--steps", "8", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
+                               *hf(base), "adapter=lora", "adapter.dropout=0.1", "adapter.r=4"])
+    assert code == 0
+    assert (tmp_path / "resumed" / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    assert adapter_tensors(tmp_path / "straight" / "final").keys() == adapter_tensors(tmp_path / "resumed" / "final").keys()
+    for key, value in adapter_tensors(tmp_path / "straight" / "final").items():
+        assert torch.equal(value, adapter_tensors(tmp_path / "resumed" / "final")[key]), key
+
+
+@pytest.mark.parametrize("bits", ["4bit", pytest.param("8bit", marks=pytest.mark.slow)])
+def test_qlora_trains_resumes_and_exports(tmp_path, base, child_env, bits):
+    """Quantized base (bitsandbytes on CPU), LoRA on it: resume bitwise, both exports load."""
+    code = verify_resume.main(["--steps", "6", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
+                               *hf(base), "adapter=lora", f"model.quantization={bits}", "precision=bf16"
+                               if bits == "4bit" else "precision=fp32"])
+    assert code == 0
+    log = (tmp_path / "second_half.log").read_text()
+    assert "resumed from" in log
+    name, worst = logits_agree(tmp_path / "resumed" / "final", base)
+    # the merged model is the unquantized base + the adapter; bf16 export for bf16 runs
+    assert name == "LlamaForCausalLM" and worst < (5e-2 if bits == "4bit" else 1e-4), worst
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.quantization=4bit", "adapter=lora"], "model.quantization"),  # model=tiny: random weights
+    (["model=hf", "model.name_or_path=/m", "model.quantization=4bit"], "model.quantization"),  # nothing trains
+    (["model=hf", "model.name_or_path=/m", "model.quantization=4bit", "adapter=lora", "deepspeed=zero3"],
+     "model.quantization"),
+    (["adapter=lora", "adapter.dropout=1.0"], "adapter.dropout"),
+    (["adapter=lora", "adapter.r=0"], "adapter.r"),
+    (["adapter=lora", "optimizer=adamw8bit", "deepspeed=zero3"], "optimizer=adamw8bit"),
+])
+def test_combinations_that_cannot_work_are_refused(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose(*overrides))
+
+
+def test_qlora_presets_compose():
+    cfg = compose("+preset=qlora", "model.name_or_path=/m")
+    validate(cfg)
+    assert (cfg.model.quantization, cfg.adapter.name, cfg.precision.name) == ("4bit", "lora", "bf16")
+    validate(compose("+preset=lora"))
+
+
+def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
+    proc = launch(["python", "-m", "trainloop", "+preset=smoke", "adapter=lora", "adapter.target_modules=[qkv,o_proj]",
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("trainloop: error:")]
+    assert len(error) == 1 and "adapter.target_modules" in error[0] and "['qkv']" in error[0], proc.stderr[-3000:]
+    assert "q_proj" in error[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero3", "1e-6")])
+def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, strategy, rtol, deepspeed_ops):
+    """LoRA on 2 processes (DDP bitwise, ZeRO-3 within 1e-6): the adapter, gathered under ZeRO-3,
+    is complete in the export and the merged model agrees with base + adapter."""
+    extra = [] if strategy == "ddp" else ["deepspeed=zero3"]
+    proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", rtol, "--steps", "6",
+                  "--dir", str(tmp_path / "runs"), "+preset=smoke", *hf(base), "adapter=lora", *extra],
+                 tmp_path / "output.txt")
+    code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
+    assert code == 0, out[-4000:]
+    log = (tmp_path / "runs" / "second_half.log").read_text()
+    assert "resumed from" in log and ("ZeRO-3 engaged" in log) == (strategy == "zero3")
+    final = tmp_path / "runs" / "resumed" / "final"
+    adapter = adapter_tensors(final)
+    assert adapter and all(t.numel() for t in adapter.values())
+    name, worst = logits_agree(final, base)
+    assert worst < 1e-4, worst
+
+
+def test_plan_counts_frozen_quantized_and_adapter_state(base):
+    """trainloop.plan: gradients and AdamW state for the adapters only, the frozen base at
+    4 B/param (or NF4's ~0.52 B for the linear weights), as the real peft model has them."""
+    from peft import get_peft_model
+
+    from trainloop.adapter import lora_config
+    from trainloop.model import build_model, build_model_config
+    from trainloop.tools.plan import model_shape, plan_memory
+
+    cfg = compose("+preset=smoke", *hf(base), "adapter=lora", "adapter.r=4")
+    shape = model_shape(cfg)
+    real = get_peft_model(build_model(cfg.model, build_model_config(cfg.model, 258)), lora_config(cfg.adapter))
+    trained = [p for p in real.parameters() if p.requires_grad]
+    assert shape.num_trainable == sum(p.numel() for p in trained) and shape.num_trainable < shape.num_params / 10
+    plan = plan_memory(cfg, shape, world_size=1, device="cpu")
+    assert plan.get("gradients") == 4 * shape.num_trainable
+    assert plan.get("optimizer states") == 8 * shape.num_trainable + 4 * len(trained)  # AdamW: m, v, step
+    assert plan.get("parameters") == 4 * sum(p.numel() for p in real.parameters())
+
+    quantized = model_shape(compose("+preset=smoke", *hf(base), "adapter=lora", "adapter.r=4", "model.quantization=4bit"))
+    plain = build_model(cfg.model, build_model_config(cfg.model, 258))
+    head = plain.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    assert quantized.quantized_params == linear > 0  # every linear weight but the head's
+    plan = plan_memory(compose("+preset=smoke", *hf(base), "adapter=lora", "model.quantization=4bit"), quantized, 1, "cpu")
+    assert 0.5 * quantized.quantized_params < plan.get("quantized base weights") < 0.53 * quantized.quantized_params
+
+
+def test_an_empty_or_different_adapter_file_fails_the_export_check(tmp_path):
+    """What ZeRO-3 exports elsewhere write (an adapter file without tensors) is caught."""
+    from safetensors.torch import save_file
+
+    from trainloop.export import check_adapter
+
+    live = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.ones(4, 8)}
+    save_file({}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(RuntimeError, match="not the live adapter"):
+        check_adapter(tmp_path, live)
+    save_file({k: v * 2 for k, v in live.items()}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(RuntimeError, match="differ from the live adapter"):
+        check_adapter(tmp_path, live)
+    save_file(live, tmp_path / "adapter_model.safetensors")
+    check_adapter(tmp_path, live)
