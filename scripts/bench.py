@@ -120,7 +120,8 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     optimizer = torch.optim.AdamW(parameter_groups(model, opt.weight_decay), lr=opt.lr, betas=tuple(opt.betas),
                                   eps=opt.eps, fused=device == "cuda")
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(train_set.blocks, batch_size=cfg.data.batch_size, shuffle=True,
+                                         drop_last=True)  # the raw loop: plain token blocks, labels = inputs
     dtype = torch.bfloat16 if cfg.precision.name == "bf16" else None
     log, batches = StepLog(out), iter(loader)
     for _ in range(steps):

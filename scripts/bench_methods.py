@@ -225,7 +225,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                     _track_live_memory(libc, False)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(accumulation):
-            ids = next(batches)
+            ids = next(batches)["input_ids"]
             with accelerator.accumulate(model):
                 loss = model(input_ids=ids, labels=ids).loss
                 accelerator.backward(loss)

@@ -387,8 +387,9 @@ def measure_training(cfg, steps: int) -> dict:
 
     import torch
 
-    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
     from trainloop.accelerator import build_accelerator
+    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.loop import token_loss_sum
     from trainloop.model import build_model, build_model_config
     from trainloop.optim import build_optimizer
 
@@ -398,7 +399,7 @@ def measure_training(cfg, steps: int) -> dict:
     model_config = build_model_config(cfg.model, len(tokenizer))
     train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     loader, _ = build_dataloaders(cfg.data, train_set, valid_set, pin_memory=False)
-    ids = next(iter(loader)).to(accelerator.device)
+    batch = {key: value.to(accelerator.device) for key, value in next(iter(loader)).items()}
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS now starts from here
@@ -412,8 +413,8 @@ def measure_training(cfg, steps: int) -> dict:
     model.train()
     for _ in range(steps * cfg.trainer.gradient_accumulation_steps):
         with accelerator.accumulate(model):
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
+            summed, count = token_loss_sum(model, batch)  # the loop's own loss
+            accelerator.backward(summed / count)
             if accelerator.sync_gradients and cfg.trainer.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
             optimizer.step()
