@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 
+from trainloop.preemption import kill_workers
+
 LAUNCHER_GONE_GRACE_S = 20.0  # a rank is gone within this + POLL_S of its launcher's death
 POLL_S = 1.0
 EXIT_LAUNCHER_GONE = 1
@@ -45,17 +47,5 @@ def _watch(launcher: int, grace_s: float) -> None:
     stop.wait(grace_s)
     print(f"trainloop: this rank did not stop within {grace_s:.0f} s of its launcher's death; ending it now",
           file=sys.stderr, flush=True)
-    _kill_children()
+    kill_workers()  # they would wait for a parent that ends without its exit hooks
     os._exit(EXIT_LAUNCHER_GONE)
-
-
-def _kill_children() -> None:
-    """DataLoader workers would wait for a parent that ends without its exit hooks."""
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        if child.pid:
-            try:
-                os.kill(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass

@@ -10,11 +10,8 @@ is a new branch of each function here.
 
 from __future__ import annotations
 
-STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
-
-
 def strategy(accelerator) -> str:
-    """The strategy this run really uses, read back from accelerate."""
+    """The strategy this run really uses, read back from accelerate: none, ddp, zero1, zero2 or zero3."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:

@@ -27,15 +27,23 @@ def ignore_stop_signals(worker_id: int) -> None:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+def kill_workers() -> None:
+    """SIGKILL this process's DataLoader workers (its daemonic multiprocessing children)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon and child.pid:
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+
+
 def _kill_workers_at_exit() -> None:
     """multiprocessing ends daemonic children at exit with SIGTERM and waits for them; workers
     that ignore SIGTERM would make that wait endless after a crash, so SIGKILL them first."""
-    import multiprocessing
-
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report these kills
-    for child in multiprocessing.active_children():
-        if child.daemon and child.pid:
-            os.kill(child.pid, signal.SIGKILL)
+    kill_workers()
 
 
 class Preemption:
