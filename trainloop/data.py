@@ -417,7 +417,8 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks,
     # The split `datasets` draws for (number of blocks, seed): the same as before blocks became dicts.
     split = datasets.Dataset.from_dict({"i": list(range(len(packed)))}).train_test_split(
         test_size=cfg.validation_fraction, seed=seed)
-    return packed.subset(split["train"]["i"]), packed.subset(split["test"]["i"])
+    # [:] reads each column as one list: indexing a tensor with the lazy Column reads it row by row (seconds)
+    return packed.subset(split["train"]["i"][:]), packed.subset(split["test"]["i"][:])
 
 
 def data_fingerprint(tokenizer, train: PackedBlocks, valid: PackedBlocks) -> dict:
