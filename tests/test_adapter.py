@@ -122,24 +122,52 @@ def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def accelerate_launch() -> str:
+    from test_distributed import free_port
+
+    return (f"{Path(sys.executable).parent / 'accelerate'} launch --multi_gpu --num_processes 2 "
+            f"--main_process_port {free_port()}")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero3", "1e-6")])
+@pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero2", "1e-6"), ("zero3", "1e-6")])
 def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, strategy, rtol, deepspeed_ops):
-    """LoRA on 2 processes (DDP bitwise, ZeRO-3 within 1e-6): the adapter, gathered under ZeRO-3,
-    is complete in the export and the merged model agrees with base + adapter."""
-    extra = [] if strategy == "ddp" else ["deepspeed=zero3"]
-    proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", rtol, "--steps", "6",
+    """LoRA on 2 processes: DDP under torchrun (bitwise), ZeRO-2 and ZeRO-3 under accelerate launch
+    (within 1e-6). The adapter, gathered under ZeRO-3, is complete in the export, and the merged
+    model agrees with base + adapter."""
+    if strategy == "ddp":
+        launcher, extra = ["--nproc", "2"], []
+    else:
+        launcher, extra = ["--launcher", accelerate_launch()], [f"deepspeed={strategy}"]
+    proc = start([sys.executable, "-m", "trainloop.verify_resume", *launcher, "--rtol", rtol, "--steps", "4",
                   "--dir", str(tmp_path / "runs"), "+preset=smoke", *hf(base), "adapter=lora", *extra],
                  tmp_path / "output.txt")
     code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
     assert code == 0, out[-4000:]
     log = (tmp_path / "runs" / "second_half.log").read_text()
-    assert "resumed from" in log and ("ZeRO-3 engaged" in log) == (strategy == "zero3")
+    engaged = {"ddp": "DistributedType.MULTI_CPU (2 process", "zero2": "ZeRO-2 engaged", "zero3": "ZeRO-3 engaged"}
+    assert "resumed from" in log and engaged[strategy] in log, log[-3000:]
     final = tmp_path / "runs" / "resumed" / "final"
     adapter = adapter_tensors(final)
     assert adapter and all(t.numel() for t in adapter.values())
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # it trained
     name, worst = logits_agree(final, base)
     assert worst < 1e-4, worst
+
+
+def test_the_fine_tune_command_on_chat_data_exports_merged_and_adapter(tmp_path, base):
+    """Acceptance 1, the command as a user types it: LoRA on a local model with a chat jsonl."""
+    from test_finetune_data import conversation, write_rows
+
+    chat = write_rows(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(64)])
+    run_dir = tmp_path / "D"
+    launch(["python", "-m", "trainloop", "+preset=lora", "model=hf", f"model.name_or_path={base}", "data=chat",
+            f"data.path={chat}", "trainer.max_steps=30", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in metrics if "eval_loss" in r) == 30
+    name, worst = logits_agree(run_dir / "final", base)
+    assert name == "LlamaForCausalLM" and worst < 1e-4, worst
+    assert any(t.abs().sum() > 0 for k, t in adapter_tensors(run_dir / "final").items() if "lora_B" in k)
 
 
 def test_plan_counts_frozen_quantized_and_adapter_state(base):
