@@ -155,12 +155,21 @@ OPS_LOG = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "trainloop-build.log"
 _ops_build: subprocess.Popen | None = None
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per core, at most 4: many tests start 2-process runs of their own."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def pytest_collection_modifyitems(session, config, items):
     global _ops_build
     position = {id(item): i for i, item in enumerate(items)}
+    # Under xdist each worker collects the same sorted list and the load scheduler hands tests
+    # out in that order, so the DeepSpeed tests still come last.
     items.sort(key=lambda item: (OPS_FIXTURE in item.fixturenames, position[id(item)]))
     if config.option.collectonly or not any(OPS_FIXTURE in item.fixturenames for item in items):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # one build for the session: other workers' fixtures wait on its lock, then find it built
     OPS_LOG.parent.mkdir(parents=True, exist_ok=True)
     with open(OPS_LOG, "w") as log:
         _ops_build = subprocess.Popen([sys.executable, "-m", "trainloop.deepspeed"],
