@@ -103,11 +103,14 @@ def split_documents(count: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(count)[:held_out])
 
 
-def fit_pieces(cfg, documents: Documents) -> np.ndarray:
-    """Each document made to fit data.seq_len as data.overlong says: rows (document, start, end).
+def fit_pieces(cfg, documents: Documents) -> tuple[np.ndarray, np.ndarray]:
+    """Each document made to fit data.seq_len as data.overlong says: (full, pieces).
 
-    A piece's first label is never a target (in a packed block the token before it is another
-    piece's), so a piece whose other tokens are no targets is dropped. Counted in the log.
+    full: rows (document, count) of documents whose first `count` seq_len-token pieces fill a block
+    each (overlong=split of text data: kept as a count, so the plan stays O(documents) however long
+    the documents are); pieces: the other pieces, rows (document, start, end). A piece's first
+    label is never a target (in a packed block the token before it is another piece's), so a piece
+    whose other tokens are no targets is dropped. Counted in the log.
     """
     from trainloop.config import ConfigError
 
@@ -115,7 +118,14 @@ def fit_pieces(cfg, documents: Documents) -> np.ndarray:
     docs = np.arange(len(lengths))
     overlong = lengths > seq_len
     counts = {"truncated": 0, "split": 0, "dropped as overlong": 0, "dropped with no target token": 0}
-    if cfg.overlong == "split":
+    full = np.zeros((0, 2), np.int64)
+    if cfg.overlong == "split" and not documents.masked and seq_len > 1:
+        whole = lengths // seq_len
+        full = np.stack([docs, whole], axis=1)[whole > 0]
+        doc = docs[lengths % seq_len > 0]
+        start, end = whole[doc] * seq_len, lengths[doc]
+        counts["split"] = int(overlong.sum())
+    elif cfg.overlong == "split":
         per_doc = -(-lengths // seq_len)
         doc = np.repeat(docs, per_doc)
         start = (np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)) * seq_len
@@ -137,11 +147,11 @@ def fit_pieces(cfg, documents: Documents) -> np.ndarray:
     said = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
     if said:
         log.info("data: of %d rows (data.seq_len=%d, data.overlong=%s): %s", len(lengths), seq_len, cfg.overlong, said)
-    if not len(pieces):
+    if not len(pieces) and not len(full):
         key = "data.overlong" if counts["dropped as overlong"] else "data.train_on"
         raise ConfigError(f"{key}={getattr(cfg, key.split('.')[1])}: every one of the {len(lengths)} rows was "
                           f"dropped ({said}); raise data.seq_len, or set data.overlong=truncate or split")
-    return pieces
+    return full, pieces
 
 
 def best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,23 +181,27 @@ class PlannedBlocks(Dataset):
     """Training blocks planned over documents, gathered when asked for: the same dict items as
     data.PackedBlocks (input_ids, labels, position_ids, and attention_mask for packing=none).
 
-    documents/none: `pieces` rows (document, start, end), block b holding pieces[members[first[b]:
-    first[b + 1]]]. stream: the documents `docs` end to end, block b their tokens [b L, (b + 1) L).
+    documents/none: first one block per full piece (`full` rows (document, count): that document's
+    tokens [j L, (j + 1) L) for j < count), then blocks of `pieces` rows (document, start, end),
+    block F + b holding pieces[members[first[b]:first[b + 1]]]. stream: the documents `docs` end to
+    end, block b their tokens [b L, (b + 1) L).
     """
 
-    def __init__(self, documents: Documents, seq_len: int, pad: int, packing: str, pieces=None, docs=None):
+    def __init__(self, documents: Documents, seq_len: int, pad: int, packing: str, pieces=None, docs=None,
+                 full=None):
         self.documents, self.seq_len, self.pad, self.packing = documents, seq_len, pad, packing
         if packing == "stream":
             self.docs = docs
             self.ends = np.cumsum(documents.lengths[docs])  # where each document ends in the stream
             self.count = int(self.ends[-1]) // seq_len if len(docs) else 0
         else:
-            self.pieces = pieces
-            if packing == "documents":
+            self.pieces, self.full_docs, self.full_ends = pieces, full[:, 0], np.cumsum(full[:, 1])
+            self.full_blocks = int(self.full_ends[-1]) if len(full) else 0
+            if packing == "documents":  # full pieces leave no room: best fit places the others alone
                 self.members, self.first = best_fit(pieces[:, 2] - pieces[:, 1], seq_len)
             else:
                 self.members, self.first = np.arange(len(pieces)), np.arange(len(pieces) + 1)
-            self.count = len(self.first) - 1
+            self.count = self.full_blocks + len(self.first) - 1
 
     def __len__(self) -> int:
         return self.count
@@ -200,7 +214,14 @@ class PlannedBlocks(Dataset):
         L = self.seq_len
         ids, labels = np.full(L, self.pad, dtype=np.int64), np.full(L, IGNORE, dtype=np.int64)
         positions, at = np.zeros(L, dtype=np.int64), 0
-        for d, s, e in self.pieces[self.members[self.first[b]:self.first[b + 1]]].tolist():
+        if b < self.full_blocks:
+            k = int(np.searchsorted(self.full_ends, b, side="right"))
+            j = b - (int(self.full_ends[k - 1]) if k else 0)
+            members = [(int(self.full_docs[k]), j * L, (j + 1) * L)]
+        else:
+            b -= self.full_blocks
+            members = self.pieces[self.members[self.first[b]:self.first[b + 1]]].tolist()
+        for d, s, e in members:
             piece, targets = self.documents.read(d, s, e)
             n = len(piece)
             ids[at:at + n] = piece
@@ -242,9 +263,10 @@ def plan_blocks(cfg, documents: Documents, held_out: np.ndarray, pad: int) -> tu
     if cfg.packing == "stream":
         parts = [PlannedBlocks(documents, cfg.seq_len, pad, "stream", docs=np.flatnonzero(side)) for side in (~valid_doc, valid_doc)]
     else:
-        pieces = fit_pieces(cfg, documents)
-        in_valid = valid_doc[pieces[:, 0]]
-        parts = [PlannedBlocks(documents, cfg.seq_len, pad, cfg.packing, pieces=pieces[side]) for side in (~in_valid, in_valid)]
+        full, pieces = fit_pieces(cfg, documents)
+        full_valid, pieces_valid = valid_doc[full[:, 0]], valid_doc[pieces[:, 0]]
+        parts = [PlannedBlocks(documents, cfg.seq_len, pad, cfg.packing, pieces=pieces[side], full=full[full_side])
+                 for side, full_side in ((~pieces_valid, ~full_valid), (pieces_valid, full_valid))]
     for part in parts:
         part.overlong = cfg.overlong
     if not len(parts[0]) or not len(parts[1]):

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"rows per shard (default {SHARD_DOCUMENTS:,}); a re-run keeps the finished shards")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("overrides", nargs="*", help="the run's config overrides (data=..., model=...)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come after the overrides too
     if args.shard_documents < 1:
         parser.error("--shard-documents must be 1 or more")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
