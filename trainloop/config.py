@@ -66,7 +66,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  # a local tokenizer directory; None: model's own or bytes
     seq_len: int = 128  # tokens per training block; rows are packed into blocks as data.packing says
     batch_size: int = 8  # per device, per micro-step
-    validation_fraction: float = 0.05  # share of the blocks held out for evaluation
+    validation_fraction: float = 0.05  # share of the documents (whole ones, drawn from trainer.seed) held out for evaluation
     num_proc: Optional[int] = None  # processes for datasets.map
     num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
     pin_memory: bool = True  # only takes effect when a CUDA device is used
