@@ -10,7 +10,7 @@ O(documents) memory. A block's tokens are read from the parts when it is asked f
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import logging
 import math
 from pathlib import Path
@@ -154,23 +154,63 @@ def fit_pieces(cfg, documents: Documents) -> tuple[np.ndarray, np.ndarray]:
     return full, pieces
 
 
+class FreeSpace:
+    """Open blocks by their free tokens: the tightest fit for a length (the fewest free tokens that
+    hold it, then the lowest block) in O(log seq_len), so planning stays fast for millions of pieces."""
+
+    def __init__(self, seq_len: int):
+        self.size = 1 << seq_len.bit_length()  # leaves: free tokens 0..seq_len
+        self.count = [0] * (2 * self.size)  # open blocks under each node of a binary tree over the leaves
+        self.blocks: dict[int, list[int]] = {}  # free tokens -> heap of blocks
+
+    def add(self, free: int, block: int) -> None:
+        heapq.heappush(self.blocks.setdefault(free, []), block)
+        self._count(free, 1)
+
+    def take(self, length: int) -> tuple[int, int] | None:
+        free = self._first_at_least(length)
+        if free is None:
+            return None
+        self._count(free, -1)
+        return free, heapq.heappop(self.blocks[free])
+
+    def _count(self, free: int, change: int) -> None:
+        i = free + self.size
+        while i:
+            self.count[i] += change
+            i >>= 1
+
+    def _first_at_least(self, low: int) -> int | None:
+        i = low + self.size
+        if self.count[i]:
+            return low
+        while i > 1:  # up, until a right sibling holds an open block
+            if not i & 1 and self.count[i + 1]:
+                i += 1
+                break
+            i >>= 1
+        else:
+            return None
+        while i < self.size:  # down, to its leftmost open leaf
+            i = 2 * i if self.count[2 * i] else 2 * i + 1
+        return i - self.size
+
+
 def best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Pieces into blocks of seq_len, best fit, longest first (deterministic, ties in order):
     the pieces grouped by block (in the order they were placed) and each block's first entry."""
     order = np.argsort(-lengths, kind="stable")
     block_of = np.empty(len(lengths), dtype=np.int64)
-    spaces: list[tuple[int, int]] = []  # (free tokens, block), sorted: the tightest fit is found by bisect
-    blocks = 0
+    spaces, blocks = FreeSpace(seq_len), 0
     for i in order.tolist():
         length = int(lengths[i])
-        k = bisect.bisect_left(spaces, (length, -1))
-        if k < len(spaces):
-            free, b = spaces.pop(k)
-        else:
-            free, b, blocks = seq_len, blocks, blocks + 1
+        fit = spaces.take(length)
+        if fit is None:
+            fit, blocks = (seq_len, blocks), blocks + 1
+        free, b = fit
         block_of[i] = b
         if free - length:
-            bisect.insort(spaces, (free - length, b))
+            spaces.add(free - length, b)
     placed = np.empty(len(lengths), dtype=np.int64)
     placed[order] = np.arange(len(lengths))
     members = np.lexsort((placed, block_of))
