@@ -409,7 +409,8 @@ def validate(cfg: Any) -> None:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     problems += adapter_problems(cfg)
     if d.name != "pydoc" and not d.path:
-        what = "a folder written by python -m trainloop.prepare" if d.name == "prepared" else "a file, directory or glob of your data"
+        what = ("a folder written by python -m trainloop.prepare" if d.name == "prepared"
+                else "a file, directory or glob of your data")
         problems.append(f"data={d.name} needs data.path: {what}")
     serves = TRAIN_ON.get(d.name, ())
     if d.train_on in CHOICES["data.train_on"] and d.train_on not in serves:

@@ -139,7 +139,8 @@ def fit_pieces(cfg, documents: Documents) -> tuple[np.ndarray, np.ndarray]:
         start, end = np.zeros_like(doc), lengths[doc]
         counts["dropped as overlong"] = int(overlong.sum())
     if documents.masked:
-        keep = np.array([documents.has_target(int(d), int(s) + 1, int(e)) for d, s, e in zip(doc, start, end)], dtype=bool)
+        keep = np.array([documents.has_target(int(d), int(s) + 1, int(e)) for d, s, e in zip(doc, start, end)],
+                        dtype=bool)
     else:
         keep = end - start > 1
     counts["dropped with no target token"] = int((~keep).sum())
@@ -301,7 +302,8 @@ def plan_blocks(cfg, documents: Documents, held_out: np.ndarray, pad: int) -> tu
     valid_doc = np.zeros(len(documents), dtype=bool)
     valid_doc[held_out] = True
     if cfg.packing == "stream":
-        parts = [PlannedBlocks(documents, cfg.seq_len, pad, "stream", docs=np.flatnonzero(side)) for side in (~valid_doc, valid_doc)]
+        parts = [PlannedBlocks(documents, cfg.seq_len, pad, "stream", docs=np.flatnonzero(side))
+                 for side in (~valid_doc, valid_doc)]
     else:
         full, pieces = fit_pieces(cfg, documents)
         full_valid, pieces_valid = valid_doc[full[:, 0]], valid_doc[pieces[:, 0]]
@@ -311,5 +313,6 @@ def plan_blocks(cfg, documents: Documents, held_out: np.ndarray, pad: int) -> tu
         part.overlong = cfg.overlong
     if not len(parts[0]) or not len(parts[1]):
         raise ConfigError(f"the data holds {len(parts[0])} training and {len(parts[1])} validation block(s) of "
-                          f"data.seq_len={cfg.seq_len} tokens: too little to train and validate; add data or lower data.seq_len")
+                          f"data.seq_len={cfg.seq_len} tokens: too little to train and validate; "
+                          "add data or lower data.seq_len")
     return parts[0], parts[1]

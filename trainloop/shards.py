@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from trainloop.config import ConfigError
-from trainloop.packing import Documents, Part, PlannedBlocks, part_from_batches, plan_blocks, split_documents, token_batches
+from trainloop.packing import (Documents, Part, PlannedBlocks, part_from_batches, plan_blocks, split_documents,
+                               token_batches)
 
 log = logging.getLogger("trainloop")
 
@@ -76,8 +77,9 @@ def check_folder(out: Path, plan: dict) -> None:
         return
     theirs, ours = before["tokenizer"], plan["tokenizer"]
     if theirs["vocabulary"] != ours["vocabulary"]:
-        raise ConfigError(f"{out} was prepared with another tokenizer: {theirs['source']} ({theirs['vocabulary']}), "
-                          f"not {ours['source']} ({ours['vocabulary']}); choose another folder, or prepare with that tokenizer")
+        raise ConfigError(f"{out} was prepared with another tokenizer: {theirs['source']} "
+                          f"({theirs['vocabulary']}), not {ours['source']} ({ours['vocabulary']}); "
+                          "choose another folder, or prepare with that tokenizer")
     changed = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in plan.items()
                if key != "tokenizer" and before.get(key) != value]
     if changed:
@@ -162,8 +164,8 @@ def read_manifest(path: str) -> dict:
 def check_tokenizer(path: str, manifest: dict, tokenizer) -> None:
     theirs, ours = manifest["tokenizer"], tokenizer_record(tokenizer)
     if theirs["vocabulary"] != ours["vocabulary"]:
-        raise ConfigError(f"data.path={path!r} was prepared with tokenizer {theirs['source']} ({theirs['vocabulary']}), "
-                          f"but this run's tokenizer is {ours['source']} ({ours['vocabulary']}): set data.tokenizer "
+        raise ConfigError(f"data.path={path!r} was prepared with tokenizer {theirs['source']} "
+                          f"({theirs['vocabulary']}), but this run's tokenizer is {ours['source']} ({ours['vocabulary']}): set data.tokenizer "
                           "(or model.name_or_path) to the one the shards were made with, or prepare again")
 
 
