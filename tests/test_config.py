@@ -19,6 +19,7 @@ NEEDS = {  # options whose required keys the user must give
     ("data", "files"): ["data.path=/some/data.jsonl"],
     ("data", "chat"): ["data.path=/some/chats.jsonl"],
     ("data", "prompt_completion"): ["data.path=/some/pairs.jsonl"],
+    ("data", "prepared"): ["data.path=/some/prepared"],
 }
 
 

@@ -49,8 +49,8 @@ class AdapterConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion: data.path
-    path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet
+    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, prepared: data.path
+    path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet; prepared: the shards' folder
     text_field: str = "text"  # the column that holds the text (data=files)
     messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
     chat_template: Optional[str] = None  # data=chat: a Jinja template file; None: the tokenizer's, else built-in
@@ -66,7 +66,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  # a local tokenizer directory; None: model's own or bytes
     seq_len: int = 128  # tokens per training block; rows are packed into blocks as data.packing says
     batch_size: int = 8  # per device, per micro-step
-    validation_fraction: float = 0.05  # share of the blocks held out for evaluation
+    validation_fraction: float = 0.05  # share of the documents (whole ones, drawn from trainer.seed) held out for evaluation
     num_proc: Optional[int] = None  # processes for datasets.map
     num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
     pin_memory: bool = True  # only takes effect when a CUDA device is used
@@ -218,7 +218,7 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "model.quantization": ("none", "8bit", "4bit"),
     "adapter.name": ("none", "lora"),
-    "data.name": ("pydoc", "files", "chat", "prompt_completion"),
+    "data.name": ("pydoc", "files", "chat", "prompt_completion", "prepared"),
     "data.train_on": ("all", "assistant", "completion"),
     "data.packing": ("documents", "stream", "none"),
     "data.overlong": ("truncate", "drop", "split"),
@@ -236,7 +236,7 @@ CHOICES = {
 
 # What each data option can take the loss on (data.train_on).
 TRAIN_ON = {"pydoc": ("all",), "files": ("all",), "chat": ("assistant", "all"),
-            "prompt_completion": ("completion", "all")}
+            "prompt_completion": ("completion", "all"), "prepared": ("all", "assistant", "completion")}
 
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.max_position_embeddings",
@@ -251,6 +251,9 @@ _ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
 _ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
 _CHAT = (lambda c: c.data.name == "chat", "data=chat")
 _PROMPT_COMPLETION = (lambda c: c.data.name == "prompt_completion", "data=prompt_completion")
+# Keys that shape the tokens or the validation split: fixed by `python -m trainloop.prepare` for data=prepared.
+_TOKENIZING = (lambda c: c.data.name != "prepared",
+               "data=pydoc, files, chat or prompt_completion (data=prepared: give it to python -m trainloop.prepare)")
 _LORA = (lambda c: c.adapter.name == "lora", "adapter=lora")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
 
@@ -269,7 +272,10 @@ _READ_ONLY_BY = {
     "model.dropout": _TINY,
     "model.quantization": (lambda c: c.model.name == "hf" and c.adapter.name == "lora", "model=hf and adapter=lora"),
     **{f"adapter.{key}": _LORA for key in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
-    "data.path": (lambda c: c.data.name != "pydoc", "data=files, chat or prompt_completion"),
+    "data.path": (lambda c: c.data.name != "pydoc", "data=files, chat, prompt_completion or prepared"),
+    "data.train_on": _TOKENIZING,
+    "data.validation_fraction": _TOKENIZING,
+    "data.num_proc": _TOKENIZING,
     "data.text_field": (lambda c: c.data.name == "files", "data=files"),
     "data.messages_field": _CHAT,
     "data.chat_template": _CHAT,
@@ -403,7 +409,9 @@ def validate(cfg: Any) -> None:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     problems += adapter_problems(cfg)
     if d.name != "pydoc" and not d.path:
-        problems.append(f"data={d.name} needs data.path: a file, directory or glob of your data")
+        what = ("a folder written by python -m trainloop.prepare" if d.name == "prepared"
+                else "a file, directory or glob of your data")
+        problems.append(f"data={d.name} needs data.path: {what}")
     serves = TRAIN_ON.get(d.name, ())
     if d.train_on in CHOICES["data.train_on"] and d.train_on not in serves:
         problems.append(f"data.train_on={d.train_on} cannot be served by data={d.name}: "

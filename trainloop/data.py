@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import bisect
 import glob
 import hashlib
 import json
 import logging
 import os
-from itertools import chain
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainloop.preemption import ignore_stop_signals
 from trainloop.config import ConfigError, DataConfig
+from trainloop.packing import IGNORE
+from trainloop.preemption import ignore_stop_signals
 
 log = logging.getLogger("trainloop")
 
@@ -159,7 +158,6 @@ def drop_rows_without_text(texts, field: str, num_proc: int | None):
     return kept
 
 
-IGNORE = -100  # the label torch's cross-entropy skips: no loss on this token
 ROLES = ("system", "user", "assistant", "tool")
 
 # For tokenizers without a chat template (the built-in byte-level one included): each message
@@ -197,11 +195,6 @@ class PackedBlocks(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {key: tensor[i] for key, tensor in self.tensors.items()}
-
-    def subset(self, indices: list[int]) -> "PackedBlocks":
-        part = PackedBlocks.__new__(PackedBlocks)
-        part.tensors = {key: tensor[indices] for key, tensor in self.tensors.items()}
-        return part
 
 
 def chat_template(cfg: DataConfig, tokenizer) -> str:
@@ -312,126 +305,66 @@ def load_examples(cfg: DataConfig):
     return rows
 
 
-def fit_rows(cfg: DataConfig, rows: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
-    """Rows made to fit data.seq_len as data.overlong says, each with a target token; counted in the log.
+def build_datasets(cfg: DataConfig, tokenizer, seed: int):
+    """Tokenize (cached by `datasets` for files) and label; hold whole documents out for validation
+    (data.validation_fraction, drawn from the seed); fit to data.seq_len and pack as data.packing says.
 
-    A row's first label is never a target: in a packed block the token before it is another row's.
+    The blocks are planned and gathered by trainloop.packing, the code that serves prepared shards
+    (data=prepared: memory-mapped, gathered block by block), so both give the same blocks.
     """
-    seq_len, fitted, counts = cfg.seq_len, [], {"truncated": 0, "split": 0, "dropped as overlong": 0,
-                                                "dropped with no target token": 0}
-    for ids, labels in rows:
-        pieces = [(ids, labels)]
-        if len(ids) > seq_len:
-            if cfg.overlong == "drop":
-                counts["dropped as overlong"] += 1
-                continue
-            counts["truncated" if cfg.overlong == "truncate" else "split"] += 1
-            ends = range(0, seq_len if cfg.overlong == "truncate" else len(ids), seq_len)
-            pieces = [(ids[i:i + seq_len], labels[i:i + seq_len]) for i in ends]
-        for piece_ids, piece_labels in pieces:
-            piece_labels = [IGNORE] + piece_labels[1:]
-            if all(label == IGNORE for label in piece_labels):
-                counts["dropped with no target token"] += 1
-                continue
-            fitted.append((piece_ids, piece_labels))
-    said = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
-    if said:
-        log.info("data: of %d rows (data.seq_len=%d, data.overlong=%s): %s", len(rows), seq_len, cfg.overlong, said)
-    if not fitted:
-        key = "data.overlong" if counts["dropped as overlong"] else "data.train_on"
-        raise ConfigError(f"{key}={getattr(cfg, key.split('.')[1])}: every one of the {len(rows)} rows was "
-                          f"dropped ({said}); raise data.seq_len, or set data.overlong=truncate or split")
-    return fitted
+    from trainloop.packing import Documents, part_from_batches, plan_blocks, split_documents, token_batches
+
+    if cfg.name == "prepared":
+        from trainloop.shards import open_prepared
+
+        return open_prepared(cfg, tokenizer)
+    tokens = tokenize_examples(cfg, tokenizer, load_examples(cfg))
+    documents = Documents([part_from_batches(token_batches(tokens), masked=cfg.name in MASKED)])
+    held_out = split_documents(len(documents), cfg.validation_fraction, seed)
+    train, valid = plan_blocks(cfg, documents, held_out, pad_id(tokenizer))
+    return materialize(train), materialize(valid)
 
 
-def pack_documents(rows, seq_len: int, pad: int) -> PackedBlocks:
-    """Rows into blocks of seq_len, best fit, longest first (deterministic): position ids restart at
-    each row, so attention stays inside it; the rest of a block is padding with no loss."""
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-    bins: list[list[int]] = []
-    spaces: list[tuple[int, int]] = []  # (free tokens, block), sorted: the tightest fit is found by bisect
-    for i in order:
-        length = len(rows[i][0])
-        k = bisect.bisect_left(spaces, (length, -1))
-        if k < len(spaces):
-            free, b = spaces.pop(k)
-            bins[b].append(i)
-        else:
-            free, b = seq_len, len(bins)
-            bins.append([i])
-        if free - length:
-            bisect.insort(spaces, (free - length, b))
-    ids = torch.full((len(bins), seq_len), pad, dtype=torch.long)
-    labels = torch.full((len(bins), seq_len), IGNORE, dtype=torch.long)
-    positions = torch.zeros((len(bins), seq_len), dtype=torch.long)
-    for b, members in enumerate(bins):
-        at = 0
-        for i in members:
-            row_ids, row_labels = rows[i]
-            n = len(row_ids)
-            ids[b, at:at + n] = torch.tensor(row_ids)
-            labels[b, at:at + n] = torch.tensor(row_labels)
-            positions[b, at:at + n] = torch.arange(n)
-            at += n
-        positions[b, at:] = torch.arange(seq_len - at)  # the padding, a row of its own
-    return PackedBlocks(ids, labels, positions)
+MASKED = ("chat", "prompt_completion")  # the data options whose labels hide some tokens
 
 
-def pad_rows(rows, seq_len: int, pad: int) -> PackedBlocks:
-    """One row per block, padded on the right, with an attention mask (data.packing=none)."""
-    ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
-    labels = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    for r, (row_ids, row_labels) in enumerate(rows):
-        ids[r, :len(row_ids)] = torch.tensor(row_ids)
-        labels[r, :len(row_labels)] = torch.tensor(row_labels)
-        mask[r, :len(row_ids)] = 1
-    return PackedBlocks(ids, labels, attention_mask=mask)
+def tokenize_examples(cfg: DataConfig, tokenizer, examples, desc: str = "tokenize"):
+    """input_ids and labels for each row, by `datasets.map` over data.num_proc processes."""
+    return examples.map(row_tokenizer(cfg, tokenizer), batched=True, remove_columns=examples.column_names,
+                        num_proc=cfg.num_proc, desc=desc)
 
 
-def pack_stream(tokens, seq_len: int) -> PackedBlocks:
-    """Every row end to end, cut into seq_len blocks, the tail dropped (data.packing=stream): attention
-    crosses rows, separated only by their EOS."""
-    ids = torch.tensor(list(chain.from_iterable(tokens["input_ids"])), dtype=torch.long)
-    labels = torch.tensor(list(chain.from_iterable(tokens["labels"])), dtype=torch.long)
-    usable = len(ids) // seq_len * seq_len
-    return PackedBlocks(ids[:usable].view(-1, seq_len), labels[:usable].view(-1, seq_len))
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[PackedBlocks, PackedBlocks]:
-    """Tokenize (cached by `datasets` for files), label, fit to data.seq_len, pack as data.packing says, split."""
-    import datasets
-
-    examples = load_examples(cfg)
-    tokens = examples.map(row_tokenizer(cfg, tokenizer), batched=True, remove_columns=examples.column_names,
-                          num_proc=cfg.num_proc, desc="tokenize")
-    seq_len, pad = cfg.seq_len, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if cfg.packing == "stream":
-        packed = pack_stream(tokens, seq_len)
-    else:
-        rows = fit_rows(cfg, list(zip(tokens["input_ids"], tokens["labels"])))
-        packed = (pack_documents if cfg.packing == "documents" else pad_rows)(rows, seq_len, pad)
-    if len(packed) < 2:
-        raise ConfigError(f"the data holds {len(packed)} block(s) of data.seq_len={seq_len} tokens: "
-                          "too little to train and validate; add data or lower data.seq_len")
-    # The split `datasets` draws for (number of blocks, seed): the same as before blocks became dicts.
-    split = datasets.Dataset.from_dict({"i": list(range(len(packed)))}).train_test_split(
-        test_size=cfg.validation_fraction, seed=seed)
-    # [:] reads each column as one list: indexing a tensor with the lazy Column reads it row by row (seconds)
-    return packed.subset(split["train"]["i"][:]), packed.subset(split["test"]["i"][:])
+def materialize(blocks) -> PackedBlocks:
+    """Planned blocks gathered into tensors: data the run tokenized itself fits in memory."""
+    items = [blocks[b] for b in range(len(blocks))]
+    return PackedBlocks(**{key: torch.stack([item[key] for item in items]) for key in items[0]})
 
 
-def data_fingerprint(tokenizer, train: PackedBlocks, valid: PackedBlocks) -> dict:
-    """What identifies the data a run trains on, for the resume check: the tokenizer's vocabulary
-    and the packed blocks themselves (ids, labels, positions). Hashing the tokens is exact (any
-    change of files, fields, template, tokenizer, packing or split shows) and cheap next to tokenizing them."""
+def vocabulary_fingerprint(tokenizer) -> str:
+    """The tokenizer's vocabulary, hashed: what a run's resume check and prepared shards compare."""
     vocab = tokenizer.get_vocab()
     vocab_hash = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    return f"{len(vocab)} tokens, sha256 {vocab_hash[:16]}"
+
+
+def data_fingerprint(tokenizer, train, valid) -> dict:
+    """What identifies the data a run trains on, for the resume check: the tokenizer's vocabulary
+    and the packed blocks themselves (ids, labels, positions). Hashing the tokens is exact (any
+    change of files, fields, template, tokenizer, packing or split shows) and cheap next to tokenizing them.
+    Prepared shards are not read whole for it: their manifest's content hashes and the packing stand in."""
+    if not isinstance(train, PackedBlocks):
+        from trainloop.shards import prepared_fingerprint
+
+        return {"tokenizer vocabulary": vocabulary_fingerprint(tokenizer), **prepared_fingerprint(train, valid)}
     blocks_hash = hashlib.sha256()
     for part in (train, valid):
         for key in sorted(part.tensors):
             blocks_hash.update(part.tensors[key].contiguous().numpy())
-    return {"tokenizer vocabulary": f"{len(vocab)} tokens, sha256 {vocab_hash[:16]}",
+    return {"tokenizer vocabulary": vocabulary_fingerprint(tokenizer),
             "data content": f"{len(train)} train + {len(valid)} valid blocks of {train.blocks.shape[1]} "
                             f"tokens, sha256 {blocks_hash.hexdigest()[:16]}"}
 

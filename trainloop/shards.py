@@ -1,0 +1,192 @@
+"""Prepared token shards: written once by `python -m trainloop.prepare`, memory-mapped by runs (data=prepared).
+
+A prepared folder holds:
+  prepare.json     written first: the tokenizer, data options and shard size it is being prepared with,
+                   so that a re-run (after an interruption) can check it continues the same work
+  validation.npy   the documents held out for validation (numbers across the shards, sorted), drawn
+                   from trainer.seed and data.validation_fraction as a run that tokenizes draws them
+  shard_00000/     documents [0, n): ids.npy (uint16 when the vocabulary has at most 65,536 tokens,
+                   else uint32), offsets.npy (int64, where each document starts, and the end),
+                   mask.npy (chat and prompt_completion only: 1 byte per token, true for a target;
+                   text data has no mask, every token is a target) and meta.json (counts, sha256)
+  manifest.json    written last: the tokenizer's vocabulary hash, the data options that shaped the
+                   tokens, counts per shard, the dtype, content hashes and the format version
+
+Each shard is written under a temporary name and renamed when complete, so a re-run keeps the
+finished shards and tokenizes only the rest. The shards hold documents, not blocks: data.seq_len,
+data.packing and data.overlong are chosen when training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from trainloop.config import ConfigError
+from trainloop.packing import (Documents, Part, PlannedBlocks, part_from_batches, plan_blocks, split_documents,
+                               token_batches)
+
+log = logging.getLogger("trainloop")
+
+FORMAT = 1
+SHARD_DOCUMENTS = 100_000  # rows per shard, by default: a unit of work an interruption loses at most
+
+
+def tokenizer_record(tokenizer) -> dict:
+    from trainloop.data import vocabulary_fingerprint
+
+    return {"source": tokenizer.name_or_path or "the built-in byte-level tokenizer",
+            "vocabulary": vocabulary_fingerprint(tokenizer)}
+
+
+def token_options(cfg) -> dict:
+    """The options that shape the tokens of each document, and the validation split."""
+    from trainloop.data import columns_read
+
+    d = cfg.data
+    template = None
+    if d.name == "chat" and d.chat_template:
+        template = hashlib.sha256(Path(d.chat_template).expanduser().read_bytes()).hexdigest()[:16]
+    return {"data.name": d.name, "data.path": os.path.abspath(os.path.expanduser(d.path)) if d.path else None,
+            **columns_read(d), "data.train_on": d.train_on, "data.chat_template sha256": template,
+            "trainer.seed": cfg.trainer.seed, "data.validation_fraction": d.validation_fraction}
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def check_folder(out: Path, plan: dict) -> None:
+    """Refuse a folder prepared (or being prepared) with another tokenizer or other options."""
+    before = read_json(out / "manifest.json") or read_json(out / "prepare.json")
+    if before is None:
+        if out.is_dir() and any(out.iterdir()):
+            raise ConfigError(f"{out} is not empty and holds no prepared shards: choose an empty or new folder")
+        return
+    theirs, ours = before["tokenizer"], plan["tokenizer"]
+    if theirs["vocabulary"] != ours["vocabulary"]:
+        raise ConfigError(f"{out} was prepared with another tokenizer: {theirs['source']} "
+                          f"({theirs['vocabulary']}), not {ours['source']} ({ours['vocabulary']}); "
+                          "choose another folder, or prepare with that tokenizer")
+    changed = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in plan.items()
+               if key != "tokenizer" and before.get(key) != value]
+    if changed:
+        raise ConfigError(f"{out} was prepared with other options ({'; '.join(changed)}): prepare into another "
+                          "folder, or repeat the options it was prepared with")
+
+
+def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress: bool = True) -> dict:
+    """Tokenize and label the rows as a run does, and write them as shards into out_dir; the manifest."""
+    from tqdm.auto import tqdm
+
+    from trainloop.data import MASKED, build_tokenizer, load_examples, tokenize_examples
+
+    if cfg.data.name == "prepared":
+        raise ConfigError("data=prepared reads shards; prepare from the data itself (data=files, chat, "
+                          "prompt_completion or pydoc, with data.path)")
+    out = Path(out_dir).expanduser()
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    plan = {"format": FORMAT, "tokenizer": tokenizer_record(tokenizer), "data": token_options(cfg),
+            "shard_documents": shard_documents}
+    check_folder(out, plan)  # before the rows are read: a wrong tokenizer is said at once
+    examples = load_examples(cfg.data)
+    plan["documents"] = count = len(examples)
+    check_folder(out, plan)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "prepare.json", plan)
+    held_out = split_documents(count, cfg.data.validation_fraction, cfg.trainer.seed)
+    np.save(out / "validation.tmp.npy", held_out)
+    os.replace(out / "validation.tmp.npy", out / "validation.npy")
+    for stale in out.glob("shard_*.tmp"):  # an interrupted write
+        shutil.rmtree(stale)
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
+    masked = cfg.data.name in MASKED
+    starts = range(0, count, shard_documents)
+    shards, kept = [], 0
+    for k, start in enumerate(tqdm(starts, desc="shards", unit="shard", disable=not progress)):
+        folder = out / f"shard_{k:05d}"
+        if (folder / "meta.json").is_file():
+            kept += 1
+        else:
+            rows = examples.select(range(start, min(start + shard_documents, count)))
+            tokens = tokenize_examples(cfg.data, tokenizer, rows, desc=f"tokenize shard {k + 1}/{len(starts)}")
+            write_shard(folder, part_from_batches(token_batches(tokens), masked, dtype))
+        shards.append({"name": folder.name, **read_json(folder / "meta.json")})
+    content = hashlib.sha256("".join(s["sha256"] for s in shards).encode() + held_out.tobytes()).hexdigest()
+    manifest = {**plan, "dtype": np.dtype(dtype).name, "masked": masked,
+                "tokens": sum(s["tokens"] for s in shards), "validation_documents": len(held_out),
+                "sha256": content, "shards": shards}
+    write_json(out / "manifest.json", manifest)
+    log.info("prepared %d documents, %d tokens (%s) in %d shards (%d kept from before) in %s",
+             count, manifest["tokens"], manifest["dtype"], len(shards), kept, out)
+    return manifest
+
+
+def write_shard(folder: Path, part: Part) -> None:
+    """Write under a temporary name, then rename: a shard folder that exists is complete."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir()
+    ids, offsets, mask = part.arrays
+    digest = hashlib.sha256()
+    for name, array in (("ids", ids), ("offsets", offsets), ("mask", mask)):
+        if array is not None:
+            np.save(tmp / f"{name}.npy", array)
+            digest.update(np.ascontiguousarray(array).tobytes())
+    write_json(tmp / "meta.json", {"documents": len(offsets) - 1, "tokens": len(ids), "sha256": digest.hexdigest()})
+    if folder.exists():  # a folder without meta.json is not ours to keep
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def read_manifest(path: str) -> dict:
+    manifest = read_json(Path(path).expanduser() / "manifest.json")
+    if manifest is None:
+        raise ConfigError(f"data.path={path!r} holds no manifest.json: prepare it with `python -m trainloop.prepare "
+                          f"{path} ...` (run it again to finish an interrupted one)")
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"data.path={path!r} was prepared in format {manifest.get('format')}, this trainloop "
+                          f"reads format {FORMAT}: prepare it again")
+    return manifest
+
+
+def check_tokenizer(path: str, manifest: dict, tokenizer) -> None:
+    theirs, ours = manifest["tokenizer"], tokenizer_record(tokenizer)
+    if theirs["vocabulary"] != ours["vocabulary"]:
+        raise ConfigError(f"data.path={path!r} was prepared with tokenizer {theirs['source']} "
+                          f"({theirs['vocabulary']}), but this run's tokenizer is {ours['source']} ({ours['vocabulary']}): set data.tokenizer "
+                          "(or model.name_or_path) to the one the shards were made with, or prepare again")
+
+
+def open_prepared(data_cfg, tokenizer) -> tuple[PlannedBlocks, PlannedBlocks]:
+    """Train and validation blocks over memory-mapped shards: only the plan is in memory."""
+    from trainloop.data import pad_id
+
+    folder = Path(data_cfg.path).expanduser()
+    manifest = read_manifest(data_cfg.path)
+    check_tokenizer(data_cfg.path, manifest, tokenizer)
+    documents = Documents([Part(folder=str(folder / s["name"]), masked=manifest["masked"]) for s in manifest["shards"]])
+    held_out = np.load(folder / "validation.npy")
+    train, valid = plan_blocks(data_cfg, documents, held_out, pad_id(tokenizer))
+    for part in (train, valid):
+        part.source = f"prepared shards sha256 {manifest['sha256'][:16]}"
+    return train, valid
+
+
+def prepared_fingerprint(train: PlannedBlocks, valid: PlannedBlocks) -> dict:
+    """The resume check's view of prepared data: the manifest's content hash and how it is packed,
+    so no token is read for it."""
+    packing = f"packing={train.packing}" + (f", overlong={train.overlong}" if train.packing != "stream" else "")
+    return {"data content": f"{len(train)} train + {len(valid)} valid blocks of {train.seq_len} tokens "
+                            f"({packing}) from {train.source}"}

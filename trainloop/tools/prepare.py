@@ -1,0 +1,49 @@
+"""`python -m trainloop.prepare OUT_DIR [overrides]`: tokenize a corpus once into memory-mapped shards.
+
+The overrides are a run's (data=files data.path=X, model=..., data.tokenizer=..., trainer.seed=...):
+the rows are loaded, tokenized and labelled exactly as that run would, the validation documents
+are held out as it would hold them out, and the result is written to OUT_DIR (see
+trainloop/shards.py for the layout). Train from it with `data=prepared data.path=OUT_DIR`.
+An interrupted prepare is continued by running the same command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from trainloop.config import ConfigError, compose_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainloop.shards import SHARD_DOCUMENTS
+
+    parser = argparse.ArgumentParser(prog="python -m trainloop.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", help="the folder to write the shards into (new, or one this command began)")
+    parser.add_argument("--shard-documents", type=int, default=SHARD_DOCUMENTS, metavar="N",
+                        help=f"rows per shard (default {SHARD_DOCUMENTS:,}); a re-run keeps the finished shards")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("overrides", nargs="*", help="the run's config overrides (data=..., model=...)")
+    args = parser.parse_intermixed_args(argv)  # options may come after the overrides too
+    if args.shard_documents < 1:
+        parser.error("--shard-documents must be 1 or more")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        from trainloop.shards import prepare
+
+        manifest = prepare(compose_config(args.overrides), args.out_dir, args.shard_documents,
+                           progress=not args.no_progress)
+    except ConfigError as err:
+        print(f"trainloop: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.out_dir}: {manifest['documents']} documents ({manifest['validation_documents']} held out for "
+          f"validation), {manifest['tokens']} tokens as {manifest['dtype']} in {len(manifest['shards'])} shards; "
+          f"train with data=prepared data.path={args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
