@@ -141,3 +141,11 @@ def test_keys_prepare_fixed_are_refused_under_data_prepared(key):
     overrides = ["data=prepared", "data.path=/some/shards", key]
     with pytest.raises(ConfigError, match=f"{key.split('=')[0]}=.* has no effect unless data=.*files"):
         check_command_line(compose(*overrides), overrides)
+
+
+def test_prepare_refuses_a_key_it_does_not_read(tmp_path):
+    proc = launch(["python", "-m", "trainloop.prepare", str(tmp_path / "out"), "data.seq_len=256"],
+                  cwd=tmp_path, check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "data.seq_len" in proc.stderr and "data=prepared" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -16,6 +16,20 @@ import sys
 
 from trainloop.config import ConfigError, compose_config
 
+# What shapes the tokens and the split; every other key is chosen when training from the shards.
+READS = {"model.name_or_path", "trainer.seed", *(f"data.{key}" for key in (
+    "path", "text_field", "messages_field", "chat_template", "prompt_field", "completion_field", "train_on",
+    "tokenizer", "validation_fraction", "num_proc"))}
+
+
+def check_keys_read(overrides: list[str]) -> None:
+    """A key prepare does not read is refused, not silently dropped (data.seq_len belongs to the run)."""
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        if "." in key and not key.startswith("hydra.") and key not in READS:
+            raise ConfigError(f"{key}: python -m trainloop.prepare does not read it (it reads "
+                              f"{', '.join(sorted(READS))}); give it when training with data=prepared")
+
 
 def main(argv: list[str] | None = None) -> int:
     from trainloop.shards import SHARD_DOCUMENTS
@@ -34,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from trainloop.shards import prepare
 
+        check_keys_read(args.overrides)
         manifest = prepare(compose_config(args.overrides), args.out_dir, args.shard_documents,
                            progress=not args.no_progress)
     except ConfigError as err:
