@@ -1,0 +1,163 @@
+"""Data at pre-training scale, measured in one invocation on this machine.
+
+    python scripts/bench_data.py [--big-mb 1024] [--small-mb 10] [--steps 50] [--num-proc N]
+                                 [--workdir DIR] [--json OUT]
+
+1. Generates two text corpora (jsonl, one document per row) of --small-mb and --big-mb: documents
+   of 1-8 KB cut from Python's own documentation at seeded offsets, so the tokens are real text.
+2. Prepare throughput on the big corpus: `python -m trainloop.prepare` (tokenize with
+   `datasets.map` over --num-proc processes, write the memory-mapped shards) against
+   `datasets.map` alone with the same tokenizer function and processes (the tokens, not written
+   as shards). Tokens/s, and per process. Each command gets a fresh `datasets` cache, so neither
+   reads the other's work.
+3. Training from shards: the same run (the default tiny model, --steps steps, batch 8 x 128
+   tokens) from the prepared small and big corpora, each in a fresh process: its peak resident set
+   (the kernel's ru_maxrss for that process) and the share of step time spent waiting for data
+   (`data_wait_frac` in metrics.jsonl). The big run's peak RSS is given as a ratio to the small's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = ["data.seq_len=128", "data.batch_size=8", "trainer.log_every=1", "trainer.eval_every=1000000",
+       "trainer.eval_batches=4", "checkpoint.every_steps=null", "checkpoint.save_final_model=false",
+       "logging.progress_bar=false"]
+
+
+def write_corpus(folder: Path, megabytes: int, seed: int = 0) -> int:
+    """Documents of 1-8 KB cut from pydoc's topics at seeded offsets, 64 MB per jsonl file; bytes written."""
+    from pydoc_data.topics import topics
+
+    source = "\n\n".join(topics[k] for k in sorted(topics))
+    rng, written, target = random.Random(seed), 0, megabytes * 2**20
+    folder.mkdir(parents=True, exist_ok=True)
+    part, out = 0, None
+    while written < target:
+        if out is None or out.tell() > 64 * 2**20:
+            if out:
+                out.close()
+            out, part = open(folder / f"part_{part:04d}.jsonl", "w"), part + 1
+        length = rng.randint(1024, 8192)
+        start = rng.randrange(len(source) - length)
+        line = json.dumps({"text": source[start:start + length]}) + "\n"
+        out.write(line)
+        written += len(line)
+    out.close()
+    return written
+
+
+def child_env(cache: Path) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache), "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def timed(args: list[str], env: dict, log: Path) -> tuple[float, int]:
+    """Run a command to the end; its wall time and its own peak RSS in bytes (wait4's rusage)."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(f"{' '.join(args)} exited {code}; the end of {log}:\n{log.read_text()[-3000:]}")
+    return elapsed, usage.ru_maxrss * 1024
+
+
+MAP_ALONE = """
+import sys
+from trainloop.config import compose_config
+from trainloop.data import build_tokenizer, load_examples, tokenize_examples
+cfg = compose_config(sys.argv[1:])
+tokens = tokenize_examples(cfg.data, build_tokenizer(None, None), load_examples(cfg.data))
+print(sum(len(ids) for batch in tokens.iter(10000) for ids in batch["input_ids"]))
+"""
+
+
+def prepare_throughput(corpus: Path, work: Path, num_proc: int) -> dict:
+    data = ["data=files", f"data.path={corpus}", f"data.num_proc={num_proc}"]
+    load_env = child_env(work / "cache_load")  # reading the jsonl into Arrow: the same for both, done first
+    timed([sys.executable, "-c", "import sys\nfrom trainloop.config import compose_config\n"
+           "from trainloop.data import load_examples\nload_examples(compose_config(sys.argv[1:]).data)", *data],
+          load_env, work / "load.log")
+    shutil.copytree(work / "cache_load", work / "cache_map")
+    shutil.copytree(work / "cache_load", work / "cache_prepare")
+    map_s, _ = timed([sys.executable, "-c", MAP_ALONE, *data], child_env(work / "cache_map"), work / "map.log")
+    tokens = int((work / "map.log").read_text().split()[-1])
+    prep_s, _ = timed([sys.executable, "-m", "trainloop.prepare", str(work / "big_shards"), "--no-progress", *data],
+                      child_env(work / "cache_prepare"), work / "prepare_big.log")
+    manifest = json.loads((work / "big_shards" / "manifest.json").read_text())
+    assert manifest["tokens"] == tokens, (manifest["tokens"], tokens)
+    return {"tokens": tokens, "num_proc": num_proc, "map_alone_s": map_s, "prepare_s": prep_s,
+            "map_alone_tokens_per_s": tokens / map_s, "prepare_tokens_per_s": tokens / prep_s,
+            "prepare_vs_map_alone": map_s / prep_s, "shard_bytes": sum(
+                f.stat().st_size for f in (work / "big_shards").rglob("*.npy"))}
+
+
+def train_from(shards: Path, steps: int, work: Path, name: str) -> dict:
+    run_dir = work / f"run_{name}"
+    args = [sys.executable, "-m", "trainloop", "data=prepared", f"data.path={shards}", *RUN,
+            f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+    wall, peak = timed(args, child_env(work / "cache_train"), work / f"train_{name}.log")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    waits = [r["data_wait_frac"] for r in lines if "data_wait_frac" in r]
+    # the first step also waits for the first batch: reported apart
+    return {"peak_rss_mb": peak / 2**20, "wall_s": wall, "data_wait_frac_max": max(waits[1:]),
+            "data_wait_frac_mean": sum(waits[1:]) / len(waits[1:]), "data_wait_frac_first_step": waits[0],
+            "steps": len(waits)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--big-mb", type=int, default=1024)
+    parser.add_argument("--small-mb", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--num-proc", type=int, default=os.cpu_count())
+    parser.add_argument("--workdir", type=Path, help="keep the corpora, shards and logs here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data_"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"command": " ".join(["python", "scripts/bench_data.py", *sys.argv[1:]]),
+               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+               "date": time.strftime("%Y-%m-%d")}
+    for name, mb in (("small", args.small_mb), ("big", args.big_mb)):
+        written = write_corpus(work / f"{name}_corpus", mb, seed=mb)
+        results[f"{name}_corpus_mb"] = written / 2**20
+        print(f"{name} corpus: {written / 2**20:.0f} MB of text in {work / f'{name}_corpus'}", flush=True)
+    results["prepare"] = prepare_throughput(work / "big_corpus", work, args.num_proc)
+    p = results["prepare"]
+    print(f"prepare {p['tokens']:,} tokens: {p['prepare_tokens_per_s']:,.0f} tokens/s "
+          f"({p['prepare_tokens_per_s'] / p['num_proc']:,.0f} per process, {p['num_proc']} processes); "
+          f"datasets.map alone {p['map_alone_tokens_per_s']:,.0f} tokens/s; "
+          f"prepare/map-alone speed {p['prepare_vs_map_alone']:.2f}", flush=True)
+    timed([sys.executable, "-m", "trainloop.prepare", str(work / "small_shards"), "--no-progress", "data=files",
+           f"data.path={work / 'small_corpus'}"], child_env(work / "cache_small"), work / "prepare_small.log")
+    for name in ("small", "big"):
+        results[f"train_{name}"] = r = train_from(work / f"{name}_shards", args.steps, work, name)
+        print(f"train {args.steps} steps from the {name} corpus: peak RSS {r['peak_rss_mb']:.0f} MB, "
+              f"data wait {100 * r['data_wait_frac_mean']:.2f}% of step time (max {100 * r['data_wait_frac_max']:.2f}%)",
+              flush=True)
+    results["peak_rss_big_over_small"] = results["train_big"]["peak_rss_mb"] / results["train_small"]["peak_rss_mb"]
+    print(f"peak RSS, {results['big_corpus_mb']:.0f} MB corpus / {results['small_corpus_mb']:.0f} MB corpus: "
+          f"{results['peak_rss_big_over_small']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.workdir is None:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
