@@ -149,6 +149,7 @@ MIX_RUN = ["model.num_layers=1", "model.hidden_size=16", "model.intermediate_siz
            "checkpoint.save_final_model=false"]
 
 
+@pytest.mark.slow
 def test_two_sources_follow_their_weights_and_resume_exactly(tmp_path, corpora):
     mix = ["data=files", SOURCES.format(a=corpora[0], b=corpora[1]), *MIX_RUN]
     whole = read_metrics(train(tmp_path / "whole", *mix))

@@ -60,8 +60,9 @@ class SourceConfig:
 class DataConfig:
     name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet
-    # a mixture instead of data.path: [{path, weight, name}], each read as data.path would be,
-    # interleaved in proportion to the weights (trainloop/mixture.py)
+    # a mixture instead of data.path: [{path: P, weight: W, name: N}, ...]; each path read as data.path
+    # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default P) keys
+    # tokens_per_source in metrics.jsonl (trainloop/mixture.py)
     sources: Optional[list[SourceConfig]] = None
     text_field: str = "text"  # the column that holds the text (data=files)
     messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
