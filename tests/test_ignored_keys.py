@@ -102,6 +102,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "adapter.r": 4, "adapter.alpha": 32.0, "adapter.dropout": 0.1, "adapter.target_modules": ["q_proj", "v_proj"],
         "adapter.modules_to_save": ["norm"],
         "data.path": files[f"{CORPUS.get(data_option, 'corpus')}_b"], "data.text_field": "other",
+        "data.sources": f"[{{path: {files[CORPUS.get(data_option, 'corpus') + '_b']}, weight: 1}}]",
         "data.messages_field": "other", "data.chat_template": files["chat.jinja"],
         "data.prompt_field": "question", "data.completion_field": "answer",
         "data.train_on": "all" if fine_tuning else "assistant", "data.packing": "stream",

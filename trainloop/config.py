@@ -48,9 +48,22 @@ class AdapterConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a mixture (data.sources): read as the data option reads data.path."""
+
+    path: str = MISSING  # what data.path would be for this source alone
+    weight: float = 1.0  # its share of the training blocks: weight / the sum of the weights
+    name: Optional[str] = None  # its key in metrics.jsonl's tokens_per_source; None: the path
+
+
+@dataclass
 class DataConfig:
     name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, prepared: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet; prepared: the shards' folder
+    # a mixture instead of data.path: [{path: P, weight: W, name: N}, ...]; each path read as data.path
+    # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default P) keys
+    # tokens_per_source in metrics.jsonl (trainloop/mixture.py)
+    sources: Optional[list[SourceConfig]] = None
     text_field: str = "text"  # the column that holds the text (data=files)
     messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
     chat_template: Optional[str] = None  # data=chat: a Jinja template file; None: the tokenizer's, else built-in
@@ -276,6 +289,7 @@ _READ_ONLY_BY = {
     "data.train_on": _TOKENIZING,
     "data.validation_fraction": _TOKENIZING,
     "data.num_proc": _TOKENIZING,
+    "data.sources": (lambda c: c.data.name != "pydoc", "data=files, chat, prompt_completion or prepared"),
     "data.text_field": (lambda c: c.data.name == "files", "data=files"),
     "data.messages_field": _CHAT,
     "data.chat_template": _CHAT,
@@ -382,6 +396,26 @@ def adapter_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def source_problems(d: Any) -> list[str]:
+    """data.sources: a mixture replaces data.path; every weight a positive number."""
+    if d.sources is None:
+        return []
+    if d.path:
+        return [f"data.path={d.path} and data.sources are both set: a run reads one or the other; "
+                "drop data.path, or data.sources=null"]
+    if not d.sources:
+        return ["data.sources=[] holds no source: give [{path: DIR, weight: W}, ...], or null"]
+    problems = [f"data.sources[{i}].weight={s.weight} must be a number greater than 0"
+                for i, s in enumerate(d.sources) if not s.weight > 0 or s.weight == float("inf")]
+    names = [s.name or s.path for s in d.sources]
+    if len(set(names)) < len(names):
+        problems.append(f"data.sources names {names} repeat: give each source its own path or name")
+    if d.persistent_workers:
+        problems.append("data.persistent_workers=true with data.sources: persistent workers would keep the "
+                        "first epoch's copy of the mixture's schedule; set data.persistent_workers=false")
+    return problems
+
+
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
     from trainloop.optim import OPTIMIZERS
@@ -408,10 +442,11 @@ def validate(cfg: Any) -> None:
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
     problems += adapter_problems(cfg)
-    if d.name != "pydoc" and not d.path:
+    if d.name != "pydoc" and not d.path and not d.sources:
         what = ("a folder written by python -m trainloop.prepare" if d.name == "prepared"
                 else "a file, directory or glob of your data")
-        problems.append(f"data={d.name} needs data.path: {what}")
+        problems.append(f"data={d.name} needs data.path: {what} (or data.sources, a mixture)")
+    problems += source_problems(d)
     serves = TRAIN_ON.get(d.name, ())
     if d.train_on in CHOICES["data.train_on"] and d.train_on not in serves:
         problems.append(f"data.train_on={d.train_on} cannot be served by data={d.name}: "

@@ -400,7 +400,8 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     if cfg.num_workers:
         workers["multiprocessing_context"] = worker_context(cfg.multiprocessing_context)
-    train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
+    shuffle = not getattr(train, "orders_itself", False)  # a mixture's schedule is its order (mixture.py)
+    train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=shuffle, drop_last=True, **workers)
     valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)
     return train_loader, valid_loader
 

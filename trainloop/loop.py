@@ -6,10 +6,11 @@ import itertools
 import math
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from trainloop.mixture import source_names
 from trainloop.telemetry import Telemetry
 
 IGNORE = -100  # labels with no loss (trainloop.data.IGNORE; not imported: data pulls in `datasets`)
@@ -23,6 +24,7 @@ class TrainState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches of this epoch already consumed, per rank
     tokens_seen: int = 0  # over all ranks
+    tokens_per_source: dict = field(default_factory=dict)  # data.sources: tokens_seen by source name
     nonfinite_steps: int = 0  # updates skipped because the loss or gradient norm was NaN/Inf
 
     def state_dict(self) -> dict:
@@ -110,11 +112,16 @@ def micro_step(accelerator, model, last: bool):
         yield
 
 
-def step_target_tokens(accelerator, group: list[dict]) -> torch.Tensor:
-    """The step's target tokens over every rank (labels shifted by one, as the loss reads them)."""
-    count = sum((b["labels"][:, 1:] != IGNORE).sum() for b in group).to(accelerator.device)
+def step_target_tokens(accelerator, group: list[dict], sources: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's target tokens over every rank (labels shifted by one, as the loss reads them) and,
+    for a mixture, the tokens each source gave (whole blocks, as tokens_seen counts): one reduce."""
+    count = sum((b["labels"][:, 1:] != IGNORE).sum() for b in group).view(1)
+    if sources:
+        blocks = sum(torch.bincount(b["source"], minlength=sources) for b in group)
+        count = torch.cat([count, blocks * group[0]["input_ids"].shape[1]])
+    count = count.to(accelerator.device)
     count = accelerator.reduce(count, reduction="sum") if accelerator.num_processes > 1 else count
-    return count.clamp(min=1)
+    return count[0].clamp(min=1), count[1:]
 
 
 def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
@@ -134,11 +141,14 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
     # scaled by both, the gradient is the sum of token-loss gradients / the step's target tokens.
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
     epoch_batches = len(train_loader)
+    names = source_names(cfg.data)  # data.sources: the mixture's, counted per step
+    source_tokens = torch.tensor([state.tokens_per_source.get(n, 0) for n in names], device=accelerator.device)
     while state.step < tc.max_steps:
         t_data = time.perf_counter()
         group = step_batches(batches, state, accelerator.gradient_accumulation_steps, epoch_batches)
         wait += time.perf_counter() - t_data
-        step_tokens = step_target_tokens(accelerator, group)
+        step_tokens, step_source_tokens = step_target_tokens(accelerator, group, len(names))
+        source_tokens += step_source_tokens
         for i, batch in enumerate(group):
             with micro_step(accelerator, model, last=i == len(group) - 1):
                 summed, _ = token_loss_sum(model, batch)
@@ -163,7 +173,12 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
         if telemetry.due(state.step):  # before the log line below resets the data-wait window
             telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
         last = state.step == tc.max_steps
-        if state.step % tc.log_every == 0 or last:
+        stop = verdict.stop or state.step == tc.stop_at_step
+        saving = checkpointer.due(state.step) or last or stop
+        log_due = state.step % tc.log_every == 0 or last
+        if names and (saving or log_due):  # on the host only when written: no sync per step
+            state.tokens_per_source = dict(zip(names, source_tokens.tolist()))
+        if log_due:
             elapsed = time.perf_counter() - t_log
             mean_loss = accelerator.reduce(loss_sum, reduction="sum").item() / steps
             metrics.train(
@@ -171,14 +186,14 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed, epoch=state.epoch,
                 tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
+                **({"tokens_per_source": state.tokens_per_source} if names else {}),
             )
             loss_sum.zero_()
             t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
         if state.step % tc.eval_every == 0 or last:
             eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
             metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
-        stop = verdict.stop or state.step == tc.stop_at_step
-        if checkpointer.due(state.step) or last or stop:
+        if saving:
             checkpointer.save(state, model)
         if stop:
             break

@@ -43,13 +43,14 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer
     from trainloop.compile import compile_model
-    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer, check_batch_fits, data_fingerprint
+    from trainloop.data import build_dataloaders, build_tokenizer, check_batch_fits
     from trainloop.deepspeed import restore_cpu_adam_step_count
     from trainloop.errors import Preempted
     from trainloop.export import export_model
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
+    from trainloop.mixture import build_training_data
     from trainloop.model import build_model, build_model_config, context_length, special_token_ids
     from trainloop.optim import build_optimizer, build_scheduler
     from trainloop.parallel import describe, full_numel
@@ -70,8 +71,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     check_targets(cfg.adapter, model_config)
     with accelerator.main_process_first():
-        train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
-    checkpointer.check_data(data_fingerprint(tokenizer, train_set, valid_set))
+        train_set, valid_set, data_print = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
+    checkpointer.check_data(data_print)
 
     on_cuda = accelerator.device.type == "cuda"
     set_seed(cfg.trainer.seed)
@@ -91,6 +92,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     if advice and accelerator.is_main_process:  # the same advice for every rank: said once
         log.warning(advice)
     check_batch_fits(cfg, accelerator.num_processes, len(train_set))
+    if hasattr(train_set, "whole_batches"):  # a mixture's epochs meet: the loader drops no tail
+        train_set.whole_batches(cfg.data.batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes)
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
                                                    pin_memory=cfg.data.pin_memory and on_cuda)
     compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
