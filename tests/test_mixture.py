@@ -125,7 +125,7 @@ def test_bad_sources_are_refused(corpora, sources, extra, says):
 
 def test_sources_need_a_data_option_that_reads_paths(corpora):
     overrides = [SOURCES.format(a=corpora[0], b=corpora[1])]
-    with pytest.raises(ConfigError, match="data.sources=.* has no effect unless data=files, chat or prompt_completion"):
+    with pytest.raises(ConfigError, match="data.sources=.* has no effect unless data=files, chat, prompt_completion or prepared"):
         check_command_line(compose(*overrides), overrides)
     with pytest.raises(ConfigError, match="do not compose"):  # a weight must be a number
         compose_config(["data=files", "data.sources=[{path: a, weight: heavy}]"])

@@ -149,3 +149,14 @@ def test_prepare_refuses_a_key_it_does_not_read(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "data.seq_len" in proc.stderr and "data=prepared" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mixture_of_prepared_folders_trains_and_counts_tokens_per_source(tmp_path, tiny_jsonl, chat_jsonl):
+    """data.sources over two prepared folders (text and chat), weights 3:1: each source's share of
+    the training tokens follows its weight."""
+    prepare(tmp_path / "text", "data=files", f"data.path={tiny_jsonl}", "data.text_field=content")
+    prepare(tmp_path / "chat", "data=chat", f"data.path={chat_jsonl}")
+    sources = f"data.sources=[{{path: {tmp_path / 'text'}, weight: 3, name: text}},{{path: {tmp_path / 'chat'}, name: chat}}]"
+    run = train(tmp_path / "run", "data=prepared", sources, "data.batch_size=2", "trainer.max_steps=8")
+    counts = [r["tokens_per_source"] for r in read_metrics(run) if "tokens_per_source" in r][-1]
+    assert set(counts) == {"text", "chat"} and counts["text"] == 3 * counts["chat"], counts
