@@ -82,7 +82,7 @@ from trainloop.config import compose_config
 from trainloop.data import build_tokenizer, load_examples, tokenize_examples
 cfg = compose_config(sys.argv[1:])
 tokens = tokenize_examples(cfg.data, build_tokenizer(None, None), load_examples(cfg.data))
-print(sum(len(ids) for batch in tokens.iter(10000) for ids in batch["input_ids"]))
+print(sum(len(t["input_ids"].combine_chunks().flatten()) for t in tokens.with_format("arrow").iter(10000)))
 """
 
 

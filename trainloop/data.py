@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -261,7 +262,8 @@ def chat_tokens(messages: list[dict], tokenizer, template: str, train_on: str) -
 
 
 def row_tokenizer(cfg: DataConfig, tokenizer):
-    """A `datasets.map` function: a batch of rows -> their input_ids and labels (IGNORE where no loss)."""
+    """A `datasets.map` function: a batch of rows -> their input_ids, and labels (IGNORE where no loss)
+    unless every token is a target."""
     eos = tokenizer.eos_token_id
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
 
@@ -270,19 +272,33 @@ def row_tokenizer(cfg: DataConfig, tokenizer):
 
         def tokenize(batch):
             pairs = [chat_tokens(m, tokenizer, template, cfg.train_on) for m in batch[cfg.messages_field]]
-            return {"input_ids": [p[0] for p in pairs], "labels": [p[1] for p in pairs]}
+            return ragged_table(input_ids=[p[0] for p in pairs], labels=[p[1] for p in pairs])
     elif cfg.name == "prompt_completion":
         def tokenize(batch):
             prompts = encode(batch[cfg.prompt_field])
             completions = [c + [eos] for c in encode(batch[cfg.completion_field])]
             hide = cfg.train_on == "completion"
-            return {"input_ids": [p + c for p, c in zip(prompts, completions)],
-                    "labels": [([IGNORE] * len(p) if hide else p) + c for p, c in zip(prompts, completions)]}
+            return ragged_table(input_ids=[p + c for p, c in zip(prompts, completions)],
+                                labels=[([IGNORE] * len(p) if hide else p) + c for p, c in zip(prompts, completions)])
     else:
-        def tokenize(batch):
-            ids = [x + [eos] for x in encode(batch[cfg.text_field])]
-            return {"input_ids": ids, "labels": ids}
+        def tokenize(batch):  # every token a target: no labels column
+            return ragged_table(input_ids=[x + [eos] for x in encode(batch[cfg.text_field])])
     return tokenize
+
+
+def ragged_table(**columns: list[list[int]]):
+    """Rows of token lists as an Arrow table of int32 lists, built from flat arrays: handing
+    `datasets` Python lists costs it a type check and a conversion per token (most of map's time)."""
+    import numpy as np
+    import pyarrow as pa
+
+    arrays = {}
+    for name, rows in columns.items():
+        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), out=offsets[1:])
+        values = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
+        arrays[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.table(arrays)
 
 
 def load_examples(cfg: DataConfig):

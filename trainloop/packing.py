@@ -73,13 +73,14 @@ class Documents:
         return bool(self.read(doc, start, end)[1].any())
 
 
-def token_batches(tokens, batch_size: int = 1000):
-    """A tokenized `datasets.Dataset` (input_ids, labels) in batches: (ids, lengths, mask or None)."""
-    for batch in tokens.iter(batch_size=batch_size):
-        lengths = np.array([len(x) for x in batch["input_ids"]], dtype=np.int64)
-        ids = np.fromiter((t for x in batch["input_ids"] for t in x), dtype=np.int64, count=int(lengths.sum()))
-        labels = np.fromiter((t for x in batch["labels"] for t in x), dtype=np.int64, count=len(ids))
-        yield ids, lengths, labels != IGNORE
+def token_batches(tokens, batch_size: int = 10_000):
+    """A tokenized `datasets.Dataset` (input_ids, labels if some tokens are not targets) in batches:
+    (ids, lengths, target mask or None), read from its Arrow columns without a Python list."""
+    for table in tokens.with_format("arrow").iter(batch_size=batch_size):
+        ids = table["input_ids"].combine_chunks()
+        lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+        labels = table["labels"].combine_chunks().flatten().to_numpy() if "labels" in table.column_names else None
+        yield ids.flatten().to_numpy(), lengths, None if labels is None else labels != IGNORE
 
 
 def part_from_batches(batches, masked: bool, dtype=np.int64) -> Part:
