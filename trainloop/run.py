@@ -50,6 +50,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
+    from trainloop.node_turns import build_once_per_node
+    from trainloop.order import GlobalOrder
     from trainloop.model import build_model, build_model_config, context_length, special_token_ids
     from trainloop.optim import build_optimizer, build_scheduler
     from trainloop.parallel import describe, full_numel
@@ -69,8 +71,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     check_targets(cfg.adapter, model_config)
-    with accelerator.main_process_first():
-        train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    # not inside a collective: tokenizing a large corpus outlasts trainer.collective_timeout_s
+    train_set, valid_set = build_once_per_node(accelerator, run_dir,
+                                               partial(build_datasets, cfg.data, tokenizer, cfg.trainer.seed))
     checkpointer.check_data(data_fingerprint(tokenizer, train_set, valid_set))
 
     on_cuda = accelerator.device.type == "cuda"
@@ -91,14 +94,17 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     if advice and accelerator.is_main_process:  # the same advice for every rank: said once
         log.warning(advice)
     check_batch_fits(cfg, accelerator.num_processes, len(train_set))
+    order = GlobalOrder(len(train_set), cfg.trainer.seed, cfg.data.batch_size, cfg.trainer.gradient_accumulation_steps,
+                        accelerator.num_processes, accelerator.process_index)
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
-                                                   pin_memory=cfg.data.pin_memory and on_cuda)
+                                                   pin_memory=cfg.data.pin_memory and on_cuda, order=order)
     compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
     optimizer = make_optimizer()
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The scheduler is stepped by the loop once per optimizer step; accelerate would step a
     # prepared one num_processes times, changing the schedule with the world size.
-    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
+    # The training loader is already this rank's share of the global order: accelerate must not shard it again.
+    model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
     accelerator.register_for_checkpointing(scheduler)
 
     n_params = sum(full_numel(p) for p in model.parameters())
