@@ -162,3 +162,32 @@ def test_tokenizing_longer_than_the_collective_timeout_still_trains(tmp_path):
     assert built > 30, f"tokenizing took {built} s, not over 3x the timeout: the test proves nothing; {out[-2000:]}"
     assert '"step": 2,' in (run / "metrics.jsonl").read_text()
     assert not (run / ".data_build").exists()
+
+
+def test_a_checkpoint_from_before_the_global_order_resumes_at_its_sample():
+    """Checkpoints saved before trainloop.order counted micro-batches per rank."""
+    from trainloop.checkpoint import position_in_samples
+
+    saved = {"state": {"step": 6, "epoch": 1, "batches_in_epoch": 3, "tokens_seen": 0}, "fingerprint": fingerprint(2, 4)}
+    assert position_in_samples(saved) == {"step": 6, "epoch": 1, "samples_in_epoch": 24, "tokens_seen": 0}
+
+
+def test_a_waiting_rank_stops_when_the_builder_fails_or_dies(tmp_path):
+    """The wait has no time limit, so it must end when the builder cannot finish: its failure
+    (a bad config: the same one line on every rank), or its death (a zombie counts as dead)."""
+    import subprocess
+    import sys
+
+    from trainloop.node_turns import DataBuildFailed, wait_for, write_failure
+
+    done, failed = tmp_path / "ready", tmp_path / "failed"
+    builder = subprocess.Popen([sys.executable, "-c", "pass"])  # not reaped: a zombie once it ends
+    with pytest.raises(DataBuildFailed, match=rf"rank 0 \(pid {builder.pid}\) ended while building the data"):
+        wait_for(done, failed, builder.pid, "rank 0")
+    builder.wait()
+    write_failure(failed, ConfigError("data.text_field='body' is not a column"))
+    with pytest.raises(ConfigError, match="^data.text_field='body' is not a column$"):
+        wait_for(done, failed, 1, "rank 0")
+    failed.unlink()
+    done.touch()
+    wait_for(done, failed, builder.pid, "rank 0")  # ready: returns, whatever the builder does since
