@@ -79,7 +79,8 @@ def test_the_order_is_the_one_checkpoints_before_it_resume_in():
 
 
 def fingerprint(world_size: int, batch_size: int, accumulation: int = 1) -> dict:
-    return {"world_size": world_size, "data.batch_size": batch_size, "trainer.gradient_accumulation_steps": accumulation}
+    return {"world_size": world_size, "data.batch_size": batch_size,
+            "trainer.gradient_accumulation_steps": accumulation}
 
 
 def test_another_world_size_needs_the_same_global_batch_and_ddp():
@@ -168,7 +169,8 @@ def test_a_checkpoint_from_before_the_global_order_resumes_at_its_sample():
     """Checkpoints saved before trainloop.order counted micro-batches per rank."""
     from trainloop.checkpoint import position_in_samples
 
-    saved = {"state": {"step": 6, "epoch": 1, "batches_in_epoch": 3, "tokens_seen": 0}, "fingerprint": fingerprint(2, 4)}
+    saved = {"state": {"step": 6, "epoch": 1, "batches_in_epoch": 3, "tokens_seen": 0},
+             "fingerprint": fingerprint(2, 4)}
     assert position_in_samples(saved) == {"step": 6, "epoch": 1, "samples_in_epoch": 24, "tokens_seen": 0}
 
 

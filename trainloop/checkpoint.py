@@ -82,7 +82,8 @@ GLOBAL_BATCH = "global batch (world_size x data.batch_size x trainer.gradient_ac
 
 
 def global_batch(fingerprint: dict) -> int:
-    return fingerprint["world_size"] * fingerprint["data.batch_size"] * fingerprint["trainer.gradient_accumulation_steps"]
+    world_size, batch_size, accumulation = (fingerprint[key] for key in BATCH_KEYS)
+    return world_size * batch_size * accumulation
 
 
 def describe_batch(fingerprint: dict) -> str:
