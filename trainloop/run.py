@@ -50,10 +50,10 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
-    from trainloop.node_turns import build_once_per_node
-    from trainloop.order import GlobalOrder
     from trainloop.model import build_model, build_model_config, context_length, special_token_ids
+    from trainloop.node_turns import build_once_per_node
     from trainloop.optim import build_optimizer, build_scheduler
+    from trainloop.order import GlobalOrder
     from trainloop.parallel import describe, full_numel
     from trainloop.preemption import Preemption
 
