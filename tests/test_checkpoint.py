@@ -40,7 +40,7 @@ def test_a_checkpoint_holds_what_a_resume_needs(finished_run):
     saved = json.loads((ckpt / "trainer_state.json").read_text())
     assert saved["state"]["step"] == 4
     assert saved["state"]["tokens_seen"] == 4 * cfg.data.batch_size * cfg.data.seq_len
-    assert saved["state"]["batches_in_epoch"] == 4  # one micro-batch per step, first epoch
+    assert saved["state"]["samples_in_epoch"] == 4 * cfg.data.batch_size  # one global batch per step, first epoch
     scheduler = torch.load(ckpt / "custom_checkpoint_0.pkl", weights_only=False)
     assert scheduler["last_epoch"] == 4
     rng = torch.load(ckpt / "random_states_0.pkl", weights_only=False)

@@ -168,18 +168,21 @@ def test_two_sources_follow_their_weights_and_resume_exactly(tmp_path, corpora):
     assert max(r["epoch"] for r in lines[0]) >= 2  # the schedule crossed epochs, the small source re-used
 
 
-def test_the_prepared_loader_reads_the_mixture_in_order_and_moves_it_each_epoch():
+def test_the_run_reads_the_mixture_in_order_and_moves_it_each_epoch():
     from accelerate import Accelerator
 
     from conftest import reset_accelerate
     from trainloop.data import build_dataloaders
+    from trainloop.loop import TrainState, batches_forever
+    from trainloop.order import GlobalOrder
 
     reset_accelerate()
     mix = MixtureBlocks([blocks(30, 0), blocks(5, 1000)], [0.75, 0.25], seed=7)
-    loader, _ = build_dataloaders(compose("data.batch_size=4").data, mix, mix, pin_memory=False)
-    loader = Accelerator(cpu=True).prepare(loader)
+    order = GlobalOrder(len(mix), seed=7, batch_size=4, accumulation=1, world_size=1, rank=0, shuffle=False)
+    loader, _ = build_dataloaders(compose("data.batch_size=4").data, mix, mix, pin_memory=False, order=order)
+    batches = batches_forever(Accelerator(cpu=True), loader, TrainState())
+    steps = len(mix) // 4
     for epoch in (0, 1):
-        loader.set_epoch(epoch)
-        assert mix.epoch == epoch  # accelerate hands the epoch to a dataset that takes it
-        got = torch.cat([batch["input_ids"][:, 0] for batch in loader])
-        assert got.tolist() == [int(mix[i]["input_ids"][0]) for i in range(len(mix))]  # not shuffled
+        got = torch.cat([next(batches)["input_ids"][:, 0] for _ in range(steps)])
+        assert mix.epoch == epoch  # the loop hands the epoch to the mixture
+        assert got.tolist() == [int(mix[i]["input_ids"][0]) for i in range(4 * steps)]  # not shuffled

@@ -18,6 +18,7 @@ import socket
 import sys
 import warnings
 from contextlib import contextmanager, redirect_stdout
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -224,17 +225,20 @@ def build_accelerator(cfg):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    kwargs, handlers = {}, []
+    kwargs, group = {}, {"timeout": timedelta(seconds=cfg.trainer.collective_timeout_s)}
     if cfg.deepspeed.stage or cfg.deepspeed.config_file:
         single_process_group_env()
         if not on_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
             # without it accelerate computes world size 1 on CPU and DeepSpeed's batch check fails
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            group["backend"] = "gloo"
             warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
     elif not on_cuda:
         kwargs["cpu"] = True  # MULTI_CPU over gloo when launched with several processes
 
+    process_group = InitProcessGroupKwargs(**group)
+    # its to_kwargs drops a value equal to the class default (600 s, for nccl): always pass ours
+    process_group.to_kwargs = lambda: dict(group)
     with _accelerate_env_for_plugin(), _without_op_load_notices():
         if cfg.deepspeed.stage or cfg.deepspeed.config_file:
             from trainloop.deepspeed import build_deepspeed_plugin
@@ -244,9 +248,11 @@ def build_accelerator(cfg):
             mixed_precision=MIXED_PRECISION[cfg.precision.name],
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=cfg.trainer.gradient_accumulation_steps, sync_with_dataloader=True),
-            dataloader_config=DataLoaderConfiguration(
-                use_seedable_sampler=True, data_seed=cfg.trainer.seed, non_blocking=on_cuda),
-            kwargs_handlers=handlers,
+            # the training order is trainloop.order's; the validation loader is sharded by accelerate
+            dataloader_config=DataLoaderConfiguration(non_blocking=on_cuda),
+            # the process group's timeout (accelerate hands it to DeepSpeed's init too); data is
+            # built outside any collective (trainloop.node_turns), so this bounds training collectives
+            kwargs_handlers=[process_group],
             **kwargs,
         )
     if cfg.deepspeed.stage == 3 and not cfg.deepspeed.zero3_init:

@@ -77,6 +77,53 @@ def refuse_changes(path: Path, saved: dict, current: dict) -> None:
                     "comparing those", path, ", ".join(unknown))
 
 
+BATCH_KEYS = ("world_size", "data.batch_size", "trainer.gradient_accumulation_steps")
+GLOBAL_BATCH = "global batch (world_size x data.batch_size x trainer.gradient_accumulation_steps)"
+
+
+def global_batch(fingerprint: dict) -> int:
+    world_size, batch_size, accumulation = (fingerprint[key] for key in BATCH_KEYS)
+    return world_size * batch_size * accumulation
+
+
+def describe_batch(fingerprint: dict) -> str:
+    return (f"{fingerprint['world_size']} process(es) x data.batch_size={fingerprint['data.batch_size']} x "
+            f"trainer.gradient_accumulation_steps={fingerprint['trainer.gradient_accumulation_steps']} = "
+            f"{global_batch(fingerprint)} samples per step")
+
+
+def how_to_keep_global_batch(saved: dict, current: dict) -> str:
+    wanted, processes = global_batch(saved), current["world_size"]
+    per_rank = current["trainer.gradient_accumulation_steps"] * processes
+    if wanted % per_rank == 0:
+        return f"resume with data.batch_size={wanted // per_rank} on {processes} process(es)"
+    if wanted % processes == 0:
+        return (f"resume on {processes} process(es) with data.batch_size x trainer.gradient_accumulation_steps "
+                f"= {wanted // processes}")
+    return f"resume on a number of processes that divides {wanted}"
+
+
+def check_world_size_change(path: Path, saved: dict, current: dict, deepspeed_stage: int) -> None:
+    """A run resumes at another world size under DDP when the global batch is unchanged: the order
+    of samples is global (trainloop.order), so it continues the same sequence. Not under ZeRO."""
+    if not all(k in saved for k in BATCH_KEYS) or saved["world_size"] == current["world_size"]:
+        return
+    change = f"world_size: {saved['world_size']} -> {current['world_size']}"
+    if deepspeed_stage:
+        raise ConfigError(
+            f"checkpoint {path} was saved by {saved['world_size']} processes, this run has "
+            f"{current['world_size']} ({change}): under DeepSpeed ZeRO (deepspeed.stage={deepspeed_stage}) each "
+            "rank saves its own partition of the optimizer state (and, at stage 3, of the parameters), "
+            f"so the checkpoint resumes only on {saved['world_size']} processes; launch that many")
+    if global_batch(saved) != global_batch(current):
+        raise ConfigError(
+            f"checkpoint {path} was saved with {describe_batch(saved)}; this run has {describe_batch(current)} "
+            f"({change}). A run resumes at another world size only with the same global batch: "
+            + how_to_keep_global_batch(saved, current))
+    log.info("resuming %s at another world size (%s): the global batch of %d samples is unchanged",
+             path, change, global_batch(current))
+
+
 def step_of(path: Path) -> int:
     return int(path.name.rpartition("_")[2])
 
@@ -416,7 +463,8 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint.resume={spec!r} does not load: {problem}. "
                                       + self._intact_sibling_hint(path))
         saved = read_state(path)
-        refuse_changes(path, *map(self._comparable, (saved["fingerprint"], self.fingerprint)))
+        check_world_size_change(path, saved["fingerprint"], self.fingerprint, self.cfg.deepspeed.stage)
+        refuse_changes(path, *self._comparable(saved["fingerprint"], self.fingerprint))
         newer = [p.name for p in found if step_of(p) > saved["state"]["step"]]
         if newer:
             raise ConfigError(f"checkpoint.resume={spec!r}: {self.root} holds later checkpoints "
@@ -457,7 +505,17 @@ class Checkpointer:
         return (f"The newest intact checkpoint beside it is {intact}" if intact
                 else "No intact checkpoint is beside it")
 
-    def _comparable(self, fingerprint: dict) -> dict:
+    def _comparable(self, saved: dict, current: dict) -> tuple[dict, dict]:
+        """Under DDP, when the global batch agrees, its split into processes, micro-batch and
+        accumulation may change (trainloop.order: the same samples per step); otherwise each part
+        is compared, as under ZeRO (where check_world_size_change has refused another world size)."""
+        if (not self.cfg.deepspeed.stage and all(k in f for f in (saved, current) for k in BATCH_KEYS)
+                and global_batch(saved) == global_batch(current)):
+            return tuple({k: v for k, v in f.items() if k not in BATCH_KEYS} | {GLOBAL_BATCH: global_batch(f)}
+                         for f in (saved, current))
+        return self._per_device(saved), self._per_device(current)
+
+    def _per_device(self, fingerprint: dict) -> dict:
         """With trainer.auto_batch_size the run settles batch x accumulation itself (a resume
         takes the checkpoint's): only their product, the per-device batch, must agree."""
         batch_keys = ("data.batch_size", "trainer.gradient_accumulation_steps")
@@ -479,6 +537,40 @@ class Checkpointer:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;
         # the data position is in `state`: the loop skips that many batches of the epoch.
         self._load_state(path)
-        state.load_state_dict(json.loads((path / STATE_FILE).read_text())["state"])
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, state.step, state.epoch,
-                 state.batches_in_epoch)
+        self._restore_rng_of_a_new_rank(path)
+        saved = read_state(path)
+        state.load_state_dict(position_in_samples(saved))
+        log.info("resumed from %s at step %d (epoch %d, batch %d): sample %d of the epoch's order", path,
+                 state.step, state.epoch, state.samples_in_epoch // global_batch(self.fingerprint),
+                 state.samples_in_epoch)
+
+    def _restore_rng_of_a_new_rank(self, path: Path) -> None:
+        """A rank the saving run did not have (a resume on more processes) has no random_states
+        file of its own; it takes rank 0's. Under DDP every rank is seeded alike (set_seed) and draws
+        the same numbers (the same shapes), so that is the state it would have had."""
+        acc = self.accelerator
+        if (path / f"random_states_{acc.process_index}.pkl").is_file():
+            return
+        import random
+
+        import numpy as np
+        import torch
+
+        states = torch.load(path / "random_states_0.pkl", weights_only=False)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+        acc.step = states.get("step", acc.step)
+
+
+def position_in_samples(saved: dict) -> dict:
+    """The trainer state with its epoch position in samples over all ranks; a checkpoint saved
+    before trainloop.order counted micro-batches per rank (the same order: see there)."""
+    state = dict(saved["state"])
+    if "samples_in_epoch" not in state:
+        fingerprint = saved["fingerprint"]
+        state["samples_in_epoch"] = (state.pop("batches_in_epoch", 0) * fingerprint["data.batch_size"]
+                                     * fingerprint.get("world_size", 1))
+    return state

@@ -124,6 +124,7 @@ class TrainerConfig:
     stop_at_step: Optional[int] = None  # save and stop after this step; the schedule still runs to max_steps
     auto_batch_size: bool = False  # find the largest per-device batch that fits; keep the effective batch
     auto_batch_size_budget_mb: Optional[float] = None  # memory a step may add to the loaded model; None: all free
+    collective_timeout_s: float = 1800  # how long a collective (all-reduce, barrier) may wait for a rank before failing
 
 
 @dataclass

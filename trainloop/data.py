@@ -402,11 +402,11 @@ def worker_context(method: str):
     return context
 
 
-def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memory: bool):
+def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memory: bool, order=None):
     """Shuffled, full-batch training loader and an ordered validation loader.
 
-    Accelerate swaps the shuffling sampler for a seedable one (see accelerator.py), so the
-    order is a function of (seed, epoch) on every rank and after every resume.
+    A run passes `order`, a trainloop.order.GlobalOrder: this rank's share of one global order, a
+    function of (seed, epoch) alone; the run does not let accelerate shard that loader again.
     """
     if len(train) < cfg.batch_size:
         raise ConfigError(f"data.batch_size={cfg.batch_size} is larger than the "
@@ -416,18 +416,21 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     if cfg.num_workers:
         workers["multiprocessing_context"] = worker_context(cfg.multiprocessing_context)
-    shuffle = not getattr(train, "orders_itself", False)  # a mixture's schedule is its order (mixture.py)
-    train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=shuffle, drop_last=True, **workers)
+    if order is None:
+        train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
+    else:
+        train_loader = DataLoader(train, batch_sampler=order, **workers)
     valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)
     return train_loader, valid_loader
 
 
 def check_batch_fits(cfg, world_size: int, train_blocks: int) -> None:
-    """Every rank needs a full micro-batch each step; with fewer blocks the loop would get none."""
-    needed = cfg.data.batch_size * world_size
+    """An epoch holds whole global batches only (trainloop.order); with fewer blocks than one, none."""
+    needed = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps * world_size
     if train_blocks < needed:
         raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} x {world_size} processes needs {needed} training "
-            f"blocks per step, but the data holds {train_blocks}: lower data.batch_size, use fewer "
-            "processes, or add data"
+            f"data.batch_size={cfg.data.batch_size} x {world_size} processes needs {needed} training blocks "
+            f"per step (with trainer.gradient_accumulation_steps={cfg.trainer.gradient_accumulation_steps}), "
+            f"but the data holds {train_blocks}: lower data.batch_size or "
+            "trainer.gradient_accumulation_steps, use fewer processes, or add data"
         )

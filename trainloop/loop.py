@@ -22,7 +22,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches of this epoch already consumed, per rank
+    samples_in_epoch: int = 0  # samples of this epoch already consumed, over all ranks (trainloop.order)
     tokens_seen: int = 0  # over all ranks
     tokens_per_source: dict = field(default_factory=dict)  # data.sources: tokens_seen by source name
     nonfinite_steps: int = 0  # updates skipped because the loss or gradient norm was NaN/Inf
@@ -36,25 +36,27 @@ class TrainState:
 
 
 def batches_forever(accelerator, loader, state: TrainState):
-    """Yield training batches epoch after epoch, keeping state.epoch/batches_in_epoch exact.
+    """Yield this rank's training batches epoch after epoch, on its device, keeping
+    state.epoch/samples_in_epoch exact. The loader's batch_sampler is a trainloop.order.GlobalOrder:
+    a resumed run starts mid-epoch at a sample position, not by loading data."""
+    from accelerate.utils import send_to_device
 
-    A resumed run starts mid-epoch by skipping indices in the sampler, not by loading data.
-    """
+    order = loader.batch_sampler
+    consumed = order.batch_size * order.world_size  # by one micro-step of every rank
     while True:
-        epoch_loader = loader
-        if state.batches_in_epoch:
-            epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch)
-        epoch_loader.set_epoch(state.epoch)  # the shuffle order is a function of (seed, epoch)
+        order.set_position(state.epoch, state.samples_in_epoch)  # the order is a function of (seed, epoch)
+        if hasattr(loader.dataset, "set_epoch"):  # a mixture: the epoch's window of its schedule
+            loader.dataset.set_epoch(state.epoch)
         # Starting an epoch draws a worker seed from the global torch RNG; undo that draw, so
         # dropout does not depend on where a run was resumed. The iterator starts lazily.
-        rng, batches = torch.get_rng_state(), iter(epoch_loader)
+        rng, batches = torch.get_rng_state(), iter(loader)
         first = next(batches, None)
         torch.set_rng_state(rng)
         for batch in itertools.chain([] if first is None else [first], batches):
-            state.batches_in_epoch += 1
-            yield batch
+            state.samples_in_epoch += consumed
+            yield send_to_device(batch, accelerator.device, non_blocking=accelerator.non_blocking)
         state.epoch += 1
-        state.batches_in_epoch = 0
+        state.samples_in_epoch = 0
 
 
 def model_inputs(batch: dict) -> dict:
@@ -92,15 +94,9 @@ def evaluate(accelerator, model, loader, max_batches: int | None) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def step_batches(batches, state: TrainState, accumulation: int, epoch_batches: int) -> list[dict]:
-    """The micro-batches of one optimizer step: `accumulation` of them, fewer at the end of an epoch
-    (where accelerate, too, steps on what is left)."""
-    group = []
-    while len(group) < accumulation:
-        group.append(next(batches))
-        if state.batches_in_epoch == epoch_batches:
-            break
-    return group
+def step_batches(batches, accumulation: int) -> list[dict]:
+    """The micro-batches of one optimizer step: an epoch holds whole global batches only (trainloop.order)."""
+    return [next(batches) for _ in range(accumulation)]
 
 
 @contextmanager
@@ -140,12 +136,11 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
     # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
     # scaled by both, the gradient is the sum of token-loss gradients / the step's target tokens.
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    epoch_batches = len(train_loader)
     names = source_names(cfg.data)  # data.sources: the mixture's, counted per step
     source_tokens = torch.tensor([state.tokens_per_source.get(n, 0) for n in names], device=accelerator.device)
     while state.step < tc.max_steps:
         t_data = time.perf_counter()
-        group = step_batches(batches, state, accelerator.gradient_accumulation_steps, epoch_batches)
+        group = step_batches(batches, accelerator.gradient_accumulation_steps)
         wait += time.perf_counter() - t_data
         step_tokens, step_source_tokens = step_target_tokens(accelerator, group, len(names))
         source_tokens += step_source_tokens

@@ -63,7 +63,7 @@ class MixtureBlocks(Dataset):
     new one each time the source has given all its blocks: a small source is re-used (its passes
     = its share of the positions / its blocks); a large one repeats nothing until it is used up.
     With shuffle=False the draws go in order, one pass (the validation union).
-    Its order is its own: the loader must read it in order (orders_itself) and call set_epoch.
+    Its order is its own: the run reads it in order (orders_itself: GlobalOrder without shuffling) and calls set_epoch.
     """
 
     orders_itself = True
@@ -83,7 +83,7 @@ class MixtureBlocks(Dataset):
         return self.length
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by the loader (accelerate) each epoch: the next window of the schedule."""
+        """Called by the loop (loop.batches_forever) each epoch: the next window of the schedule."""
         self.epoch = epoch
 
     def whole_batches(self, global_batch: int) -> None:

@@ -52,7 +52,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.metrics import Metrics
     from trainloop.mixture import build_training_data
     from trainloop.model import build_model, build_model_config, context_length, special_token_ids
+    from trainloop.node_turns import build_once_per_node
     from trainloop.optim import build_optimizer, build_scheduler
+    from trainloop.order import GlobalOrder
     from trainloop.parallel import describe, full_numel
     from trainloop.preemption import Preemption
 
@@ -70,8 +72,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     check_targets(cfg.adapter, model_config)
-    with accelerator.main_process_first():
-        train_set, valid_set, data_print = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
+    # not inside a collective: tokenizing a large corpus outlasts trainer.collective_timeout_s
+    train_set, valid_set, data_print = build_once_per_node(
+        accelerator, run_dir, partial(build_training_data, cfg.data, tokenizer, cfg.trainer.seed))
     checkpointer.check_data(data_print)
 
     on_cuda = accelerator.device.type == "cuda"
@@ -94,14 +97,18 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     check_batch_fits(cfg, accelerator.num_processes, len(train_set))
     if hasattr(train_set, "whole_batches"):  # a mixture's epochs meet: the loader drops no tail
         train_set.whole_batches(cfg.data.batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes)
+    order = GlobalOrder(len(train_set), cfg.trainer.seed, cfg.data.batch_size, cfg.trainer.gradient_accumulation_steps,
+                        accelerator.num_processes, accelerator.process_index,
+                        shuffle=not getattr(train_set, "orders_itself", False))  # a mixture's schedule is its order
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
-                                                   pin_memory=cfg.data.pin_memory and on_cuda)
+                                                   pin_memory=cfg.data.pin_memory and on_cuda, order=order)
     compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
     optimizer = make_optimizer()
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The scheduler is stepped by the loop once per optimizer step; accelerate would step a
     # prepared one num_processes times, changing the schedule with the world size.
-    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
+    # The training loader is already this rank's share of the global order: accelerate must not shard it again.
+    model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
     accelerator.register_for_checkpointing(scheduler)
 
     n_params = sum(full_numel(p) for p in model.parameters())
