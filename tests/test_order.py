@@ -63,20 +63,30 @@ def test_a_global_batch_is_the_same_samples_at_any_world_size():
     assert all(a + b == s for a, b, s in zip(two[0], two[1], straight, strict=True))
 
 
-def test_the_order_is_the_one_checkpoints_before_it_resume_in():
-    """accelerate's seedable sampler (seed + epoch) with its per-rank batch sharding, which
-    checkpoints saved before trainloop.order were made with: they resume in the same place."""
-    import torch
-    from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 100, 1025, 65537])
+def test_the_permutation_is_a_bijection_that_changes_with_its_key(n):
+    """Computed index by index (no array of the corpus's size), yet each sample exactly once."""
+    import numpy as np
 
-    for world_size in (1, 2):
-        for rank in range(world_size):  # each rank its own sampler, as each process has
-            sampler = SeedableRandomSampler(range(75), data_seed=1234)
-            sampler.set_epoch(3)
-            batches = torch.utils.data.BatchSampler(sampler, 4, drop_last=True)
-            theirs = list(BatchSamplerShard(batches, world_size, rank, split_batches=False))
-            ours = ranks(75, 4, 1, world_size, epoch=3)[rank]
-            assert ours == theirs[:len(ours)]
+    from trainloop.order import Permutation
+
+    image = Permutation(n, 1234, 0)[np.arange(n)]
+    assert sorted(image.tolist()) == list(range(n))
+    assert [int(Permutation(n, 1234, 0)[i][0]) for i in range(n)] == image.tolist()  # one index = a batch's
+    if n >= 100:
+        assert not np.array_equal(image, Permutation(n, 1234, 1)[np.arange(n)])  # epoch
+        assert not np.array_equal(image, Permutation(n, 4321, 0)[np.arange(n)])  # seed
+        assert not np.array_equal(image, np.arange(n))
+
+
+def test_each_position_is_equally_likely_over_keys():
+    import numpy as np
+
+    from trainloop.order import Permutation
+
+    where = np.bincount([int(np.flatnonzero(Permutation(10, 7, key)[np.arange(10)] == 0)[0]) for key in range(4000)],
+                        minlength=10)
+    assert where.min() > 300 and where.max() < 500, where  # 400 expected each; 5 sigma is +-95
 
 
 def fingerprint(world_size: int, batch_size: int, accumulation: int = 1) -> dict:

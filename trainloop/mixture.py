@@ -9,12 +9,13 @@ trainer.seed alone. A loader epoch is a window of that schedule, so no source's 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from fractions import Fraction
 
 import torch
 from torch.utils.data import Dataset
+
+from trainloop.order import Permutation
 
 
 def source_names(data_cfg) -> list[str]:
@@ -77,7 +78,6 @@ class MixtureBlocks(Dataset):
         self.length = length if length is not None else min(
             int(len(d) * total / w) for d, w in zip(sources, weights))
         self.epoch = 0
-        self._orders: dict[int, tuple[int, torch.Tensor]] = {}  # source -> (pass, permutation)
 
     def __len__(self) -> int:
         return self.length
@@ -98,15 +98,7 @@ class MixtureBlocks(Dataset):
         if not self.shuffle:
             return s, k % n
         passes, block = divmod(k, n)
-        return s, int(self.order(s, passes)[block])
-
-    def order(self, s: int, passes: int) -> torch.Tensor:
-        cached = self._orders.get(s)
-        if cached is None or cached[0] != passes:
-            key = hashlib.sha256(f"{self.seed}/{s}/{passes}".encode()).digest()
-            generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
-            cached = self._orders[s] = (passes, torch.randperm(len(self.sources[s]), generator=generator))
-        return cached[1]
+        return s, int(Permutation(n, self.seed, s, passes)[block][0])  # a new order each pass over the source
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s, block = self.locate(i)

@@ -4,21 +4,61 @@ Each epoch is one permutation of the training blocks. A global batch is `data.ba
 gradient accumulation x processes` consecutive samples of it, and rank r of W takes, at
 micro-step m, the samples [m*B*W + r*B, m*B*W + (r+1)*B) of the global batch. So one optimizer
 step sees the same samples on 2 processes at batch 4 as on 1 process at batch 8, and a position
-in the epoch is a number of samples, which means the same at any world size. The permutation
-is the one accelerate's seedable sampler drew (torch.randperm seeded with seed + epoch), and the
-split the one its batch sharding made, so checkpoints saved before this module resume in place.
-The last incomplete global batch of an epoch is dropped: every optimizer step has the same samples.
+in the epoch is a number of samples, which means the same at any world size. The last
+incomplete global batch of an epoch is dropped: every optimizer step has the same samples.
+
+The permutation is computed sample by sample (`Permutation`), never held: its memory does not
+grow with the corpus, which at pre-training scale has billions of blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+class Permutation:
+    """A seeded pseudo-random bijection of range(n), evaluated index by index in O(1) memory.
+
+    A balanced Feistel network over the smallest even number of bits that covers n is a bijection
+    of [0, 2^bits) whatever its round function (here a splitmix64 finaliser); values >= n are
+    encrypted again until they fall in [0, n) ("cycle walking"), which keeps it a bijection of
+    range(n). 2^bits < 4n, so a value takes under 4 encryptions on average.
+    """
+
+    def __init__(self, n: int, *key: int):
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        # 4 rounds (a Luby-Rackoff pseudo-random permutation), a 64-bit key each, from the key's hash
+        self.keys = np.frombuffer(hashlib.sha256("/".join(map(str, key)).encode()).digest(), dtype=np.uint64)
+
+    def _round(self, x: np.ndarray, key: np.uint64) -> np.ndarray:
+        with np.errstate(over="ignore"):  # arithmetic modulo 2^64 is the point
+            h = (x ^ key) * _MIX[0]
+            h = (h ^ (h >> np.uint64(30))) * _MIX[1]
+            h = (h ^ (h >> np.uint64(27))) * _MIX[2]
+        return (h ^ (h >> np.uint64(31))) & self.mask
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ self._round(right, key)
+        return (left << self.half) | right
+
+    def __getitem__(self, index) -> np.ndarray:
+        """The images of an index or an array of indices in range(n)."""
+        x = self._encrypt(np.atleast_1d(np.asarray(index, dtype=np.uint64)))
+        outside = x >= self.n
+        while outside.any():
+            x[outside] = self._encrypt(x[outside])
+            outside = x >= self.n
+        return x.astype(np.int64)
 
 
 @dataclass
@@ -56,10 +96,10 @@ class GlobalOrder:
         return self.samples_per_epoch // (self.batch_size * self.world_size)
 
     def __iter__(self):
-        order = (epoch_permutation(self.num_samples, self.seed, self.epoch) if self.shuffle
-                 else torch.arange(self.num_samples))
+        permutation = Permutation(self.num_samples, self.seed, self.epoch) if self.shuffle else None
         micro = self.batch_size * self.world_size  # one micro-step of every rank
         first = self.start + self.rank * self.batch_size
         for at in range(first, self.samples_per_epoch, micro):
-            yield order[at:at + self.batch_size].tolist()
+            samples = np.arange(at, at + self.batch_size)
+            yield (samples if permutation is None else permutation[samples]).tolist()
 
