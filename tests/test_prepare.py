@@ -90,7 +90,7 @@ def test_train_from_shards_maps_them_and_reads_blocks_on_demand(tmp_path, tiny_j
     cfg = compose("+preset=smoke", "data=prepared", f"data.path={tmp_path / 'shards'}")
     train_set, valid_set = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
     ids = train_set.documents.parts[0].arrays[0]
-    assert isinstance(ids.base, mmap.mmap) and not ids.flags.writeable  # a view of the file, not a copy
+    assert isinstance(ids.base.obj, mmap.mmap) and not ids.flags.writeable  # a view of the file, not a copy
     corpus_bytes = sum(p.arrays[0].nbytes for p in train_set.documents.parts)
     assert len(pickle.dumps(train_set)) < corpus_bytes / 4  # a DataLoader worker gets paths, not tokens
     fingerprint = data_fingerprint(byte_level_tokenizer(), train_set, valid_set)["data content"]
