@@ -1,15 +1,16 @@
 """Data at pre-training scale, measured in one invocation on this machine.
 
-    python scripts/bench_data.py [--big-mb 1024] [--small-mb 10] [--steps 50] [--num-proc N]
-                                 [--workdir DIR] [--json OUT]
+    python scripts/bench_data.py [--big-mb 1024] [--small-mb 10] [--throughput-mb 100] [--steps 50]
+                                 [--num-proc N] [--workdir DIR] [--json OUT]
 
-1. Generates two text corpora (jsonl, one document per row) of --small-mb and --big-mb: documents
-   of 1-8 KB cut from Python's own documentation at seeded offsets, so the tokens are real text.
-2. Prepare throughput on the big corpus: `python -m trainloop.prepare` (tokenize with
+1. Generates text corpora (jsonl, one document per row) of --small-mb, --throughput-mb and
+   --big-mb: documents of 1-8 KB cut from Python's own documentation at seeded offsets, so the
+   tokens are real text.
+2. Prepare throughput on the --throughput-mb corpus: `python -m trainloop.prepare` (tokenize with
    `datasets.map` over --num-proc processes, write the memory-mapped shards) against
    `datasets.map` alone with the same tokenizer function and processes (the tokens, not written
    as shards). Tokens/s, and per process. Each command gets a fresh `datasets` cache, so neither
-   reads the other's work.
+   reads the other's work. The big corpus's prepare is timed too.
 3. Training from shards: the same run (the default tiny model, --steps steps, batch 8 x 128
    tokens) from the prepared small and big corpora, each in a fresh process: its peak resident set
    (the kernel's ru_maxrss for that process) and the share of step time spent waiting for data
@@ -86,24 +87,32 @@ print(sum(len(t["input_ids"].combine_chunks().flatten()) for t in tokens.with_fo
 """
 
 
-def prepare_throughput(corpus: Path, work: Path, num_proc: int) -> dict:
-    data = ["data=files", f"data.path={corpus}", f"data.num_proc={num_proc}"]
-    load_env = child_env(work / "cache_load")  # reading the jsonl into Arrow: the same for both, done first
+def load_once(corpus: Path, data: list[str], cache: Path, work: Path) -> None:
+    """Read the jsonl into `datasets`' Arrow cache: the same for every command after it, done first."""
     timed([sys.executable, "-c", "import sys\nfrom trainloop.config import compose_config\n"
            "from trainloop.data import load_examples\nload_examples(compose_config(sys.argv[1:]).data)", *data],
-          load_env, work / "load.log")
+          child_env(cache), work / f"load_{corpus.name}.log")
+
+
+def prepare(corpus: Path, out: Path, num_proc: int, work: Path, cache: Path) -> tuple[float, dict]:
+    data = ["data=files", f"data.path={corpus}", f"data.num_proc={num_proc}"]
+    seconds, _ = timed([sys.executable, "-m", "trainloop.prepare", str(out), "--no-progress", *data],
+                       child_env(cache), work / f"prepare_{out.name}.log")
+    return seconds, json.loads((out / "manifest.json").read_text())
+
+
+def prepare_throughput(corpus: Path, work: Path, num_proc: int) -> dict:
+    data = ["data=files", f"data.path={corpus}", f"data.num_proc={num_proc}"]
+    load_once(corpus, data, work / "cache_load", work)
     shutil.copytree(work / "cache_load", work / "cache_map")
     shutil.copytree(work / "cache_load", work / "cache_prepare")
     map_s, _ = timed([sys.executable, "-c", MAP_ALONE, *data], child_env(work / "cache_map"), work / "map.log")
     tokens = int((work / "map.log").read_text().split()[-1])
-    prep_s, _ = timed([sys.executable, "-m", "trainloop.prepare", str(work / "big_shards"), "--no-progress", *data],
-                      child_env(work / "cache_prepare"), work / "prepare_big.log")
-    manifest = json.loads((work / "big_shards" / "manifest.json").read_text())
+    prep_s, manifest = prepare(corpus, work / "throughput_shards", num_proc, work, work / "cache_prepare")
     assert manifest["tokens"] == tokens, (manifest["tokens"], tokens)
     return {"tokens": tokens, "num_proc": num_proc, "map_alone_s": map_s, "prepare_s": prep_s,
             "map_alone_tokens_per_s": tokens / map_s, "prepare_tokens_per_s": tokens / prep_s,
-            "prepare_vs_map_alone": map_s / prep_s, "shard_bytes": sum(
-                f.stat().st_size for f in (work / "big_shards").rglob("*.npy"))}
+            "prepare_vs_map_alone": map_s / prep_s}
 
 
 def train_from(shards: Path, steps: int, work: Path, name: str) -> dict:
@@ -123,6 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--big-mb", type=int, default=1024)
     parser.add_argument("--small-mb", type=int, default=10)
+    parser.add_argument("--throughput-mb", type=int, default=100)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--num-proc", type=int, default=os.cpu_count())
     parser.add_argument("--workdir", type=Path, help="keep the corpora, shards and logs here (default: a temp dir)")
@@ -133,18 +143,22 @@ def main() -> None:
     results = {"command": " ".join(["python", "scripts/bench_data.py", *sys.argv[1:]]),
                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                "date": time.strftime("%Y-%m-%d")}
-    for name, mb in (("small", args.small_mb), ("big", args.big_mb)):
+    for name, mb in (("small", args.small_mb), ("throughput", args.throughput_mb), ("big", args.big_mb)):
         written = write_corpus(work / f"{name}_corpus", mb, seed=mb)
         results[f"{name}_corpus_mb"] = written / 2**20
         print(f"{name} corpus: {written / 2**20:.0f} MB of text in {work / f'{name}_corpus'}", flush=True)
-    results["prepare"] = prepare_throughput(work / "big_corpus", work, args.num_proc)
-    p = results["prepare"]
+    results["prepare"] = p = prepare_throughput(work / "throughput_corpus", work, args.num_proc)
     print(f"prepare {p['tokens']:,} tokens: {p['prepare_tokens_per_s']:,.0f} tokens/s "
           f"({p['prepare_tokens_per_s'] / p['num_proc']:,.0f} per process, {p['num_proc']} processes); "
           f"datasets.map alone {p['map_alone_tokens_per_s']:,.0f} tokens/s; "
           f"prepare/map-alone speed {p['prepare_vs_map_alone']:.2f}", flush=True)
-    timed([sys.executable, "-m", "trainloop.prepare", str(work / "small_shards"), "--no-progress", "data=files",
-           f"data.path={work / 'small_corpus'}"], child_env(work / "cache_small"), work / "prepare_small.log")
+    for name in ("small", "big"):
+        seconds, manifest = prepare(work / f"{name}_corpus", work / f"{name}_shards", args.num_proc, work,
+                                    work / f"cache_{name}")
+        results[f"prepare_{name}"] = {"s": seconds, "tokens": manifest["tokens"], "shards": len(manifest["shards"]),
+                                      "tokens_per_s": manifest["tokens"] / seconds}
+        print(f"prepared the {name} corpus: {manifest['tokens']:,} tokens in {seconds:.0f} s "
+              f"({manifest['tokens'] / seconds:,.0f} tokens/s, loading the jsonl included)", flush=True)
     for name in ("small", "big"):
         results[f"train_{name}"] = r = train_from(work / f"{name}_shards", args.steps, work, name)
         print(f"train {args.steps} steps from the {name} corpus: peak RSS {r['peak_rss_mb']:.0f} MB, "
