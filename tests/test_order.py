@@ -176,15 +176,6 @@ def test_tokenizing_longer_than_the_collective_timeout_still_trains(tmp_path):
     assert not (run / ".data_build").exists()
 
 
-def test_a_checkpoint_from_before_the_global_order_resumes_at_its_sample():
-    """Checkpoints saved before trainloop.order counted micro-batches per rank."""
-    from trainloop.checkpoint import position_in_samples
-
-    saved = {"state": {"step": 6, "epoch": 1, "batches_in_epoch": 3, "tokens_seen": 0},
-             "fingerprint": fingerprint(2, 4)}
-    assert position_in_samples(saved) == {"step": 6, "epoch": 1, "samples_in_epoch": 24, "tokens_seen": 0}
-
-
 def test_a_waiting_rank_stops_when_the_builder_fails_or_dies(tmp_path):
     """The wait has no time limit, so it must end when the builder cannot finish: its failure
     (a bad config: the same one line on every rank), or its death (a zombie counts as dead)."""

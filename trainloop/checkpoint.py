@@ -535,11 +535,10 @@ class Checkpointer:
 
     def load(self, path: Path, state) -> None:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;
-        # the data position is in `state`: the loop skips that many batches of the epoch.
+        # the data position is in `state`: samples of the epoch's global order, over all ranks.
         self._load_state(path)
         self._restore_rng_of_a_new_rank(path)
-        saved = read_state(path)
-        state.load_state_dict(position_in_samples(saved))
+        state.load_state_dict(read_state(path)["state"])
         log.info("resumed from %s at step %d (epoch %d, batch %d): sample %d of the epoch's order", path,
                  state.step, state.epoch, state.samples_in_epoch // global_batch(self.fingerprint),
                  state.samples_in_epoch)
@@ -564,13 +563,3 @@ class Checkpointer:
             torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
         acc.step = states.get("step", acc.step)
 
-
-def position_in_samples(saved: dict) -> dict:
-    """The trainer state with its epoch position in samples over all ranks; a checkpoint saved
-    before trainloop.order counted micro-batches per rank (the same order: see there)."""
-    state = dict(saved["state"])
-    if "samples_in_epoch" not in state:
-        fingerprint = saved["fingerprint"]
-        state["samples_in_epoch"] = (state.pop("batches_in_epoch", 0) * fingerprint["data.batch_size"]
-                                     * fingerprint.get("world_size", 1))
-    return state
