@@ -24,7 +24,7 @@ from trainloop.tools import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
           "data.num_workers=2", "data.validation_fraction=0.99", "trainer.eval_batches=2"]
-DDP_STEPS = 42  # 21 steps x 2 micro-batches per rank = 4 epochs of 9 batches + 2: mid-epoch
+DDP_STEPS = 42  # 108 training blocks, 16 a step (2 ranks x 4 x 2): resumed at step 21, mid-way through epoch 3
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2"]
 
 
@@ -45,7 +45,8 @@ def resumed_at(log: str) -> tuple[int, int, int]:
 
 def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
     """Acceptance 1: 20 steps straight = 10 + resume + 10, losses and weights bitwise."""
-    code = verify_resume.main(["--steps", "20", "--rtol", "0", "--dir", str(tmp_path), *RESUME])
+    # 108 training blocks, 16 a step: 6 steps an epoch, so step 10 is in the second one
+    code = verify_resume.main(["--steps", "20", "--rtol", "0", "--dir", str(tmp_path), *RESUME, "data.batch_size=8"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("bitwise identical") == 2, out
