@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import REPO, compose
 from trainloop.config import CONFIG_DIR, ConfigError, validate
@@ -64,3 +65,19 @@ def test_the_planner_prints_the_state_bytes_of_every_optimizer(name, capsys):
     expected = planned_state_bytes(cfg.optimizer, model_shape(cfg).shapes)
     assert lines["optimizer states"]["bytes"] == expected > 0
     assert name in lines["optimizer states"]["note"]
+
+
+@pytest.mark.parametrize("name,theirs", [("cosine", "cosine"), ("linear", "linear"), ("constant", "constant_with_warmup")])
+def test_the_schedules_are_transformers_own(name, theirs):
+    """trainloop writes the three schedules itself (importing transformers.optimization costs every
+    run ~2 s of peft and bitsandbytes imports); they are get_scheduler's, value for value."""
+    from transformers import get_scheduler
+
+    from trainloop.config import SchedulerConfig
+    from trainloop.optim import build_scheduler
+
+    for warmup, total in ((0, 1), (0, 50), (7, 50), (10, 500)):
+        ours = build_scheduler(SchedulerConfig(name=name, warmup_steps=warmup), torch.optim.SGD([torch.zeros(1)], lr=1), total)
+        hf = get_scheduler(theirs, torch.optim.SGD([torch.zeros(1)], lr=1), num_warmup_steps=warmup,
+                           num_training_steps=total)
+        assert [ours.lr_lambdas[0](s) for s in range(total + 2)] == [hf.lr_lambdas[0](s) for s in range(total + 2)]

@@ -72,7 +72,8 @@ def test_the_permutation_is_a_bijection_that_changes_with_its_key(n):
 
     image = Permutation(n, 1234, 0)[np.arange(n)]
     assert sorted(image.tolist()) == list(range(n))
-    assert [int(Permutation(n, 1234, 0)[i][0]) for i in range(n)] == image.tolist()  # one index = a batch's
+    some = range(0, n, max(1, n // 300))
+    assert [int(Permutation(n, 1234, 0)[i][0]) for i in some] == image[list(some)].tolist()  # alone = in a batch
     if n >= 100:
         assert not np.array_equal(image, Permutation(n, 1234, 1)[np.arange(n)])  # epoch
         assert not np.array_equal(image, Permutation(n, 4321, 0)[np.arange(n)])  # seed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from trainloop.config import ConfigError, OptimizerConfig, SchedulerConfig
@@ -230,8 +231,21 @@ def optimizer_state_bytes(optimizer) -> StateBytes:
     return StateBytes(total, params, quantized, quantized_params)
 
 
-def build_scheduler(cfg: SchedulerConfig, optimizer, max_steps: int):
-    from transformers import get_scheduler
+def lr_factor(name: str, step: int, warmup: int, total: int) -> float:
+    """The share of optimizer.lr at `step`: linear warm-up, then cosine to 0, linear to 0 or
+    constant (the formulas of transformers' get_scheduler, whose import costs every run ~2 s:
+    it loads peft and bitsandbytes)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if name == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if name == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+    return max(0.0, (total - step) / max(1, total - warmup))
 
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.name]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps)
+
+def build_scheduler(cfg: SchedulerConfig, optimizer, max_steps: int):
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, partial(lr_factor, cfg.name, warmup=cfg.warmup_steps, total=max_steps))
