@@ -80,7 +80,7 @@ def test_lora_resume_is_bitwise(tmp_path, base, child_env):
 @pytest.mark.parametrize("bits", ["4bit", pytest.param("8bit", marks=pytest.mark.slow)])
 def test_qlora_trains_resumes_and_exports(tmp_path, base, child_env, bits):
     """Quantized base (bitsandbytes on CPU), LoRA on it: resume bitwise, both exports load."""
-    code = verify_resume.main(["--steps", "6", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
+    code = verify_resume.main(["--steps", "4", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
                                *hf(base), "adapter=lora", f"model.quantization={bits}", "precision=bf16"
                                if bits == "4bit" else "precision=fp32"])
     assert code == 0
