@@ -30,7 +30,7 @@ NOT_PROBED = {
     "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
 }
 SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "precision.name",
-             "deepspeed.stage", "compile.backend", "adapter.name"}  # these choose the option itself
+             "deepspeed.stage", "compile.backend", "adapter.name", "fsdp.name"}  # these choose the option itself
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
         "model.max_position_embeddings": 512, "model.vocab_multiple": 128, "model.dropout": 0.1,
         "model.attn_implementation": "eager", "model.gradient_checkpointing": True, "model.quantization": "4bit",
+        "model.num_experts": 4, "model.experts_per_token": 1, "model.router_aux_loss_coef": 0.01,
         "adapter.r": 4, "adapter.alpha": 32.0, "adapter.dropout": 0.1, "adapter.target_modules": ["q_proj", "v_proj"],
         "adapter.modules_to_save": ["norm"],
         "data.path": files[f"{CORPUS.get(data_option, 'corpus')}_b"], "data.text_field": "other",
@@ -120,6 +121,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "deepspeed.config_file": files["ds.json"],
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
+        "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
     }
 
 
@@ -189,7 +191,32 @@ def built(group: str, cfg):
         compile_model(cfg.compile, model)  # lazy: nothing is compiled before the first call
         compiled = [name for name, m in model.named_modules() if m._compiled_call_impl is not None]
         return compiled, compile_options(cfg.compile) if compiled else None
+    if group == "fsdp":  # the settings FSDP2 applied, read back from a model it sharded
+        return sharded_settings(cfg)
     return None  # precision: what it changes is applied by the Accelerator
+
+
+def sharded_settings(cfg):
+    """Shard the model as a run would, on a 1-process gloo group of this test's own."""
+    import torch.distributed as dist
+
+    from trainloop.fsdp import shard_model, sharding_settings
+    from trainloop.model import build_model, build_model_config
+
+    if cfg.fsdp.name == "none":
+        return None
+    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+    # an in-process run before this one in the same worker (DeepSpeed's 1-process group) may have left one
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    try:
+        shard_model(cfg, model, torch.device("cpu"))
+        return sharding_settings(model)
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def refusal(cfg, overrides) -> str | None:

@@ -159,9 +159,12 @@ def test_tokenizing_longer_than_the_collective_timeout_still_trains(tmp_path):
     tokenizer = slow_tokenizer(tmp_path / "tokenizer", passes=1000)
     texts = [topics[k] for k in sorted(topics)]
     tokenizer(texts[:1])  # warm
-    started = time.perf_counter()
-    tokenizer(texts[1:4])
-    per_char = (time.perf_counter() - started) / sum(map(len, texts[1:4]))
+    timings = []  # the fastest of 3: a measurement slowed by a busy machine would size the corpus short
+    for _ in range(3):
+        started = time.perf_counter()
+        tokenizer(texts[1:4])
+        timings.append(time.perf_counter() - started)
+    per_char = min(timings) / sum(map(len, texts[1:4]))
     corpus, chars, i = tmp_path / "corpus.jsonl", 0, 0
     with corpus.open("w") as f:
         while chars * per_char < 55:  # seconds of tokenizing on rank 0, as measured here

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import SMALL, clean_env, compose, launch
+from test_distributed import free_port
 from trainloop.optim import OPTIMIZERS
 from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
 
@@ -52,12 +53,19 @@ def test_model_state_bytes_are_exact_for_the_tiny_model(optimizer):
     assert plan.get("optimizer states") == storage_bytes(states) > 0
 
 
-def test_the_meta_model_has_the_live_model_shape():
-    cfg = compose(*SMALL, "model.arch=gpt2")
+@pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
+def test_the_meta_model_has_the_live_model_shape(arch):
+    cfg = compose(*SMALL, f"model.arch={arch}", *(["model.num_experts=4"] if arch == "mixtral" else []))
     shape = model_shape(cfg)
     model, _ = build_and_step(cfg)
     assert shape.shapes == [tuple(p.shape) for p in model.parameters()]
     assert shape.num_params == sum(p.numel() for p in model.parameters())
+    if arch == "mixtral":  # the experts counted: 4 MLPs per block, each (gate, up, down) intermediate wide
+        h, i = cfg.model.hidden_size, cfg.model.intermediate_size or 4 * cfg.model.hidden_size
+        experts = [p for name, p in model.named_parameters() if ".experts." in name]
+        assert (shape.num_experts, shape.experts_per_token) == (4, 2)
+        assert shape.expert_params == sum(p.numel() for p in experts) == cfg.model.num_layers * 4 * 3 * h * i
+        assert shape.active_params == shape.num_params - shape.expert_params // 2
 
 
 def saved_activation_bytes(cfg, autocast: bool) -> int:
@@ -87,7 +95,7 @@ SHAPE = ["model.num_layers=3", "model.hidden_size=96", "model.num_heads=3", "mod
          "data.seq_len=48", "data.batch_size=3"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "checkpointing", "eager"])
 def test_activation_estimate_matches_the_saved_tensors(arch, variant):
     extra = {"fp32": [], "bf16": ["precision=bf16"], "checkpointing": ["model.gradient_checkpointing=true"],
@@ -157,6 +165,19 @@ def test_presets_are_compared_with_numbers(capsys):
     assert "CPU RAM:" in out and "for 2 process(es)" in out
 
 
+def test_the_plan_of_a_mixture_of_experts_counts_all_experts_and_the_active_ones(capsys):
+    overrides = [*SMALL, "model.arch=mixtral", "model.num_experts=4"]
+    shape = model_shape(compose(*overrides))
+    assert main(["--no-presets", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert (f"{shape.num_params / 1e6:,.1f}M parameters (4 experts per block, 2 per token: "
+            f"{shape.active_params / 1e6:,.1f}M active)") in out
+    assert main(["--no-presets", "--json", *overrides]) == 0
+    plan = json.loads(capsys.readouterr().out)["config"]["plan"]
+    assert plan["num_params"] == shape.num_params
+    assert {x["what"]: x["bytes"] for x in plan["lines"]}["parameters"] == 4 * shape.num_params  # fp32, every expert
+
+
 def test_a_model_too_large_for_this_machine_does_not_fit(capsys):
     assert main(["--no-presets", "model.num_layers=48", "model.hidden_size=4096", "model.num_heads=32"]) == 0
     assert "the config: does NOT fit" in capsys.readouterr().out
@@ -178,3 +199,61 @@ def test_predicted_training_memory_of_a_100m_model_is_within_15_percent_of_rss()
     measured = report["measured"]
     assert measured["cpu_training_bytes"] > 1e9
     assert math.isclose(measured["predicted_bytes"], measured["cpu_training_bytes"], rel_tol=0.15), measured
+
+
+def with_preset(preset: str, *overrides: str):
+    return compose(f"+preset=[smoke,{preset}]", *SMALL[1:], *overrides)  # SMALL[0] is +preset=smoke
+
+
+def blocks_shape(rows: list[tuple[int, ...]]) -> ModelShape:
+    """A model of these parameters, 4 blocks of one 4096 x 4096 matrix each, the rest its root."""
+    return ModelShape("llama", 4, 64, 256, 2, 2, 320, [*[(4096, 4096)] * 4, *rows], 0, 4096 * 4096)
+
+
+def fsdp_plan(rows: list[tuple[int, ...]], world_size: int, *overrides: str):
+    return plan_memory(with_preset("fsdp", *overrides), blocks_shape(rows), world_size, "cuda")
+
+
+def test_fsdp_divides_the_model_states_over_the_processes_and_offload_moves_them_to_cpu():
+    rows = [(4096,), (11008, 4096)]
+    psi = sum(math.prod(s) for s in blocks_shape(rows).shapes)
+    one, eight = fsdp_plan(rows, 1), fsdp_plan(rows, 8)
+    for what, per_param in (("parameters", 4), ("gradients", 4), ("optimizer states", 8)):
+        assert one.get(what) == per_param * psi + (4 * 6 if what == "optimizer states" else 0)  # + a step each
+        assert eight.get(what) == pytest.approx(one.get(what) / 8, rel=1e-6)  # the rows divide evenly here
+    odd = fsdp_plan([(5, 3)], 2)
+    assert odd.get("parameters") == 4 * (4 * 2048 * 4096 + 3 * 3)  # ceil(5 / 2) rows on each, as FSDP2 pads
+    shape = blocks_shape(rows)
+    offload = plan_memory(with_preset("fsdp_offload"), shape, 8, "cuda")
+    on_gpu = {x.what for x in offload.lines if x.where == "gpu"}
+    assert on_gpu == {"gathered parameters", "unsharded gradients", "activations"}  # the working set only
+    assert offload.peak("cpu") == sum(offload.get(w) for w in ("parameters", "gradients", "optimizer states")) \
+        + offload.get("optimizer step temporaries")
+    kept = plan_memory(with_preset("fsdp", "fsdp.reshard_after_forward=false"), shape, 8, "cuda")
+    assert kept.get("gathered parameters") == 4 * psi > eight.get("gathered parameters")  # fp32: no param_dtype
+
+
+@pytest.mark.slow
+def test_fsdp_memory_of_2_processes_is_predicted_per_process():
+    """FSDP2 over gloo, 2 processes, fp32 AdamW: each process's shards counted on the live tensors
+    equal the plan's exact lines, and its peak RSS during 2 real steps minus its RSS just before
+    the model is built (glibc unmapping freed tensors, so the resident set follows the live ones)
+    is within 20% of the predicted peak. 20%, not the 15% of one process: about half this
+    prediction is estimated (the gathered block and its unsharded gradients, activations), and
+    what the first steps load beside the training state (gloo, DTensor dispatch: measured 0.28 GiB
+    against 0.24 GiB predicted here, ratio 0.87) weighs more on a model this small; on the
+    57M-parameter model of BENCHMARKS.md the ratio was 0.94."""
+    proc = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                   str(free_port()), "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2",
+                   "+preset=fsdp", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",
+                   "data.seq_len=64", "data.batch_size=2"], timeout=300)
+    report = json.loads(proc.stdout)
+    plan = report["config"]["plan"]
+    assert plan["world_size"] == 2 and 15e6 < plan["num_params"] < 30e6
+    exact = {x["what"]: x["bytes"] for x in plan["lines"] if x["exact"]}
+    processes = report["measured"]["per_process"]
+    assert sorted(m["rank"] for m in processes) == [0, 1]
+    for measured in processes:
+        assert measured["shard_bytes"] == {k: exact[k] for k in ("parameters", "gradients", "optimizer states")}
+        assert measured["glibc_live_tracking"]
+        assert math.isclose(measured["predicted_bytes"], measured["cpu_training_bytes"], rel_tol=0.20), measured

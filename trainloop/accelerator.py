@@ -146,6 +146,11 @@ def check_launcher_env(cfg, env: dict[str, str]) -> None:
         problems.append("the launcher enables DeepSpeed (accelerate launch --use_deepspeed, "
                         "ACCELERATE_USE_DEEPSPEED=true) but deepspeed.stage=0: add deepspeed=zero1/zero2/zero3 "
                         "(or +preset=zero3), or launch without --use_deepspeed")
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # accelerate's FSDP would wrap the model a second time on GPUs and not at all on CPU
+        problems.append("the launcher enables accelerate's FSDP (accelerate launch --use_fsdp, "
+                        "ACCELERATE_USE_FSDP=true); trainloop applies FSDP2 itself: launch without --use_fsdp"
+                        + ("" if cfg.fsdp.name != "none" else " and add +preset=fsdp (fsdp=full_shard)"))
     for name, (key, flag) in LAUNCHER_ENV.items():
         value = env.get(name)
         if value is None or (key == "deepspeed.nvme_path" and value.lower() == "none"):
@@ -235,6 +240,8 @@ def build_accelerator(cfg):
             warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
     elif not on_cuda:
         kwargs["cpu"] = True  # MULTI_CPU over gloo when launched with several processes
+    if cfg.fsdp.name != "none":
+        single_process_group_env()  # FSDP2's device mesh needs a process group, even of one
 
     process_group = InitProcessGroupKwargs(**group)
     # its to_kwargs drops a value equal to the class default (600 s, for nccl): always pass ours

@@ -7,6 +7,13 @@ then named in `latest`. A folder without COMPLETE is never loaded (a save cut sh
 leaves `.tmp_step_*`, removed at the next start), and older checkpoints are removed only after
 a newer one is complete. The parameters are checked to be finite first: a non-finite state is
 never saved over a good one. The checkpoints folder must be on a file system every node sees.
+
+Under FSDP2 (fsdp=full_shard) the model and optimizer are written in torch.distributed.checkpoint
+format instead, one shard file per rank (trainloop/dcp.py), and load at any world size. With
+checkpoint.async_save the shards are written in the background while training goes on; the main
+process commits the folder (trainer state, COMPLETE, rename, `latest`) at the first optimizer step
+after every rank's shard is written (poll), and a save, the end of training and a preemption
+(which saves) wait for a save still in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import zipfile
 from pathlib import Path
 
@@ -57,6 +65,7 @@ def run_fingerprint(cfg, world_size: int) -> dict:
         "trainer.gradient_accumulation_steps": cfg.trainer.gradient_accumulation_steps,
         "trainer.seed": cfg.trainer.seed,  # the data order is a function of (seed, epoch)
         "deepspeed.stage": cfg.deepspeed.stage,
+        "fsdp.name": cfg.fsdp.name,  # the format of the model and optimizer files (trainloop.dcp)
         **{f"data.{key}": value for key, value in data.items()},
         **{f"model.{key}": value for key, value in model.items()},
         **{f"adapter.{key}": value for key, value in adapter.items()},
@@ -104,8 +113,9 @@ def how_to_keep_global_batch(saved: dict, current: dict) -> str:
 
 
 def check_world_size_change(path: Path, saved: dict, current: dict, deepspeed_stage: int) -> None:
-    """A run resumes at another world size under DDP when the global batch is unchanged: the order
-    of samples is global (trainloop.order), so it continues the same sequence. Not under ZeRO."""
+    """A run resumes at another world size under DDP and FSDP2 (whose checkpoints reshard on load)
+    when the global batch is unchanged: the order of samples is global (trainloop.order), so it
+    continues the same sequence. Not under ZeRO."""
     if not all(k in saved for k in BATCH_KEYS) or saved["world_size"] == current["world_size"]:
         return
     change = f"world_size: {saved['world_size']} -> {current['world_size']}"
@@ -122,6 +132,24 @@ def check_world_size_change(path: Path, saved: dict, current: dict, deepspeed_st
             + how_to_keep_global_batch(saved, current))
     log.info("resuming %s at another world size (%s): the global batch of %d samples is unchanged",
              path, change, global_batch(current))
+
+
+def describe_format(fsdp_name: str) -> str:
+    if fsdp_name == "none":
+        return "without FSDP (fsdp=none: accelerate's save_state, whole tensors or DeepSpeed's partitions)"
+    return (f"under FSDP2 (fsdp={fsdp_name}: model and optimizer in torch.distributed.checkpoint format, "
+            "a shard per rank)")
+
+
+def check_format(path: Path, saved: dict, current: dict) -> None:
+    """A checkpoint saved under FSDP2 holds DCP shards, any other holds accelerate's files: neither
+    loads into the other. A checkpoint from before FSDP2 (no fsdp.name recorded) was saved without it."""
+    saved_fsdp, fsdp = saved.get("fsdp.name", "none"), current["fsdp.name"]
+    if saved_fsdp != fsdp:
+        raise ConfigError(
+            f"checkpoint {path} was saved {describe_format(saved_fsdp)}; this run is {describe_format(fsdp)} "
+            f"and cannot load it (fsdp.name: {saved_fsdp!r} -> {fsdp!r}). Resume it with fsdp={saved_fsdp}, "
+            "or start a new run in a new hydra.run.dir")
 
 
 def step_of(path: Path) -> int:
@@ -279,6 +307,13 @@ class Checkpointer:
         self.root = Path(run_dir) / "checkpoints"
         self.data_fingerprint: dict = {}  # set by check_data once the data is built
         self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
+        self.sharded = cfg.fsdp.name != "none"  # model and optimizer in DCP format (trainloop.dcp)
+        self.async_save = self.sharded and cfg.checkpoint.async_save
+        self.in_flight = None  # the asynchronous save being written (trainloop.dcp.InFlight)
+        self.unsettled: tuple[Path, Path] | None = None  # (tmp, final) of the last one, until all ranks agree it
+        self.steps_done = 0  # the optimizer steps training has taken, as poll last heard
+        self._group = None  # the process group asynchronous saves talk over, made at the first one
+        self._committed: list[dict] = []  # asynchronous saves committed since poll last returned
 
     @property
     def fingerprint(self) -> dict:
@@ -302,6 +337,7 @@ class Checkpointer:
     def save(self, state, model) -> Path:
         acc = self.accelerator
         final = self.root / f"step_{state.step:07d}"
+        self._settle()  # one save at a time: the one in flight commits first
         if not parameters_finite(acc, model):
             raise NonFiniteError(f"the parameters are not finite after optimizer step {state.step}; "
                                  f"not saving them. The last good checkpoint is {self.last_good()}")
@@ -310,11 +346,91 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        self._agree_saved(self._attempt(self._save_state, tmp), tmp, final)
+        if self.async_save:
+            self._agree_saved(self._attempt(self._start_async, tmp, final, state, model), tmp, final)
+            log.info("saving checkpoint %s in the background after step %d; training goes on", final, state.step)
+            return final
+        self._agree_saved(self._attempt(self._save_state, tmp, model), tmp, final)
         # every rank's files are written (and closed) from here on
-        failure = self._attempt(self._commit, tmp, final, state) if acc.is_main_process else None
+        failure = (self._attempt(self._commit, tmp, final, state.state_dict(), self.fingerprint)
+                   if acc.is_main_process else None)
         self._agree_saved(failure, tmp, final)
         return final
+
+    def _start_async(self, tmp: Path, final: Path, state, model) -> None:
+        from trainloop import dcp
+
+        dcp.save_rank_states(self.accelerator, tmp)  # small: written now
+        if self._group is None:
+            self._group = dcp.checkpoint_group(self.cfg.trainer.collective_timeout_s)
+        self.unsettled = (tmp, final)
+        self.in_flight = dcp.start_async(tmp, final, model, self.accelerator._optimizers[0], self.adapter_only,
+                                         state.state_dict(), self.fingerprint, self._group,
+                                         lambda: self.steps_done)
+
+    def poll(self, step: int) -> list[dict]:
+        """Every optimizer step, on every rank: finish an asynchronous save whose shards are all
+        written (the main process commits it: rank 0's future is done only then); return the
+        records of the saves committed since the last call, for metrics.jsonl (main process)."""
+        self.steps_done = step
+        if self.in_flight is not None and self.in_flight.future.done():
+            save = self.in_flight
+            failure = self._finish_in_flight()
+            if failure is not None:  # DCP reports a rank's failure to every rank: each stops here
+                self._raise_save_failure(failure, save.tmp, save.final)
+        committed, self._committed = self._committed, []
+        return committed
+
+    def wait(self, step: int) -> list[dict]:
+        """Every rank, at the end of training (and at a preemption's stop, after its save): wait
+        for the save in flight, commit it, and agree that it is committed."""
+        self.steps_done = step
+        self._settle()
+        return self.poll(step)
+
+    def _settle(self) -> None:
+        """Every rank, together: finish the last asynchronous save (if this rank has not in poll)
+        and agree on its outcome, so that no rank goes on (or names the last good checkpoint)
+        before the main process has committed it."""
+        if self.unsettled is None:
+            return
+        (tmp, final), self.unsettled = self.unsettled, None
+        self._agree_saved(self._finish_in_flight(), tmp, final)
+
+    def _raise_save_failure(self, failure: BaseException, tmp: Path, final: Path):
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise self._save_error(failure, tmp, final) from failure
+
+    def _finish_in_flight(self) -> BaseException | None:
+        """This rank's part of the save in flight: wait until its shards are written; the main
+        process then commits the folder. The failure, if any, is returned."""
+        save, self.in_flight = self.in_flight, None
+        if save is None:
+            return None
+        acc = self.accelerator
+        waited = time.monotonic()
+        try:
+            save.future.result()
+            waited = time.monotonic() - waited
+            if acc.is_main_process:
+                self._commit(save.tmp, save.final, save.state, save.fingerprint)
+        except Exception as err:  # this rank's, or another's: DCP reports a failed write to every rank
+            return err
+        if not acc.is_main_process:
+            return None
+        # the callback that records these may still be running in the writing thread
+        written_by = save.written_by_step[0] if save.written_by_step else self.steps_done
+        write_s = (save.written_at[0] if save.written_at else time.monotonic()) - save.started
+        # blocked_s < write_s: the save handed training back before its shards were written
+        record = {"step": self.steps_done, "event": "checkpoint", "checkpoint": save.final.name,
+                  "saved_step": save.step, "written_by_step": written_by, "committed_at_step": self.steps_done,
+                  "write_s": round(write_s, 3), "blocked_s": round(save.blocked_s, 3), "waited_s": round(waited, 3)}
+        self._committed.append(record)
+        log.info("committed checkpoint %s: saved after step %d (training held for %.2f s), written in %.2f s "
+                 "in the background (training had taken %d steps by then); training waited %.2f s more for it",
+                 save.final.name, save.step, save.blocked_s, write_s, written_by, waited)
+        return None
 
     @property
     def adapter_only(self) -> bool:
@@ -322,9 +438,14 @@ class Checkpointer:
         rebuilt from its source (model.name_or_path, or the seeded init) at every start."""
         return self.cfg.adapter.name != "none"
 
-    def _save_state(self, directory: Path) -> None:
+    def _save_state(self, directory: Path, model) -> None:
         acc = self.accelerator
-        if not self.adapter_only:
+        if self.sharded:
+            from trainloop import dcp
+
+            dcp.save(directory, model, acc._optimizers[0], self.adapter_only)
+            dcp.save_rank_states(acc, directory)
+        elif not self.adapter_only:
             acc.save_state(str(directory))
         elif strategy(acc).startswith("zero"):
             acc.save_state(str(directory), exclude_frozen_parameters=True)
@@ -335,9 +456,14 @@ class Checkpointer:
             finally:
                 handle.remove()
 
-    def _load_state(self, path: Path) -> None:
+    def _load_state(self, path: Path, model) -> None:
         acc = self.accelerator
-        if not self.adapter_only:
+        if self.sharded:
+            from trainloop import dcp
+
+            dcp.load(path, model, acc._optimizers[0], self.adapter_only)
+            dcp.load_rank_states(acc, path)
+        elif not self.adapter_only:
             acc.load_state(str(path))
         elif strategy(acc).startswith("zero"):
             acc.load_state(str(path), load_module_strict=False)
@@ -383,10 +509,10 @@ class Checkpointer:
             "Free space, lower checkpoint.keep_last (a save needs room for one checkpoint more), "
             "or move hydra.run.dir to a bigger disk")
 
-    def _commit(self, tmp: Path, final: Path, state) -> None:
+    def _commit(self, tmp: Path, final: Path, state: dict, fingerprint: dict) -> None:
         """Main process: trainer state, config, COMPLETE, fsync, rename into place, retention."""
         (tmp / STATE_FILE).write_text(json.dumps(
-            {"state": state.state_dict(), "fingerprint": self.fingerprint,
+            {"state": state, "fingerprint": fingerprint,
              "max_steps": self.cfg.trainer.max_steps, "files": file_sizes(tmp)}, indent=2))
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         (tmp / COMPLETE).write_text("")
@@ -463,6 +589,7 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint.resume={spec!r} does not load: {problem}. "
                                       + self._intact_sibling_hint(path))
         saved = read_state(path)
+        check_format(path, saved["fingerprint"], self.fingerprint)
         check_world_size_change(path, saved["fingerprint"], self.fingerprint, self.cfg.deepspeed.stage)
         refuse_changes(path, *self._comparable(saved["fingerprint"], self.fingerprint))
         newer = [p.name for p in found if step_of(p) > saved["state"]["step"]]
@@ -533,10 +660,10 @@ class Checkpointer:
         if self.resuming is not None:
             refuse_changes(self.resuming[0], self.resuming[1], data_fingerprint)
 
-    def load(self, path: Path, state) -> None:
+    def load(self, path: Path, state, model) -> None:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;
         # the data position is in `state`: samples of the epoch's global order, over all ranks.
-        self._load_state(path)
+        self._load_state(path, model)
         self._restore_rng_of_a_new_rank(path)
         state.load_state_dict(read_state(path)["state"])
         log.info("resumed from %s at step %d (epoch %d, batch %d): sample %d of the epoch's order", path,
@@ -545,8 +672,8 @@ class Checkpointer:
 
     def _restore_rng_of_a_new_rank(self, path: Path) -> None:
         """A rank the saving run did not have (a resume on more processes) has no random_states
-        file of its own; it takes rank 0's. Under DDP every rank is seeded alike (set_seed) and draws
-        the same numbers (the same shapes), so that is the state it would have had."""
+        file of its own; it takes rank 0's. Under DDP and FSDP2 every rank is seeded alike (set_seed)
+        and draws the same numbers (the same shapes), so that is the state it would have had."""
         acc = self.accelerator
         if (path / f"random_states_{acc.process_index}.pkl").is_file():
             return

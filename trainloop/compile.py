@@ -16,13 +16,15 @@ from trainloop.config import CompileConfig, ConfigError
 log = logging.getLogger("trainloop")
 
 
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a transformers model (the classes it names in _no_split_modules)."""
+def transformer_blocks(model: torch.nn.Module, setting: str = "compile.regional=true",
+                       instead: str = "compile.regional=false") -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model (the classes it names in _no_split_modules);
+    `setting` needs them, `instead` is what to choose when the model declares none."""
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
     if not blocks:
-        raise ConfigError(f"compile.regional=true: no transformer blocks found in {type(model).__name__} "
-                          "(it declares no _no_split_modules); set compile.regional=false")
+        raise ConfigError(f"{setting}: no transformer blocks found in {type(model).__name__} "
+                          f"(it declares no _no_split_modules); set {instead}")
     return blocks
 
 

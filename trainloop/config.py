@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # tiny: built from the shape below; hf: loaded from name_or_path
-    arch: str = "llama"  # tiny only: llama or gpt2
+    arch: str = "llama"  # tiny only: llama, gpt2 or mixtral (a Llama whose MLPs are routed experts)
     name_or_path: Optional[str] = None  # hf only: a local directory, or a hub id when online
     num_layers: int = 4  # tiny only: transformer blocks
     hidden_size: int = 256  # tiny only: width of the residual stream
@@ -32,6 +32,9 @@ class ModelConfig:
     max_position_embeddings: int = 1024  # tiny only: the longest sequence the model accepts
     vocab_multiple: int = 64  # pad the embedding to a multiple of this (tensor-core friendly)
     dropout: float = 0.0  # tiny only: in [0, 1); 0 lets runs on 1 and N processes agree
+    num_experts: int = 8  # arch=mixtral only: expert MLPs per block
+    experts_per_token: int = 2  # arch=mixtral only: experts the router sends each token to
+    router_aux_loss_coef: float = 0.001  # arch=mixtral only: weight of the router's load-balancing loss
     attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     quantization: str = "none"  # hf with adapter=lora only: none, 4bit (NF4, QLoRA), 8bit; frozen base weights
@@ -133,12 +136,16 @@ class CheckpointConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are removed after a save
     resume: Optional[str] = "auto"  # auto: the latest in the run dir, if any; a checkpoint dir; None: never
     save_final_model: bool = True  # write RUN_DIR/final in Hugging Face format
+    async_save: bool = False  # fsdp=full_shard only: write checkpoints in the background while training goes on
 
 
 @dataclass
 class LoggingConfig:
     progress_bar: bool = True  # a tqdm bar on the main process; false: a log line every log_every steps
     telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
+    profile_steps: Optional[list[int]] = None  # [START, END]: torch.profiler trace of these optimizer steps (1-based, inclusive) in RUN_DIR/profile/
+    profile_ranks: str = "main"  # main: profile the main process only; all: every rank
+    peak_tflops: Optional[float] = None  # the device's peak for mfu; None: the GPU table (trainloop/flops.py), none on CPU
 
 
 @dataclass
@@ -159,6 +166,13 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class FsdpConfig:
+    name: str = "none"  # none; full_shard: PyTorch FSDP2 (fully_shard) on every transformer block, then the root
+    reshard_after_forward: bool = True  # full_shard only: free the gathered parameters after forward (less memory, one more all-gather)
+    offload: str = "none"  # full_shard only: none, cpu (parameters, gradients and optimizer state in CPU memory)
+
+
+@dataclass
 class CompileConfig:
     backend: str = "none"  # none, inductor, aot_eager, eager, cudagraphs
     mode: str = "default"  # default, reduce-overhead, max-autotune
@@ -176,6 +190,7 @@ class TrainConfig:
     scheduler: SchedulerConfig = MISSING
     precision: PrecisionConfig = MISSING
     deepspeed: DeepSpeedConfig = MISSING
+    fsdp: FsdpConfig = MISSING
     compile: CompileConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -228,7 +243,7 @@ if not CONFIG_DIR.is_dir():  # a source checkout or editable install: conf/ besi
 
 CHOICES = {
     "model.name": ("tiny", "hf"),
-    "model.arch": ("llama", "gpt2"),
+    "model.arch": ("llama", "gpt2", "mixtral"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "model.quantization": ("none", "8bit", "4bit"),
     "adapter.name": ("none", "lora"),
@@ -244,8 +259,11 @@ CHOICES = {
     "deepspeed.stage": (0, 1, 2, 3),
     "deepspeed.offload_optimizer": ("none", "cpu", "nvme"),
     "deepspeed.offload_param": ("none", "cpu", "nvme"),
+    "fsdp.name": ("none", "full_shard"),
+    "fsdp.offload": ("none", "cpu"),
     "compile.backend": ("none", "inductor", "aot_eager", "eager", "cudagraphs"),
     "compile.mode": ("default", "reduce-overhead", "max-autotune"),
+    "logging.profile_ranks": ("main", "all"),
 }
 
 # What each data option can take the loss on (data.train_on).
@@ -257,6 +275,7 @@ POSITIVE = (
     "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
+    "model.num_experts", "model.experts_per_token",
 )
 
 
@@ -268,6 +287,8 @@ _PROMPT_COMPLETION = (lambda c: c.data.name == "prompt_completion", "data=prompt
 # Keys that shape the tokens or the validation split: fixed by `python -m trainloop.prepare` for data=prepared.
 _TOKENIZING = (lambda c: c.data.name != "prepared",
                "data=pydoc, files, chat or prompt_completion (data=prepared: give it to python -m trainloop.prepare)")
+_MIXTRAL = (lambda c: c.model.name == "tiny" and c.model.arch == "mixtral", "model=tiny and model.arch=mixtral")
+_FSDP = (lambda c: c.fsdp.name != "none", "fsdp=full_shard (or +preset=fsdp)")
 _LORA = (lambda c: c.adapter.name == "lora", "adapter=lora")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
 
@@ -284,6 +305,7 @@ _READ_ONLY_BY = {
     "model.intermediate_size": _TINY,
     "model.max_position_embeddings": _TINY,
     "model.dropout": _TINY,
+    **{f"model.{key}": _MIXTRAL for key in ("num_experts", "experts_per_token", "router_aux_loss_coef")},
     "model.quantization": (lambda c: c.model.name == "hf" and c.adapter.name == "lora", "model=hf and adapter=lora"),
     **{f"adapter.{key}": _LORA for key in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
     "data.path": (lambda c: c.data.name != "pydoc", "data=files, chat, prompt_completion or prepared"),
@@ -307,7 +329,10 @@ _READ_ONLY_BY = {
         "gather_16bit_weights_on_model_save", "zero3_init")},
     "deepspeed.nvme_path": (lambda c: "nvme" in (c.deepspeed.offload_optimizer, c.deepspeed.offload_param),
                             "deepspeed.offload_optimizer=nvme or deepspeed.offload_param=nvme"),
+    **{f"fsdp.{key}": _FSDP for key in ("reshard_after_forward", "offload")},
+    "checkpoint.async_save": _FSDP,  # DCP's async_save: the other strategies save through accelerate
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
+    "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
 }
 
 
@@ -417,6 +442,50 @@ def source_problems(d: Any) -> list[str]:
     return problems
 
 
+def fsdp_problems(cfg) -> list[str]:
+    """Combinations FSDP2 (fsdp=full_shard) cannot run, each with what to choose instead."""
+    from trainloop.optim import OPTIMIZERS
+
+    if cfg.fsdp.name == "none":
+        return []
+    problems = []
+    name = cfg.fsdp.name
+    if cfg.precision.name == "fp16":
+        problems.append(f"fsdp={name} with precision=fp16: trainloop's FSDP2 computes in bf16 or fp32 (fp16 "
+                        "would need a loss scaler that unscales sharded gradients); use precision=bf16")
+    if cfg.model.quantization != "none":
+        problems.append(f"fsdp={name} with model.quantization={cfg.model.quantization}: FSDP2 shards each "
+                        "parameter on dim 0 as a DTensor, and bitsandbytes' packed 4/8-bit weights are not "
+                        "tensors it can split and gather; use model.quantization=none (LoRA on the full base "
+                        "works under FSDP2), or QLoRA with fsdp=none")
+    opt = OPTIMIZERS.get(cfg.optimizer.name)
+    if opt and not opt.fsdp2:
+        library = f" ({opt.library})" if opt.library else ""
+        problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under fsdp={name}: "
+                        f"{opt.not_fsdp2_because}; use optimizer=adamw or sgd, or fsdp=none")
+    if cfg.trainer.auto_batch_size:
+        problems.append(f"trainer.auto_batch_size with fsdp={name}: the search measures trial steps of the "
+                        "whole model on one process, before it is sharded, so it would not measure what a "
+                        "sharded step needs; set data.batch_size yourself, or fsdp=none")
+    return problems
+
+
+def profile_problems(cfg: Any) -> list[str]:
+    """logging.profile_steps: [START, END], optimizer steps counted from 1, within the run."""
+    window = cfg.logging.profile_steps
+    if window is None:
+        return []
+    if len(window) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in window):
+        return [f"logging.profile_steps={list(window)} must be two optimizer steps [START,END], e.g. [5,8]"]
+    start, end = window
+    if not 1 <= start <= end:
+        return [f"logging.profile_steps=[{start},{end}] needs 1 <= START <= END (steps count from 1)"]
+    if end > cfg.trainer.max_steps:
+        return [f"logging.profile_steps=[{start},{end}] ends after trainer.max_steps={cfg.trainer.max_steps}: "
+                "choose END <= trainer.max_steps"]
+    return []
+
+
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
     from trainloop.optim import OPTIMIZERS
@@ -429,7 +498,7 @@ def validate(cfg: Any) -> None:
     for key in POSITIVE:
         if _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
-    for key in ("checkpoint.every_steps", "trainer.stop_at_step"):
+    for key in ("checkpoint.every_steps", "trainer.stop_at_step", "logging.peak_tflops"):
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 
@@ -442,6 +511,11 @@ def validate(cfg: Any) -> None:
         problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.experts_per_token > m.num_experts:
+        problems.append(f"model.experts_per_token={m.experts_per_token} is more than model.num_experts="
+                        f"{m.num_experts}: a token cannot be routed to more experts than there are")
+    if m.router_aux_loss_coef < 0:
+        problems.append(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be 0 or more")
     problems += adapter_problems(cfg)
     if d.name != "pydoc" and not d.path and not d.sources:
         what = ("a folder written by python -m trainloop.prepare" if d.name == "prepared"
@@ -485,12 +559,17 @@ def validate(cfg: Any) -> None:
         )
     if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
         problems.append("deepspeed offload to nvme needs deepspeed.nvme_path=DIR on a fast local disk")
+    if cfg.fsdp.name != "none" and ds.stage:
+        problems.append(f"fsdp={cfg.fsdp.name} with deepspeed.stage={ds.stage}: a run shards with FSDP2 or "
+                        "with DeepSpeed ZeRO, not both; choose deepspeed=none or fsdp=none")
+    problems += fsdp_problems(cfg)
     c = cfg.compile
     if c.mode != "default" and c.backend != "inductor":
         problems.append(f"compile.mode={c.mode} is an inductor setting; use compile=inductor "
                         f"(compile.backend is {c.backend})")
     if c.regional and c.backend == "none":
         problems.append("compile.regional=true needs a compile backend: add compile=inductor")
+    problems += profile_problems(cfg)
     if cfg.trainer.auto_batch_size and ds.stage:
         problems.append("trainer.auto_batch_size with DeepSpeed: ZeRO fixes the micro-batch in its engine; "
                         "set data.batch_size yourself, or deepspeed=none")

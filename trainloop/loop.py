@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from trainloop.mixture import source_names
+from trainloop.parallel import clip_grad_norm, gradient_sync
+from trainloop.profiler import StepProfiler
+from trainloop.router import RouterLoad
 from trainloop.telemetry import Telemetry
 
 IGNORE = -100  # labels with no loss (trainloop.data.IGNORE; not imported: data pulls in `datasets`)
@@ -66,13 +69,17 @@ def model_inputs(batch: dict) -> dict:
     return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
 
 
-def token_loss_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss_sum(model, batch: dict, router=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed next-token loss over the batch's target tokens, and their number.
 
     Summed, not averaged: a step's loss is divided once by all its target tokens, over every
     micro-batch and rank, so each token weighs the same however the tokens fall into micro-batches.
+    With `router` (a trainloop.router.RouterLoad), the forward's routing is recorded there.
     """
-    logits = model(**model_inputs(batch)).logits
+    output = model(**model_inputs(batch))
+    if router is not None:
+        router.record(output, batch)
+    logits = output.logits
     targets = batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
@@ -102,9 +109,11 @@ def step_batches(batches, accumulation: int) -> list[dict]:
 @contextmanager
 def micro_step(accelerator, model, last: bool):
     """accelerate's `accumulate`, with the step's last micro-batch named by the loop: the loop reads
-    a step's batches before running them, so accelerate's own end-of-epoch test would fire early."""
+    a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
+    Gradients are reduced over the ranks only on the last (trainloop.parallel: DDP's no_sync, or
+    FSDP2's own switch)."""
     accelerator.sync_gradients = last
-    with nullcontext() if last else accelerator.no_sync(model):
+    with gradient_sync(accelerator, model, enabled=last):
         yield
 
 
@@ -136,60 +145,78 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
     # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
     # scaled by both, the gradient is the sum of token-loss gradients / the step's target tokens.
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    router = RouterLoad.for_model(cfg.model, accelerator.device)  # a mixture of experts: its router
     names = source_names(cfg.data)  # data.sources: the mixture's, counted per step
     source_tokens = torch.tensor([state.tokens_per_source.get(n, 0) for n in names], device=accelerator.device)
-    while state.step < tc.max_steps:
-        t_data = time.perf_counter()
-        group = step_batches(batches, accelerator.gradient_accumulation_steps)
-        wait += time.perf_counter() - t_data
-        step_tokens, step_source_tokens = step_target_tokens(accelerator, group, len(names))
-        source_tokens += step_source_tokens
-        for i, batch in enumerate(group):
-            with micro_step(accelerator, model, last=i == len(group) - 1):
-                summed, _ = token_loss_sum(model, batch)
-                accelerator.backward(summed * (scale / step_tokens))  # under DeepSpeed this also steps at the end
-                step_loss += summed.detach() / step_tokens  # this rank's share of the step's loss
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                    verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
-                    if verdict.update:
-                        optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        steps += 1
-        tokens += tokens_per_batch * len(group)
-        state.tokens_seen += tokens_per_batch * len(group)
+    # None unless logging.profile_steps
+    profiler = StepProfiler.build(cfg.logging, accelerator, metrics.run_dir, state.step)
+    try:
+        while state.step < tc.max_steps:
+            t_data = time.perf_counter()
+            group = step_batches(batches, accelerator.gradient_accumulation_steps)
+            wait += time.perf_counter() - t_data
+            step_tokens, step_source_tokens = step_target_tokens(accelerator, group, len(names))
+            source_tokens += step_source_tokens
+            for i, batch in enumerate(group):
+                with micro_step(accelerator, model, last=i == len(group) - 1):
+                    summed, _ = token_loss_sum(model, batch, router)
+                    loss = summed * (scale / step_tokens)
+                    # divided by `scale` too: the step adds coef x the mean aux loss of its forwards
+                    if router is not None:
+                        loss = loss + router.coef * router.aux
+                    accelerator.backward(loss)  # under DeepSpeed this also steps at the end
+                    step_loss += summed.detach() / step_tokens  # this rank's share of the step's loss
+                    if accelerator.sync_gradients:
+                        grad_norm = clip_grad_norm(accelerator, model, max_norm)
+                        verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
+                        if verdict.update:
+                            optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            steps += 1
+            tokens += tokens_per_batch * len(group)
+            state.tokens_seen += tokens_per_batch * len(group)
 
-        if verdict.update and not accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        loss_sum += step_loss
-        step_loss.zero_()
-        state.step += 1
-        metrics.advance()
-        if telemetry.due(state.step):  # before the log line below resets the data-wait window
-            telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
-        last = state.step == tc.max_steps
-        stop = verdict.stop or state.step == tc.stop_at_step
-        saving = checkpointer.due(state.step) or last or stop
-        log_due = state.step % tc.log_every == 0 or last
-        if names and (saving or log_due):  # on the host only when written: no sync per step
-            state.tokens_per_source = dict(zip(names, source_tokens.tolist()))
-        if log_due:
-            elapsed = time.perf_counter() - t_log
-            mean_loss = accelerator.reduce(loss_sum, reduction="sum").item() / steps
-            metrics.train(
-                state.step, loss=mean_loss, lr=scheduler.get_last_lr()[0],
-                grad_norm=None if grad_norm is None else float(grad_norm),
-                tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed, epoch=state.epoch,
-                tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
-                **({"tokens_per_source": state.tokens_per_source} if names else {}),
-            )
-            loss_sum.zero_()
-            t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
-        if state.step % tc.eval_every == 0 or last:
-            eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
-            metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
-        if saving:
-            checkpointer.save(state, model)
-        if stop:
-            break
+            if verdict.update and not accelerator.optimizer_step_was_skipped:
+                scheduler.step()
+            loss_sum += step_loss
+            step_loss.zero_()
+            state.step += 1
+            metrics.advance()
+            for record in checkpointer.poll(state.step):  # an asynchronous save written meanwhile: committed
+                metrics.write(record)
+            if telemetry.due(state.step):  # before the log line below resets the data-wait window
+                telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
+            last = state.step == tc.max_steps
+            stop = verdict.stop or state.step == tc.stop_at_step
+            saving = checkpointer.due(state.step) or last or stop
+            log_due = state.step % tc.log_every == 0 or last
+            if names and (saving or log_due):  # on the host only when written: no sync per step
+                state.tokens_per_source = dict(zip(names, source_tokens.tolist()))
+            if log_due:
+                elapsed = time.perf_counter() - t_log
+                mean_loss = accelerator.reduce(loss_sum, reduction="sum").item() / steps
+                metrics.train(
+                    state.step, loss=mean_loss, lr=scheduler.get_last_lr()[0],
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed, epoch=state.epoch,
+                    tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
+                    **({"tokens_per_source": state.tokens_per_source} if names else {}),
+                    **(router.window(accelerator) if router is not None else {}),
+                )
+                loss_sum.zero_()
+                t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
+            if state.step % tc.eval_every == 0 or last:
+                eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
+                metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
+            if saving:
+                checkpointer.save(state, model)
+            if profiler is not None:  # a profiled step holds its logging, eval and save too
+                profiler.step(state.step)
+            if stop:
+                break
+    finally:  # a window cut short by a stop (or an error) is saved with the steps it holds
+        if profiler is not None:
+            profiler.close()
+    for record in checkpointer.wait(state.step):  # a save still being written commits before the run ends
+        metrics.write(record)
     return eval_loss

@@ -17,8 +17,12 @@ class Metrics:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl and drives the progress bar."""
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
-                 progress_bar: bool, world_size: int):
+                 progress_bar: bool, world_size: int, flops_per_token: float | None = None,
+                 peak_tflops: float | None = None):
         self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.flops_per_token = flops_per_token  # trainloop.flops: counted once at start
+        self.peak_tflops = peak_tflops
         self.world_size = world_size
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self.bar = None
@@ -37,10 +41,14 @@ class Metrics:
         self.file.flush()
 
     def train(self, step: int, **values) -> None:
+        if self.flops_per_token is not None:  # from the window's tokens/s: no sync of its own
+            tflops = values["tokens_per_s"] / self.world_size * self.flops_per_token / 1e12
+            values.update(tflops=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None)
         self.write({"step": step, **values})
         if self.bar is not None:
+            mfu = {"mfu": f"{values['mfu']:.1%}"} if values.get("mfu") is not None else {}
             self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
-                                 tok_s=f"{values['tokens_per_s']:,.0f}", refresh=False)
+                                 tok_s=f"{values['tokens_per_s']:,.0f}", **mfu, refresh=False)
         elif self.enabled:
             log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s", step, values["loss"],
                      values["lr"], values["tokens_per_s"])

@@ -45,7 +45,7 @@ def carry_token_ids(config, token_ids: dict[str, int | None]) -> None:
 
 
 def _shape_config(cfg: ModelConfig, vocab_size: int):
-    from transformers import AutoConfig, GPT2Config, LlamaConfig
+    from transformers import AutoConfig, GPT2Config, LlamaConfig, MixtralConfig
 
     if cfg.name == "hf":
         try:
@@ -66,6 +66,17 @@ def _shape_config(cfg: ModelConfig, vocab_size: int):
             n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=intermediate,
             resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             use_cache=False,
+        )
+    if cfg.arch == "mixtral":
+        # A Llama whose MLP is num_experts expert MLPs (each intermediate wide) behind a top-k router;
+        # the router's logits come out of every forward, for its load-balancing loss (trainloop.loop).
+        return MixtralConfig(
+            vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=intermediate,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
+            attention_dropout=cfg.dropout, tie_word_embeddings=True, use_cache=False,
+            num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+            router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=True,
         )
     return LlamaConfig(
         vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=intermediate,

@@ -131,6 +131,8 @@ class Optimizer:
     zero3: bool = True  # works on ZeRO-3's partitioned parameters
     cuda_only: bool = False
     not_zero3_because: str = ""
+    fsdp2: bool = True  # steps on FSDP2's DTensor shards (torch's optimizers do, through DTensor ops)
+    not_fsdp2_because: str = ""
     library: str = ""  # the package that implements it, where that is not torch or transformers
 
 
@@ -138,11 +140,16 @@ ADAM_KEYS = ("lr", "weight_decay", "betas", "eps")
 OFFLOAD_READS = ADAM_KEYS  # what DeepSpeed's CPU Adam reads when it steps in (build_optimizer)
 EIGHT_BIT = dict(state_bytes=_adam8bit_state, shared_state_bytes=2 * 256 * 4, reads=ADAM_KEYS, zero3=False,
                  not_zero3_because="ZeRO-3 partitions the parameters the 8-bit optimizer must see whole",
+                 fsdp2=False, not_fsdp2_because="bitsandbytes' 8-bit kernels take plain tensors, not FSDP2's "
+                 "DTensor shards (seen: 'got mixed torch.Tensor and DTensor')",
                  library="bitsandbytes")
 
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, _adamw_state, _adamw_temporaries, reads=(*ADAM_KEYS, "impl"), cpu_offload=True),
-    "adafactor": Optimizer(_adafactor, _adafactor_state, _adafactor_temporaries),
+    "adafactor": Optimizer(_adafactor, _adafactor_state, _adafactor_temporaries, fsdp2=False,
+                           not_fsdp2_because="its factored second moment (row and column means) is kept as "
+                           "plain tensors and mixed with the DTensor gradient shards (seen: 'got mixed "
+                           "torch.Tensor and DTensor')"),
     "adamw8bit": Optimizer(_adamw8bit, **EIGHT_BIT),
     "paged_adamw8bit": Optimizer(_paged_adamw8bit, **EIGHT_BIT),
     "sgd": Optimizer(_sgd, _sgd_state, reads=("lr", "weight_decay", "momentum")),

@@ -46,7 +46,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.data import build_dataloaders, build_tokenizer, check_batch_fits
     from trainloop.deepspeed import restore_cpu_adam_step_count
     from trainloop.errors import Preempted
+    from trainloop.flops import flops_per_token, peak_tflops, trained_matmul_params
     from trainloop.export import export_model
+    from trainloop.fsdp import shard_model
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics
@@ -82,6 +84,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     model = build_model(cfg.model, model_config, cfg.precision.name)
     if cfg.adapter.name != "none":
         model = apply_adapter(cfg, model)
+    flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
+                            trained_matmul_params=trained_matmul_params(model) if cfg.adapter.name != "none" else None)
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
                              cpu_offload=bool(cfg.deepspeed.stage) and cfg.deepspeed.offload_optimizer != "none")
     batch_search = None
@@ -103,27 +107,36 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
                                                    pin_memory=cfg.data.pin_memory and on_cuda, order=order)
     compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
+    if cfg.fsdp.name != "none":  # compiled blocks, then sharded (torchtitan's order); before the optimizer
+        shard_model(cfg, model, accelerator.device)
     optimizer = make_optimizer()
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The scheduler is stepped by the loop once per optimizer step; accelerate would step a
     # prepared one num_processes times, changing the schedule with the world size.
     # The training loader is already this rank's share of the global order: accelerate must not shard it again.
-    model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
+    if cfg.fsdp.name != "none":  # sharded by trainloop: accelerate must not wrap it in DDP too
+        optimizer, valid_loader = accelerator.prepare(optimizer, valid_loader)
+    else:
+        model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
     accelerator.register_for_checkpointing(scheduler)
 
     n_params = sum(full_numel(p) for p in model.parameters())
     n_trained = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
-    log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained) | %d train / %d valid blocks of %d tokens",
-             run_dir, describe(cfg, accelerator, model), n_params / 1e6, n_trained / 1e6, len(train_set),
+    experts = getattr(model_config, "num_local_experts", None)  # a mixture of experts (model.arch=mixtral)
+    routing = f"; {experts} experts per block, {model_config.num_experts_per_tok} per token" if experts else ""
+    log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained%s) | %d train / %d valid blocks of %d tokens",
+             run_dir, describe(cfg, accelerator, model), n_params / 1e6, n_trained / 1e6, routing, len(train_set),
              len(valid_set), cfg.data.seq_len)
     state = TrainState()
     if resume_from is not None:
-        checkpointer.load(resume_from, state)
+        checkpointer.load(resume_from, state, model)
         restore_cpu_adam_step_count(optimizer)  # bitwise resume under optimizer offload (see there)
     if record is not None and accelerator.is_main_process:
         record.write(run_dir)
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
-                      cfg.logging.progress_bar, accelerator.num_processes)
+                      cfg.logging.progress_bar, accelerator.num_processes, flops_per_token=flops,
+                      peak_tflops=peak_tflops(accelerator.device, cfg.precision.name, cfg.logging.peak_tflops)
+                      if accelerator.is_main_process else None)
     if batch_search is not None:
         metrics.write(batch_search.record(accelerator.num_processes))
     guard = StepGuard(cfg, accelerator, checkpointer, Preemption())

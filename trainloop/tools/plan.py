@@ -10,6 +10,9 @@ the bytes each process needs on the GPU, in CPU RAM and on NVMe:
   16-bit weights and gradients (2 + 2 B) and fp32 master weights plus optimizer states
   (K = 12 B for AdamW), stage 1 partitioning the optimizer states over the world size,
   stage 2 also the gradients, stage 3 also the parameters; offload moves them to CPU or NVMe;
+  under FSDP2 (fsdp=full_shard) each process's fp32 shards of the parameters, their gradients and
+  optimizer state (exact: rows split over the world size), the gathered block(s) and unsharded
+  gradients of the block being computed, and with fsdp.offload=cpu the shards in CPU memory;
 - activations for the micro-batch and sequence length, per layer of the transformer's shape,
   with and without gradient checkpointing (coefficients of Hugging Face's Llama and GPT-2
   code, checked against saved-tensor measurements in tests/test_plan.py);
@@ -56,6 +59,9 @@ class ModelShape:
     largest_layer_params: int
     trainable: list[tuple[int, ...]] | None = None  # with an adapter: the adapters' shapes (None: all train)
     quantized_params: int = 0  # elements of the linear weights model.quantization stores in 4 or 8 bits
+    num_experts: int = 0  # a mixture of experts: expert MLPs per block (0: a dense MLP)
+    experts_per_token: int = 0  # experts the router sends each token to
+    expert_params: int = 0  # in all blocks' experts (the routers not counted)
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -68,6 +74,13 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: of the experts only the experts_per_token it is routed to."""
+        if not self.num_experts:
+            return self.num_params
+        return self.num_params - self.expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
 
 
 def model_shape(cfg) -> ModelShape:
@@ -93,8 +106,12 @@ def model_shape(cfg) -> ModelShape:
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     family = "gpt2" if config.model_type in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "gpt_bigcode") else "llama"
     shapes = [tuple(p.shape) for p in model.parameters()]
+    experts = [m for m in model.modules() if _is_experts(m)]  # e.g. Mixtral's, a 3-D weight per projection
     trainable, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
     return ModelShape(
+        num_experts=getattr(config, "num_local_experts", 0) if experts else 0,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        expert_params=sum(p.numel() for m in experts for p in m.parameters()),
         trainable=trainable, quantized_params=quantized, family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
         shapes=shapes, layer_linear_params=matmul,
@@ -127,7 +144,13 @@ QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
 def _is_matmul(module) -> bool:
     import torch
 
-    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+    return (isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Conv1D", "MixtralTopKRouter")
+            or _is_experts(module))
+
+
+def _is_experts(module) -> bool:
+    """transformers' stacked experts of a mixture-of-experts block (MixtralExperts and its kin)."""
+    return type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +200,7 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
                      checkpointing: bool, attention: str) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
-    Bytes per token per layer of Hugging Face's Llama and GPT-2 layers, counted from the
+    Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
     tensors autograd saves (tests/test_plan.py measures them): the h terms are the norms,
     projections and residual, i the MLP, heads the attention's log-sum-exp. `half`: 16-bit
     compute (autocast or a 16-bit model). Under autocast, every layer also keeps the 16-bit
@@ -194,7 +217,13 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
         rest = tokens * (4 * V + (6 if half else 8) * h + 26) + 8 * seq
     if attention == "eager":  # the softmax probabilities instead of the log-sum-exp
         per_token += heads * (seq - 1) * (2 if half else 4)
-    weight_copies = 2 * shape.layer_linear_params if autocast else 0
+    if shape.num_experts:  # each token through k experts' MLPs (tokens sorted by expert) instead of one MLP
+        k, E = shape.experts_per_token, shape.num_experts
+        # measured (CPU, transformers 5.23): under autocast the expert matmuls keep fp32 activations and
+        # make no 16-bit copies of the expert weights
+        per_token += k * (8 * h + 16 * i + 48) - ((8 * i + 2 * h + 12) if half else 16 * i)
+        per_token += 8 * E + 4  # the router's logits and probabilities
+    weight_copies = 2 * (shape.layer_linear_params - shape.expert_params // shape.num_layers) if autocast else 0
     rest += 2 * V * h if autocast else 0  # the output projection's 16-bit copy
     layer = tokens * per_token + weight_copies
     if not checkpointing:
@@ -217,7 +246,9 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if shape.trainable is not None:
         plan.notes.append(f"adapter={cfg.adapter.name}: {t / 1e6:,.2f}M parameters train, "
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
-    if stage == 0:
+    if cfg.fsdp.name != "none":
+        _fsdp_states(plan, cfg, shape, world_size, dev, half)
+    elif stage == 0:
         grads_held = cfg.trainer.gradient_accumulation_steps > 1  # kept between micro-batches
         q = shape.quantized_params
         if q:
@@ -262,8 +293,10 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                      note="one layer + the prefetch bucket + persistent small parameters"))
             add(Line("gathered parameters", pb * gathered, dev, "optimizer step", exact=False))
 
+    # FSDP2 computes on bf16 copies of the parameters (its MixedPrecisionPolicy), not under autocast
+    autocast = half and stage == 0 and cfg.fsdp.name == "none"
     saved, recompute = activation_bytes(
-        shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=half and stage == 0,
+        shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation)
     add(Line("activations", saved, dev, "forward/backward", exact=False,
              note=f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
@@ -273,15 +306,64 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                  note="one layer's activations, rebuilt during the backward pass"))
     if not cfg.model.gradient_checkpointing:
         without = saved
-        with_gc = sum(activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, half and stage == 0,
+        with_gc = sum(activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast,
                                        True, cfg.model.attn_implementation))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
-        without = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, half and stage == 0,
+        without = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast,
                                    False, cfg.model.attn_implementation)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
+
+
+def _fsdp_states(plan: MemoryPlan, cfg, shape: ModelShape, world_size: int, dev: str, half: bool) -> None:
+    """FSDP2 (fully_shard on every block, then the root): every parameter is split along its first
+    dimension, each process storing ceil(rows / N) rows in fp32 (the sharded parameters are the
+    master weights; MixedPrecisionPolicy casts a block's parameters to bf16 when it is gathered);
+    the gradient and the optimizer state of a shard are shaped like it. Those are exact; the
+    transients of the block being computed are estimates:
+    - forward/backward: the root's parameters (embeddings, final norm, output head) stay gathered
+      from the forward to the end of the backward; each block's are gathered just before it runs
+      (the current block and the next one prefetched: two at once), or, with
+      reshard_after_forward=false, kept from its forward until its backward (the whole model at the
+      start of the backward); in the backward a block's unsharded gradients and the flat fp32
+      reduce-scatter input they are copied into, and the root's unsharded gradients;
+    - fsdp.offload=cpu: the shards, their gradients and optimizer state live in CPU memory and
+      the optimizer steps there; the device holds the gathered working set only.
+    """
+    opt, n = cfg.optimizer, world_size
+    pb = 2 if half else 4  # the gathered (compute) copies: MixedPrecisionPolicy's param_dtype
+    local = lambda shapes: [(math.ceil(s[0] / n), *s[1:]) if s else s for s in shapes]  # noqa: E731
+    sharded, trainable = local(shape.shapes), local(shape.trainable_shapes)
+    home = "cpu" if cfg.fsdp.offload == "cpu" else dev
+    shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
+    add = plan.lines.append
+    grads_held = cfg.trainer.gradient_accumulation_steps > 1
+    add(Line("parameters", 4 * sum(math.prod(s) for s in sharded), home, note=f"fp32 shards, {shard_note}"))
+    add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, None if grads_held else "optimizer step",
+             note=f"fp32 shards (reduce-scattered), {shard_note}" + ("" if grads_held else ", freed by zero_grad")))
+    states = planned_state_bytes(opt, trainable)
+    t = max(1, sum(math.prod(s) for s in trainable))
+    add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
+    add(Line("optimizer step temporaries", planned_step_temporaries(opt, plan.device == "cuda", trainable),
+             home, "optimizer step", exact=False))
+    block = shape.largest_layer_params
+    root = max(0, shape.num_params - shape.num_layers * block)  # embeddings, final norm, output head
+    if cfg.fsdp.reshard_after_forward:
+        gathered, note = root + min(2, shape.num_layers) * block, "the root + 2 blocks (current, prefetched)"
+    else:
+        gathered = shape.num_params
+        note = "fsdp.reshard_after_forward=false: every block stays gathered until its backward"
+    add(Line("gathered parameters", pb * gathered, dev, "forward/backward", exact=False,
+             note=f"{pb} B/param, " + note))
+    if shape.trainable is not None:  # an adapter: only its own small weights have gradients
+        root, block = 0, shape.num_trainable // max(1, shape.num_layers)
+    add(Line("unsharded gradients", pb * (root + block) + 4 * block, dev, "forward/backward", exact=False,
+             note=f"the root's and one block's ({pb} B/param) + its fp32 reduce-scatter input"))
+    if half:
+        plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
+                          "gradients reduced in fp32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,21 +459,52 @@ def _peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def measure_training(cfg, steps: int) -> dict:
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def track_live_memory(on: bool) -> bool:
+    """On: glibc gives every allocation of 64 KiB or more its own mapping, unmapped when freed, so
+    the resident set follows the live tensors. Off: a 32 MiB threshold, glibc's steady state.
+    With glibc's default heap a freed tensor stays resident and a later, differently sized one
+    may not fit in its place: under FSDP2 (gather and free a block at a time) the resident set of
+    a 17M-parameter model grew 380 -> 560 MB over 4 steps with the live tensors flat (seen here).
+    False where there is no glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10 if on else 32 * 2**20)
+        if on:
+            libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     """Train `steps` optimizer steps with the run's own builders; the memory the training took.
 
-    On CPU: peak RSS during training minus RSS just before the model is built (Linux: the peak
-    is reset through /proc/self/clear_refs). On a GPU: torch's peak allocated bytes.
+    On CPU: peak RSS during those steps minus RSS just before the model is built (Linux: the
+    peak is reset through /proc/self/clear_refs), with glibc told to unmap freed tensors
+    (track_live_memory) so that the resident set follows the live tensors. On a GPU: torch's peak
+    allocated bytes. Then `timed_steps` more steps with glibc's usual heap, each timed
+    (`step_seconds`); `peak_rss` is the whole process's peak resident set at the end.
+    Under a launcher every process measures itself; the model is prepared as run.py does (DDP or
+    DeepSpeed through accelerate, FSDP2 by trainloop.fsdp). `shard_bytes`: the storage this
+    process holds for parameters, gradients and optimizer state, counted on the live tensors.
     """
     import gc
+    import time
 
     import torch
 
     from trainloop.accelerator import build_accelerator
     from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
-    from trainloop.loop import token_loss_sum
+    from trainloop.loop import micro_step, token_loss_sum
     from trainloop.model import build_model, build_model_config
     from trainloop.optim import build_optimizer
+    from trainloop.parallel import clip_grad_norm, local_shard
+    from trainloop.run import end_distributed
 
     accelerator = build_accelerator(cfg)
     on_cuda = accelerator.device.type == "cuda"
@@ -401,29 +514,73 @@ def measure_training(cfg, steps: int) -> dict:
     loader, _ = build_dataloaders(cfg.data, train_set, valid_set, pin_memory=False)
     batch = {key: value.to(accelerator.device) for key, value in next(iter(loader)).items()}
     gc.collect()
+    live = track_live_memory(True)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS now starts from here
     before = _rss()
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
         gpu_before = torch.cuda.memory_allocated()
-    model = build_model(cfg.model, model_config)
-    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=on_cuda)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model = build_model(cfg.model, model_config, cfg.precision.name)
+    make_optimizer = lambda: build_optimizer(  # noqa: E731
+        cfg.optimizer, model, on_cuda=on_cuda,
+        cpu_offload=bool(cfg.deepspeed.stage) and cfg.deepspeed.offload_optimizer != "none")
+    if cfg.fsdp.name != "none":  # sharded by trainloop, as in run.py; accelerate prepares the optimizer
+        from trainloop.fsdp import shard_model
+
+        shard_model(cfg, model, accelerator.device)
+        optimizer = accelerator.prepare(make_optimizer())
+    else:
+        model, optimizer = accelerator.prepare(model, make_optimizer())
     model.train()
-    for _ in range(steps * cfg.trainer.gradient_accumulation_steps):
-        with accelerator.accumulate(model):
-            summed, count = token_loss_sum(model, batch)  # the loop's own loss
-            accelerator.backward(summed / count)
-            if accelerator.sync_gradients and cfg.trainer.max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    result = {"steps": steps, "rss_before": before, "peak_rss": _peak_rss(),
-              "cpu_training_bytes": _peak_rss() - before}
-    if on_cuda:
-        result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+    accumulation = cfg.trainer.gradient_accumulation_steps
+    shards, seconds, result = {}, [], {}
+    for step in range(steps + timed_steps):
+        if step == steps:  # the memory steps are over: their peak, then glibc's usual heap for the timing
+            result = {"training_bytes": _peak_rss() - before}
+            if on_cuda:
+                result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+            track_live_memory(False)
+        start = time.perf_counter()
+        for micro in range(accumulation):
+            last = micro == accumulation - 1
+            with micro_step(accelerator, model, last):
+                summed, count = token_loss_sum(model, batch)  # the loop's own loss
+                accelerator.backward(summed / count)
+                if last:
+                    clip_grad_norm(accelerator, model, cfg.trainer.max_grad_norm or math.inf)
+                    if step == steps - 1:
+                        shards["gradients"] = _storage_bytes(local_shard(p.grad) for p in model.parameters()
+                                                             if p.grad is not None)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        summed.item()  # waits for the device
+        seconds.append(time.perf_counter() - start)
+    if not timed_steps:
+        result = {"training_bytes": _peak_rss() - before}
+        if on_cuda:
+            result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+    shards["parameters"] = _storage_bytes(local_shard(p) for p in model.parameters())
+    shards["optimizer states"] = _storage_bytes(local_shard(v) for state in optimizer.state.values()
+                                                for v in state.values() if isinstance(v, torch.Tensor))
+    result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _peak_rss(),
+              "cpu_training_bytes": result.pop("training_bytes"), **result, "glibc_live_tracking": live,
+              "shard_bytes": shards, "step_seconds": seconds[steps:], "tokens_per_step": accumulation
+              * cfg.data.batch_size * cfg.data.seq_len * accelerator.num_processes}
+    if accelerator.num_processes > 1:  # every process's measurement, on every process
+        gathered = [None] * accelerator.num_processes
+        torch.distributed.all_gather_object(gathered, result)
+        result = {"per_process": gathered}
+    end_distributed(accelerator)
     return result
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (views of one buffer counted once)."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,7 +615,7 @@ def build_report(overrides: list[str], world_size: int, procs_per_node: int | No
     def one(c, label: str) -> dict:
         plan = plan_memory(c, shape_of(c), world_size, machine.device, procs_per_node, label)
         fits, lines = verdict(plan, machine)
-        return {"plan": plan, "fits": fits, "verdict": lines}
+        return {"plan": plan, "fits": fits, "verdict": lines, "shape": shape_of(c)}
 
     report = {"machine": machine, "world_size": world_size, "config": one(cfg, "the config"), "presets": {}}
     if compare_presets:
@@ -477,7 +634,10 @@ def render(report: dict) -> str:
     m, c = report["machine"], report["config"]
     plan: MemoryPlan = c["plan"]
     where_dev = "GPU" if plan.device == "cuda" else "device (CPU)"
-    out = [f"trainloop plan: {plan.num_params / 1e6:,.1f}M parameters, {plan.world_size} process(es) "
+    shape: ModelShape = c["shape"]
+    experts = (f" ({shape.num_experts} experts per block, {shape.experts_per_token} per token: "
+               f"{shape.active_params / 1e6:,.1f}M active)" if shape.num_experts else "")
+    out = [f"trainloop plan: {plan.num_params / 1e6:,.1f}M parameters{experts}, {plan.world_size} process(es) "
            f"({plan.procs_per_node} per node), training on {plan.device}", ""]
     out.append(f"  {'per process':<28}{'bytes':>14}  {'where':<6} {'when':<18} note")
     for x in (x for x in plan.lines if x.bytes):
@@ -489,7 +649,8 @@ def render(report: dict) -> str:
         if name and (plan.peak(w) or w == "cpu"):
             out.append(f"  peak {name}: {_gib(plan.peak(w))} per process")
     out += [f"  {note}" for note in plan.notes]
-    out.append("  (~: an estimate; the rest is exact for a plain run, the ZeRO paper's formula under DeepSpeed)")
+    out.append("  (~: an estimate; the rest is exact for a plain run and FSDP2's shards, the ZeRO paper's formula "
+               "under DeepSpeed)")
     out += ["", f"this machine ({m.source}): " + (f"{m.gpu_name} ({_gib(m.gpu_memory)}); " if m.gpu_memory else "")
             + f"RAM {_gib(m.ram_available)} available of {_gib(m.ram_total)}"
             + (f"; NVMe {_gib(m.nvme_free)} free" if m.nvme_free is not None else "")]
@@ -533,38 +694,49 @@ def main(argv: list[str] | None = None) -> int:
                         help="plan for nodes with this much RAM instead of this machine's available RAM")
     parser.add_argument("--no-presets", action="store_true", help="do not compare the presets")
     parser.add_argument("--measure", type=int, default=0, metavar="STEPS",
-                        help="also train STEPS steps here (1 process) and print the memory they used")
+                        help="also train STEPS steps here (in each process of a launcher: torchrun "
+                             "--nproc_per_node N -m trainloop.plan ...) and print the memory they used")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("overrides", nargs="*", help="the run's config overrides")
     args = parser.parse_args(argv)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world_size < 1:
         parser.error("--world-size must be 1 or more")
-    if args.measure and world_size != 1:
-        parser.error("--measure trains one process here: use it with --world-size 1")
+    if args.measure and world_size != int(os.environ.get("WORLD_SIZE", "1")):
+        parser.error("--measure trains here, in the processes launched: for N processes run "
+                     "`torchrun --nproc_per_node N -m trainloop.plan --measure STEPS ...` (no --world-size)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         report = build_report(args.overrides, world_size, args.nproc_per_node, args.device, args.gpu_memory,
                               args.cpu_memory, compare_presets=not args.no_presets)
         if args.measure:
-            report["measured"] = measured = measure_training(compose_config(args.overrides), args.measure)
-            plan = report["config"]["plan"]
-            predicted = plan.peak("gpu" if "gpu_training_bytes" in measured else "cpu")
-            got = measured.get("gpu_training_bytes", measured["cpu_training_bytes"])
-            measured["predicted_bytes"], measured["ratio"] = predicted, predicted / got
+            measured = measure_training(compose_config(args.overrides), args.measure)
+            report["measured"] = measured = compare(report["config"]["plan"], measured)
     except ConfigError as err:
         print(f"trainloop.plan: error: {err}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher: one report, from rank 0
+        return 0
     if args.json:
         print(json.dumps(to_json(report), indent=2, default=str))
     else:
         print(render(report))
         if args.measure:
-            m = report["measured"]
-            got = m.get("gpu_training_bytes", m["cpu_training_bytes"])
-            print(f"\nmeasured here over {m['steps']} steps: {_gib(got)} "
-                  f"(predicted {_gib(m['predicted_bytes'])}, ratio {m['ratio']:.3f})")
+            for m in report["measured"].get("per_process", [report["measured"]]):
+                got = m.get("gpu_training_bytes", m["cpu_training_bytes"])
+                print(f"\n{'measured here' if world_size == 1 else 'process %d measured' % m['rank']} over "
+                      f"{m['steps']} steps: {_gib(got)} (predicted {_gib(m['predicted_bytes'])}, "
+                      f"ratio {m['ratio']:.3f})")
     return 0
+
+
+def compare(plan: MemoryPlan, measured: dict) -> dict:
+    """The prediction beside each process's measurement, and their ratio."""
+    for m in measured.get("per_process", [measured]):
+        predicted = plan.peak("gpu" if "gpu_training_bytes" in m else "cpu")
+        got = m.get("gpu_training_bytes", m["cpu_training_bytes"])
+        m["predicted_bytes"], m["ratio"] = predicted, predicted / got
+    return measured
 
 
 if __name__ == "__main__":

@@ -1,0 +1,175 @@
+"""DDP, ZeRO-3 and FSDP2 on N processes, measured in one invocation on this machine.
+
+    python scripts/bench_parallel.py [--nproc 2] [--warmup 2] [--steps 3] [--only ddp fsdp]
+                                     [--json OUT] [overrides ...]
+
+Each strategy (DDP, ZeRO-3 with DeepSpeed's default buckets and with 5M-element ones, FSDP2) is
+one `torchrun --nproc_per_node N` launch of this script (gloo on CPU, NCCL on
+GPUs) training the same model (default: a 57M-parameter Llama, 6 blocks of 768, fp32 AdamW) on
+the same batch of 2 x 128 tokens per process, through trainloop's own builders
+(trainloop.tools.plan.measure_training: DDP and DeepSpeed ZeRO-3 through accelerate, FSDP2 through
+trainloop.fsdp, as run.py prepares them). Per process, the largest over the processes:
+  - training peak: over the warm-up steps, on CPU the peak resident set (VmHWM, reset through
+    /proc/self/clear_refs just before the model is built) minus the resident set at that moment,
+    with glibc unmapping freed tensors so that the resident set follows the live ones; on a GPU
+    torch.cuda.max_memory_allocated. Parameters, gradients, optimizer state, gathered blocks,
+    activations and the full model each process builds before it is sharded; not the libraries;
+  - peak RSS: the whole process's peak resident set at the end (python, torch, the data and the
+    libraries included; glibc's usual heap in the timed steps);
+  - planned: `python -m trainloop.plan`'s prediction of the training peak for the same config;
+  - tokens/s: the global batch's tokens over the median wall-clock time of the timed steps.
+Ratios are against DDP's figures of this same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = ["model.num_layers=6", "model.hidden_size=768", "model.num_heads=12", "data.seq_len=128",
+         "data.batch_size=2", "optimizer=adamw", "precision=fp32", "trainer.gradient_accumulation_steps=1"]
+# name -> (label, preset, the strategy's own overrides)
+STRATEGIES = {
+    "ddp": ("DDP", "ddp", []),
+    "zero3": ("DeepSpeed ZeRO-3", "zero3", []),
+    # DeepSpeed's default buckets (500M elements reduced, 50M prefetched) hold more than a small model
+    "zero3_small_buckets": ("DeepSpeed ZeRO-3, buckets of 5M elements", "zero3",
+                            ["deepspeed.reduce_bucket_size=5000000", "deepspeed.stage3_prefetch_bucket_size=5000000"]),
+    "fsdp": ("FSDP2 (fully_shard)", "fsdp", []),
+}
+
+
+def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
+    from trainloop.config import compose_config
+    from trainloop.tools.plan import compare, measure_training, model_shape, plan_memory
+
+    _, preset, own = STRATEGIES[name]
+    cfg = compose_config([f"+preset={preset}", *MODEL, *own, *overrides])
+    measured = measure_training(cfg, warmup, timed_steps=steps)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = len(measured.get("per_process", [measured]))
+    plan = plan_memory(cfg, model_shape(cfg), world, device)
+    return {"num_params": plan.num_params, "world_size": world, "device": device, **compare(plan, measured)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_strategy(name: str, nproc: int, warmup: int, steps: int, overrides: list[str]) -> dict:
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
+           str(free_port()), __file__, "--worker", name, "--warmup", str(warmup), "--steps", str(steps),
+           "--", *overrides]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-3:] if proc.stderr.strip() else []
+        return {"failed": f"exit {proc.returncode}: " + " | ".join(tail)[-400:]}
+    return json.loads(lines[-1])
+
+
+def summary(result: dict) -> dict:
+    """The largest figure over the processes, and the median step."""
+    procs = result["per_process"]
+    gpu = "gpu_training_bytes" in procs[0]
+    seconds = statistics.median(s for p in procs for s in p["step_seconds"])
+    return {"training_peak": max(p["gpu_training_bytes" if gpu else "cpu_training_bytes"] for p in procs),
+            "peak_rss": max(p["peak_rss"] for p in procs), "rss_before": max(p["rss_before"] for p in procs),
+            "planned": max(p["predicted_bytes"] for p in procs), "tokens_per_s": procs[0]["tokens_per_step"] / seconds,
+            "step_s": seconds, "memory_kind": "torch.cuda.max_memory_allocated" if gpu else
+            "VmHWM - VmRSS before the model (glibc unmaps freed tensors)"}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def table(results: dict[str, dict]) -> str:
+    base = results.get("ddp")
+    base = summary(base) if base and "failed" not in base else None
+    lines = ["| strategy | tokens/s | training peak per process | vs DDP | planned | peak RSS per process | vs DDP "
+             "| RSS before the model |", "|---|---|---|---|---|---|---|---|"]
+    for name, result in results.items():
+        if "failed" in result:
+            lines.append(f"| {STRATEGIES[name][0]} | failed: {result['failed']} | | | | | | |")
+            continue
+        s = summary(result)
+        ratio = (lambda k: f"{s[k] / base[k]:.2f}x") if base else (lambda k: "-")
+        lines.append(f"| {STRATEGIES[name][0]} | {s['tokens_per_s']:,.0f} | {mib(s['training_peak'])} | "
+                     f"{ratio('training_peak')} | {mib(s['planned'])} | {mib(s['peak_rss'])} | {ratio('peak_rss')} | "
+                     f"{mib(s['rss_before'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="processes per strategy")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps first, at least 2 (the second is the first with optimizer state); "
+                             "the training peak is measured over them")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
+    parser.add_argument("--only", nargs="*", choices=sorted(STRATEGIES), help="strategies to run (default: all)")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--worker", choices=sorted(STRATEGIES), help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="config overrides on top of the benchmark model")
+    args = parser.parse_args()
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2: the second step is the first with optimizer state in memory")
+    if args.worker:
+        result = worker(args.worker, args.warmup, args.steps, args.overrides)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
+        return
+
+    import torch
+
+    started = time.time()
+    command = "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
+    results = {}
+    for name in (n for n in STRATEGIES if not args.only or n in args.only):
+        results[name] = run_strategy(name, args.nproc, args.warmup, args.steps, args.overrides)
+        r = results[name]
+        print(f"{STRATEGIES[name][0]:42s} " + (f"failed: {r['failed']}" if "failed" in r else
+              "{tokens_per_s:9,.0f} tokens/s  training peak {tp}  peak RSS {rss}".format(
+                  tp=mib(summary(r)["training_peak"]), rss=mib(summary(r)["peak_rss"]), **summary(r))), flush=True)
+    done = next((r for r in results.values() if "failed" not in r), None)
+    on_cuda = torch.cuda.is_available()
+    machine = (torch.cuda.get_device_name() if on_cuda else
+               f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    print()
+    print(f"trainloop bench_parallel: {machine}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"{args.nproc} processes ({'nccl' if on_cuda else 'gloo'}), "
+          + (f"model {done['num_params'] / 1e6:.1f}M parameters, " if done else "")
+          + f"{args.warmup} warm-up + {args.steps} timed steps, {time.time() - started:.0f} s in all, "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"command: {command}")
+    if done:
+        print(f"training peak = {summary(done)['memory_kind']}; peak RSS = the whole process (VmHWM)")
+    print()
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": command, "machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "nproc": args.nproc, "warmup": args.warmup, "steps": args.steps, "overrides": [*MODEL, *args.overrides],
+            "results": {n: {**r, **({} if "failed" in r else {"summary": summary(r)})} for n, r in results.items()},
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""PyTorch FSDP2 (`fully_shard`), applied by trainloop itself: every transformer block, then the root.
+
+accelerate 1.15's FSDP plugin engages only on GPU device types: on CPU under torchrun it reports
+DistributedType.NO and each process trains its own replica (seen on this project's machine). So
+trainloop shards the model here, the same way on CPU (gloo) and on GPUs, and never hands the
+model to `accelerator.prepare` (which would wrap it in DDP as well). accelerate still prepares the
+optimizer and the validation loader and does reduce and backward.
+
+The parameters become DTensors sharded on dim 0 over a 1-D mesh of all processes; each block is
+gathered just before it runs (and freed after it with fsdp.reshard_after_forward). Precision comes
+from the precision group: bf16 computes with bf16 parameters and reduces gradients in fp32, the
+sharded parameters and the optimizer state stay fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("trainloop")
+
+# precision group -> the dtype FSDP2 gathers the parameters in for compute (None: as stored, fp32)
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def mixed_precision_policy(precision: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = PARAM_DTYPES[precision]  # validate() refuses fp16 with FSDP2
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Shard `model` in place with fully_shard over every process (a process group must exist:
+    a launcher's, or accelerator.single_process_group_env's for one process); returns it.
+
+    An adapter is applied and torch.compile (regional: each block) set up before this, as
+    torchtitan does: the blocks are compiled, then sharded.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from trainloop.compile import transformer_blocks
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(cfg.precision.name),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if cfg.fsdp.offload == "cpu" else OffloadPolicy(),
+    }
+    model.to(device)  # fully_shard keeps each rank's shard where the parameter is
+    blocks = transformer_blocks(model, "fsdp=full_shard", "fsdp=none")
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)
+    return model
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def sharding_settings(model: torch.nn.Module) -> dict:
+    """The settings FSDP2 really applied, read back from its state on each sharded block (the
+    root's reshard setting is FSDP2's own business once it runs): what fsdp.* configured."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    blocks = fsdp_modules(model)[:-1] or fsdp_modules(model)  # model.modules() lists the root first
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in blocks]  # noqa: SLF001 - FSDP2 keeps its policies there
+    groups = [g for g in groups if g is not None]  # a module without parameters of its own has none
+    if not groups:
+        raise RuntimeError("fsdp=full_shard: FSDP2 holds no parameters of this model")
+    found = {
+        "reshard_after_forward": {g.post_forward_mesh_info is not None for g in groups},
+        "offload": {"cpu" if isinstance(g.offload_policy, CPUOffloadPolicy) else "none" for g in groups},
+        "param_dtype": {g.mp_policy.param_dtype for g in groups},
+        "reduce_dtype": {g.mp_policy.reduce_dtype for g in groups},
+    }
+    mixed = {k: v for k, v in found.items() if len(v) > 1}
+    if mixed:
+        raise RuntimeError(f"fsdp=full_shard: the blocks were sharded with different settings {mixed}")
+    return {k: v.pop() for k, v in found.items()}
+
+
+def describe_sharding(model: torch.nn.Module) -> str:
+    """What FSDP2 really does, read back from the model: its sharded modules, the DTensors'
+    placements and mesh, the compute dtype and where the shards live."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if not params:
+        raise RuntimeError("fsdp=full_shard but no parameter of the model is a DTensor: FSDP2 was not applied")
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(f"fsdp=full_shard left {len(plain)} parameter(s) unsharded, e.g. {plain[:3]}")
+    mesh = params[0].device_mesh
+    placements = sorted({", ".join(map(repr, p.placements)) for p in params})
+    modules = fsdp_modules(model)
+    settings = sharding_settings(model)
+    compute = str(settings["param_dtype"] or params[0].dtype).removeprefix("torch.")
+    offload = " with CPU offload" if settings["offload"] == "cpu" else ""
+    storage = {str(p.to_local().device.type) for p in params}
+    return (f"FSDP2 full_shard{offload} over {mesh.size()} shard(s) (DTensor placements {' / '.join(placements)}, "
+            f"mesh {mesh.device_type} {tuple(mesh.shape)}; {len(modules)} modules sharded: "
+            f"{len(modules) - 1} blocks + root; compute in {compute}, shards on {'/'.join(sorted(storage))}"
+            f"{'' if settings['reshard_after_forward'] else '; blocks stay gathered after forward'})")
