@@ -17,12 +17,14 @@ import torch
 
 from conftest import clean_env, compose, launch, read_metrics, train
 from test_distributed import ZERO_TOLERANCE, free_port
+from test_samples import assert_samples_are_the_final_models
 
 MOE = ["+preset=smoke", "model.arch=mixtral", "model.num_experts=4"]
 STEPS = 20
 # a coefficient large enough that balancing visibly acts within 20 steps (HF's default 0.001 barely does)
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.eval_every={STEPS}", "trainer.eval_batches=2",
-       "logging.progress_bar=false", "checkpoint.keep_last=1", "model.router_aux_loss_coef=0.1"]
+       "logging.progress_bar=false", "checkpoint.keep_last=1", "model.router_aux_loss_coef=0.1",
+       "eval.prompts=['The ']", "eval.max_new_tokens=8"]  # every rank generates together (trainloop.samples)
 TOLERANCE = 1e-5  # fp32 DDP against the 1-process run of the same micro-batches
 
 
@@ -211,7 +213,8 @@ def test_two_processes_under_zero3_train_like_one_and_export(tmp_path, one_proce
 def two_processes_train_like_one(tmp_path: Path, one_process: Path, strategy: str) -> None:
     """Acceptance 7: DDP, ZeRO-3 and FSDP2 on 2 processes at batch 4 give the 1-process losses, aux
     losses and tokens per expert of the same micro-batches (batch 4, 2 accumulation steps), and
-    final/ loads as a Mixtral, generates and holds the trained weights."""
+    final/ loads as a Mixtral, generates and holds the trained weights; the samples every rank
+    generated together at the last evaluation are final/'s own greedy completions."""
     from transformers import AutoModelForCausalLM
 
     _, engaged, tolerance = STRATEGIES[strategy]
@@ -226,6 +229,7 @@ def two_processes_train_like_one(tmp_path: Path, one_process: Path, strategy: st
         assert max(abs(a - b) for g, w in zip(lines, reference)
                    for a, b in zip(g["expert_token_share"], w["expert_token_share"])) < 1e-9
     assert_final_generates(run_dir, compose(*MOE))
+    assert_samples_are_the_final_models(run_dir, ["The "], 8)  # issue 17, check 5
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
     one = AutoModelForCausalLM.from_pretrained(one_process / "final").state_dict()
     assert set(final) == set(one)

@@ -234,12 +234,15 @@ def build_accelerator(cfg):
     if cfg.deepspeed.stage or cfg.deepspeed.config_file:
         single_process_group_env()
         if not on_cuda:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
             # without it accelerate computes world size 1 on CPU and DeepSpeed's batch check fails
             group["backend"] = "gloo"
             warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
     elif not on_cuda:
         kwargs["cpu"] = True  # MULTI_CPU over gloo when launched with several processes
+    if not on_cuda:
+        # accelerate's unwrap_model (export, samples) imports DeepSpeed whenever it is installed,
+        # used or not; on a CPU DeepSpeed's own detection picks the same, with a banner.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if cfg.fsdp.name != "none":
         single_process_group_env()  # FSDP2's device mesh needs a process group, even of one
 

@@ -149,6 +149,12 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    prompts: list[str] = field(default_factory=list)  # at every evaluation, greedy completions of these into metrics.jsonl
+    max_new_tokens: int = 32  # tokens generated per prompt
+
+
+@dataclass
 class DeepSpeedConfig:
     stage: int = 0  # 0: DeepSpeed off; 1, 2, 3: ZeRO stage
     offload_optimizer: str = "none"  # none, cpu, nvme
@@ -195,6 +201,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:
@@ -275,7 +282,7 @@ POSITIVE = (
     "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
-    "model.num_experts", "model.experts_per_token",
+    "model.num_experts", "model.experts_per_token", "eval.max_new_tokens",
 )
 
 
@@ -333,6 +340,7 @@ _READ_ONLY_BY = {
     "checkpoint.async_save": _FSDP,  # DCP's async_save: the other strategies save through accelerate
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
     "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
+    "eval.max_new_tokens": (lambda c: bool(c.eval.prompts), "eval.prompts=[...] (a list of prompts)"),
 }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from trainloop.parallel import full_shape, full_state_dict
@@ -113,10 +112,6 @@ def export_model(accelerator, model, tokenizer, directory: Path, cfg=None) -> No
     """
     from accelerate.utils import broadcast_object_list
 
-    if accelerator.device.type == "cpu":
-        # save_pretrained unwraps through accelerate, which imports DeepSpeed whenever it is
-        # installed, used or not; on a CPU DeepSpeed's own detection picks the same, with a banner.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     state_dict = full_state_dict(accelerator, model)
     outcome = [None]
     if accelerator.is_main_process:

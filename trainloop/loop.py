@@ -130,8 +130,9 @@ def step_target_tokens(accelerator, group: list[dict], sources: int = 0) -> tupl
 
 
 def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
-          state: TrainState, metrics, checkpointer, guard) -> float | None:
-    """Run optimizer steps until trainer.max_steps (or a stop); return the last validation loss."""
+          state: TrainState, metrics, checkpointer, guard, samples=None) -> float | None:
+    """Run optimizer steps until trainer.max_steps (or a stop); return the last validation loss.
+    `samples` (trainloop.samples, from eval.prompts) generates at every evaluation."""
     tc = cfg.trainer
     tokens_per_batch = cfg.data.batch_size * cfg.data.seq_len * accelerator.num_processes
     batches = batches_forever(accelerator, train_loader, state)
@@ -208,6 +209,8 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
             if state.step % tc.eval_every == 0 or last:
                 eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
                 metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
+                if samples is not None:
+                    metrics.samples(state.step, samples.generate(accelerator, model))
             if saving:
                 checkpointer.save(state, model)
             if profiler is not None:  # a profiled step holds its logging, eval and save too

@@ -59,6 +59,14 @@ class Metrics:
             (self.bar.write if self.bar is not None else log.info)(
                 f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}")
 
+    def samples(self, step: int, samples: list[dict]) -> None:
+        """eval.prompts and what the model wrote after each (trainloop.samples): event=samples."""
+        self.write({"step": step, "event": "samples", "samples": samples})
+        if self.enabled:
+            for sample in samples:
+                (self.bar.write if self.bar is not None else log.info)(
+                    f"step {step}: {sample['prompt']!r} -> {sample['text']!r}")
+
     def telemetry(self, step: int, **values) -> None:
         """A sample of the machine (trainloop.telemetry): its own line, event=telemetry."""
         self.write({"step": step, "event": "telemetry", **values})

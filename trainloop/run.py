@@ -59,6 +59,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.order import GlobalOrder
     from trainloop.parallel import describe, full_numel
     from trainloop.preemption import Preemption
+    from trainloop.samples import Samples
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
     accelerator = build_accelerator(cfg)
@@ -74,6 +75,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     check_targets(cfg.adapter, model_config)
+    samples = Samples.for_config(cfg, tokenizer, context_length(model_config))  # its prompts checked before compute
     # not inside a collective: tokenizing a large corpus outlasts trainer.collective_timeout_s
     train_set, valid_set, data_print = build_once_per_node(
         accelerator, run_dir, partial(build_training_data, cfg.data, tokenizer, cfg.trainer.seed))
@@ -143,7 +145,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     try:
         with guard.preemption:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, raise Preempted
             eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
-                              state, metrics, checkpointer, guard)
+                              state, metrics, checkpointer, guard, samples)
             if guard.preempted_by:
                 accelerator.end_training()
                 raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
