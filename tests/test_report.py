@@ -108,6 +108,23 @@ def test_a_resumed_run_keeps_the_last_value_of_each_step(two_runs, tmp_path):
     assert list(drawn.get_ydata()) == pytest.approx(losses[:2] + [v + 1.0 for v in losses[2:]])
 
 
+def test_gpu_telemetry_draws_peak_reserved_and_rss(two_runs, tmp_path):
+    """The GPU fields trainloop.telemetry writes on CUDA, added to a CPU run's telemetry lines."""
+    run = tmp_path / "gpu"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for record in read_metrics(two_runs[0]):
+            if record.get("event") == "telemetry":
+                record.update(gpu_mem_allocated_bytes=GIB, gpu_mem_reserved_bytes=3 * GIB * record["step"],
+                              gpu_mem_peak_allocated_bytes=2 * GIB * record["step"])
+            f.write(json.dumps(record) + "\n")
+    memory = panels(main([str(run), "-o", str(tmp_path / "g.png")]))["memory"]
+    drawn = {ln.get_label(): list(ln.get_ydata()) for ln in memory.get_lines()}
+    assert drawn == {"gpu GPU peak allocated": [4.0, 8.0], "gpu GPU reserved": [6.0, 12.0],
+                     "gpu host RSS": pytest.approx([v / GIB for v in curve(run, "rss_bytes", "telemetry")[1]])}
+    assert [t.get_text() for t in memory.get_legend().get_texts()] == ["GPU peak allocated", "GPU reserved", "host RSS"]
+
+
 def test_two_runs_of_one_name_are_told_apart(two_runs, tmp_path):
     copies = [tmp_path / "a" / "sgd", tmp_path / "b" / "sgd"]
     for copy in copies:
