@@ -20,6 +20,8 @@ def test_wheel_ships_configs_and_runs_outside_the_checkout(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"trainloop/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
     assert shipped and shipped <= names, f"configs missing from the wheel: {sorted(shipped - names)}"
+    code = {f"trainloop/{p.relative_to(REPO / 'trainloop')}" for p in (REPO / "trainloop").rglob("*.py")}
+    assert code <= names, f"modules missing from the wheel (a package not in pyproject.toml?): {sorted(code - names)}"
 
     launch([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)])
     env = clean_env(PYTHONPATH=str(target))

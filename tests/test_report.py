@@ -1,90 +1,158 @@
-"""`python -m trainloop.report`: real runs in, a valid PNG with every run's curves out."""
+"""`python -m trainloop.report`: real runs in, a matplotlib figure with every run's curves out."""
 
 from __future__ import annotations
 
-import math
-import struct
-import zlib
+import json
+import shutil
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 
 from conftest import launch, read_metrics, train
-from trainloop.tools.report import COLORS, PANEL_H, PANEL_W, PANELS, nice_axis, tick_labels
+from trainloop.tools import report
+from trainloop.tools.report import DPI, FIGSIZE, main
+
+GIB = 2 ** 30
 
 
-def read_png(path: Path) -> tuple[int, int, list[bytes]]:
-    """Decode an 8-bit RGB PNG (filter type 0 rows, as the report writes): width, height, rows."""
-    data = Path(path).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, at = {}, 8
-    while at < len(data):
-        length, kind = struct.unpack(">I4s", data[at:at + 8])
-        body = data[at + 8:at + 8 + length]
-        assert struct.unpack(">I", data[at + 8 + length:at + 12 + length])[0] == zlib.crc32(kind + body)
-        chunks[kind] = chunks.get(kind, b"") + body
-        at += 12 + length
-    assert list(chunks)[0] == b"IHDR" and list(chunks)[-1] == b"IEND"
-    width, height, depth, color_type, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, color_type, interlace) == (8, 2, 0)
-    raw = zlib.decompress(chunks[b"IDAT"])
-    stride = 1 + 3 * width
-    assert len(raw) == stride * height
-    rows = [raw[y * stride:(y + 1) * stride] for y in range(height)]
-    assert all(row[0] == 0 for row in rows)
-    return width, height, [row[1:] for row in rows]
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """Two real 4-step runs; only the first samples telemetry and knows a peak for its MFU."""
+    root = tmp_path_factory.mktemp("runs")
+    first = train(root / "adamw", "optimizer=adamw", "logging.telemetry_every=2", "logging.peak_tflops=0.5")
+    second = train(root / "sgd", "optimizer=sgd")
+    return first, second
 
 
-def colors_in(rows: list[bytes], x0: int, y0: int, x1: int, y1: int) -> set[tuple[int, int, int]]:
-    return {tuple(row[x * 3:x * 3 + 3]) for row in rows[y0:y1] for x in range(x0, x1)}
+def panels(fig) -> dict:
+    """The figure's axes by title."""
+    return {ax.get_title(): ax for ax in fig.axes}
 
 
-def panel_colors(path: Path) -> list[set]:
-    """The colours inside each of the four panels (the header's legend is above them)."""
-    width, height, rows = read_png(path)
-    header = height - 2 * PANEL_H
-    return [colors_in(rows, (i % 2) * PANEL_W, header + (i // 2) * PANEL_H,
-                      (i % 2 + 1) * PANEL_W, header + (i // 2 + 1) * PANEL_H) for i in range(len(PANELS))]
+def legend_texts(fig) -> list[str]:
+    return [text.get_text() for text in fig.legends[0].get_texts()]
 
 
-def test_report_draws_every_curve_of_every_run(tmp_path):
-    first = train(tmp_path / "adamw", "optimizer=adamw")
-    second = train(tmp_path / "sgd", "optimizer=sgd")
-    assert {"loss", "lr", "tokens_per_s"} <= set(read_metrics(first)[0])
+def curve(run_dir: Path, key: str, event: str | None = None) -> tuple[list[int], list[float]]:
+    """(steps, values) of one key from metrics.jsonl, each step once."""
+    points = {r["step"]: r[key] for r in read_metrics(run_dir) if r.get(key) is not None and r.get("event") == event}
+    return list(points), list(points.values())
 
-    proc = launch(["python", "-m", "trainloop.report", str(first), str(second)])
-    assert "2 run(s)" in proc.stdout
-    panels = panel_colors(first / "report.png")
-    for (key, _), colors in zip(PANELS, panels):
-        assert {COLORS[0], COLORS[1]} <= colors, f"panel {key} lacks a run's line"
 
-    out = tmp_path / "elsewhere" / "one.png"
-    launch(["python", "-m", "trainloop.report", str(second), "--out", str(out)])
-    for colors in panel_colors(out):
-        assert COLORS[0] in colors and COLORS[1] not in colors  # one run, one colour
+def line(ax, label: str):
+    (found,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+    return found
+
+
+def test_report_draws_both_runs_with_a_legend(two_runs, tmp_path):
+    first, second = two_runs
+    out = tmp_path / "out.png"
+    proc = launch(["python", "-m", "trainloop.report", str(first), str(second), "-o", str(out)])
+    assert f"wrote {out} (2 run(s))" in proc.stdout
+    final_eval = curve(first, "eval_loss")[1][-1]
+    assert f"adamw: 4 steps, loss {curve(first, 'loss')[1][-1]:.4f}, eval_loss {final_eval:.4f}" in proc.stdout
+    image = matplotlib.image.imread(out)
+    assert image.shape[:2] == (FIGSIZE[1] * DPI, FIGSIZE[0] * DPI)  # rows, columns
+    assert image.std() > 0.05  # more than a blank page
+
+    fig = main([str(first), str(second), "-o", str(tmp_path / "again.png")])  # the same call, in this process
+    assert legend_texts(fig) == ["adamw", "sgd"]
+    axes = panels(fig)
+    assert set(axes) == {"loss", "learning rate", "tokens/s", "MFU", "grad norm", "memory"}
+    colors = [line(axes["loss"], f"{name} train").get_color() for name in ("adamw", "sgd")]
+    assert colors[0] != colors[1]
+    for title, key, label in (("loss", "loss", "train"), ("loss", "eval_loss", "eval"), ("learning rate", "lr", "lr"),
+                              ("tokens/s", "tokens_per_s", "tokens/s"), ("grad norm", "grad_norm", "grad norm")):
+        assert len(axes[title].get_lines()) == 2 * (1 + (title == "loss")), title
+        for run_dir, color in zip(two_runs, colors):
+            drawn = line(axes[title], f"{run_dir.name} {label}")
+            steps, values = curve(run_dir, key)
+            assert list(drawn.get_xdata()) == steps and len(steps) >= 2
+            assert list(drawn.get_ydata()) == pytest.approx(values, rel=1e-12) and drawn.get_color() == color
+
+    # MFU: a number in the first run (logging.peak_tflops), null in the second: one line, its share
+    assert [ln.get_label() for ln in axes["MFU"].get_lines()] == ["adamw mfu"]
+    assert list(axes["MFU"].get_lines()[0].get_ydata()) == pytest.approx(curve(first, "mfu")[1])
+    # memory: the first run's telemetry lines (host RSS on CPU) in GiB; the second has none
+    steps, rss = curve(first, "rss_bytes", event="telemetry")
+    assert steps == [2, 4]
+    drawn = line(axes["memory"], "adamw host RSS")
+    assert list(drawn.get_xdata()) == steps and list(drawn.get_ydata()) == pytest.approx([v / GIB for v in rss])
+    assert len(axes["memory"].get_lines()) == 1
+
+
+def test_a_panel_without_data_says_so_and_the_default_path(two_runs):
+    _, second = two_runs
+    fig = main([str(second)])
+    assert (second / "report.png").is_file() and legend_texts(fig) == ["sgd"]
+    axes = panels(fig)
+    for title, hint in (("MFU", "logging.peak_tflops"), ("memory", "logging.telemetry_every")):
+        assert not axes[title].get_lines()
+        assert any(t.get_text().startswith("no data") and hint in t.get_text() for t in axes[title].texts)
+
+
+def test_a_resumed_run_keeps_the_last_value_of_each_step(two_runs, tmp_path):
+    """A resumed run appends to metrics.jsonl and logs again the steps after its checkpoint."""
+    run = tmp_path / "resumed"
+    run.mkdir()
+    shutil.copy(two_runs[0] / "metrics.jsonl", run / "metrics.jsonl")
+    again = [r for r in read_metrics(run) if r["step"] >= 3 and "loss" in r]
+    with open(run / "metrics.jsonl", "a") as f:
+        for record in again:
+            f.write(json.dumps({**record, "loss": record["loss"] + 1.0}) + "\n")
+    fig = main([str(run), "-o", str(tmp_path / "r.png")])
+    drawn = line(panels(fig)["loss"], "resumed train")
+    steps, losses = curve(two_runs[0], "loss")
+    assert list(drawn.get_xdata()) == steps == [1, 2, 3, 4]
+    assert list(drawn.get_ydata()) == pytest.approx(losses[:2] + [v + 1.0 for v in losses[2:]])
+
+
+def test_gpu_telemetry_draws_peak_reserved_and_rss(two_runs, tmp_path):
+    """The GPU fields trainloop.telemetry writes on CUDA, added to a CPU run's telemetry lines."""
+    run = tmp_path / "gpu"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for record in read_metrics(two_runs[0]):
+            if record.get("event") == "telemetry":
+                record.update(gpu_mem_allocated_bytes=GIB, gpu_mem_reserved_bytes=3 * GIB * record["step"],
+                              gpu_mem_peak_allocated_bytes=2 * GIB * record["step"])
+            f.write(json.dumps(record) + "\n")
+    memory = panels(main([str(run), "-o", str(tmp_path / "g.png")]))["memory"]
+    drawn = {ln.get_label(): list(ln.get_ydata()) for ln in memory.get_lines()}
+    assert drawn == {"gpu GPU peak allocated": [4.0, 8.0], "gpu GPU reserved": [6.0, 12.0],
+                     "gpu host RSS": pytest.approx([v / GIB for v in curve(run, "rss_bytes", "telemetry")[1]])}
+    assert [t.get_text() for t in memory.get_legend().get_texts()] == ["GPU peak allocated", "GPU reserved", "host RSS"]
+
+
+def test_two_runs_of_one_name_are_told_apart(two_runs, tmp_path):
+    copies = [tmp_path / "a" / "sgd", tmp_path / "b" / "sgd"]
+    for copy in copies:
+        shutil.copytree(two_runs[1], copy)
+    fig = main([str(c) for c in copies] + [str(copies[0] / ".." / "sgd"), "-o", str(tmp_path / "same.png")])
+    assert legend_texts(fig) == ["a/sgd", "b/sgd"]  # and the first, named again, is drawn once
 
 
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     proc = launch(["python", "-m", "trainloop.report", str(tmp_path)], check=False)
     assert proc.returncode == 2
-    assert "no metrics.jsonl" in proc.stderr and not (tmp_path / "report.png").exists()
+    assert f"{tmp_path}: no metrics.jsonl" in proc.stderr and not (tmp_path / "report.png").exists()
 
 
-@pytest.mark.parametrize("lo, hi", [(0, 600), (2.13, 5.61), (0.0, 1e-3), (41_000, 57_500), (5.0, 5.0)])
-def test_axes_are_round_and_hold_the_data(lo, hi):
-    low, high, ticks = nice_axis(lo, hi)
-    assert low <= lo and high >= hi and ticks[0] == pytest.approx(low) and ticks[-1] == pytest.approx(high)
-    assert 3 <= len(ticks) <= 11
-    step = ticks[1] - ticks[0]
-    mantissa = step / 10 ** math.floor(math.log10(step))
-    assert round(mantissa, 6) in (1, 2, 2.5, 5)
-    assert len(set(tick_labels(ticks))) == len(ticks)  # the labels tell the ticks apart
+def test_report_refuses_an_empty_metrics_file(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"{tmp_path / 'metrics.jsonl'} is empty" in capsys.readouterr().err
+    assert not (tmp_path / "report.png").exists()
 
 
-def test_tick_labels_read_like_a_person_wrote_them():
-    assert tick_labels([0, 200, 400, 600]) == ["0", "200", "400", "600"]
-    assert tick_labels([2.0, 2.5, 3.0]) == ["2.0", "2.5", "3.0"]
-    assert tick_labels([2.0, 2.25, 2.5]) == ["2.00", "2.25", "2.50"]
-    assert tick_labels([0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3]) == ["0", "2e-4", "4e-4", "6e-4", "8e-4", "1e-3"]
-    assert tick_labels([4000, 6000, 8000, 10000, 12000]) == ["4k", "6k", "8k", "10k", "12k"]
-    assert tick_labels([0, 500_000, 1_000_000, 1_500_000]) == ["0", "0.5M", "1.0M", "1.5M"]
+def test_the_report_holds_no_png_encoder_and_loads_matplotlib_lazily():
+    source = Path(report.__file__).read_text()
+    for sign in ("zlib", "struct", "IHDR", "IDAT", "\\x89PNG", "crc32"):
+        assert sign not in source, sign
+    # `python -m trainloop` (and importing the report) must not pay for matplotlib
+    probe = ("import sys, trainloop.__main__, trainloop.tools.report; "
+             "print(sorted(m for m in sys.modules if m.startswith('matplotlib')))")
+    assert launch(["python", "-c", probe]).stdout.strip() == "[]"

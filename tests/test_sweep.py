@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from conftest import SMALL, clean_env, launch, read_metrics
-from test_report import COLORS, panel_colors
+from test_report import legend_texts, panels
+from trainloop.tools.report import main as report
 
 
 def test_sweep_runs_each_job_and_summarises_them(tmp_path):
@@ -38,9 +39,12 @@ def test_sweep_runs_each_job_and_summarises_them(tmp_path):
     again = launch(["python", "-m", "trainloop.sweep", str(sweep_dir)])
     assert again.stdout.strip() == table
 
-    launch(["python", "-m", "trainloop.report", str(sweep_dir)])  # a sweep dir stands for its jobs
-    for colors in panel_colors(sweep_dir / "report.png"):
-        assert set(COLORS[:4]) <= colors
+    fig = report([str(sweep_dir)])  # a sweep dir stands for its jobs, each named by what it varies
+    assert (sweep_dir / "report.png").is_file()
+    assert legend_texts(fig) == [" ".join([str(r["job"])] + [o for o in r["overrides"]
+                                                              if o.startswith(("optimizer=", "precision="))])
+                                 for r in records]
+    assert len(panels(fig)["loss"].get_lines()) == 8  # train and eval of each job
 
 
 def test_sweep_under_a_launcher_is_refused_before_anything_runs(tmp_path):

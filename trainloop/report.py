@@ -1,7 +1,5 @@
 """`python -m trainloop.report`: the entry point of trainloop/tools/report.py."""
 
-import sys
-
 from trainloop.tools.report import main
 
 if __name__ == "__main__":
