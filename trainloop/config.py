@@ -141,7 +141,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    progress_bar: bool = True  # a tqdm bar on the main process; false: a log line every log_every steps
+    progress_bar: bool = True  # a tqdm bar on the main process; false: a log line every log_every steps, and no library bars
     telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
     profile_steps: Optional[list[int]] = None  # [START, END]: torch.profiler trace of these optimizer steps (1-based, inclusive) in RUN_DIR/profile/
     profile_ranks: str = "main"  # main: profile the main process only; all: every rank

@@ -13,6 +13,20 @@ import psutil
 log = logging.getLogger("trainloop")
 
 
+def library_progress_bars(enabled: bool) -> None:
+    """logging.progress_bar=false: no bars from datasets (map, filter) or transformers (writing
+    the final model's shards) either, only log lines. Set by every run: sweeps and tests run several."""
+    import datasets
+    import transformers
+
+    if enabled:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+    else:
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+
+
 class Metrics:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl and drives the progress bar."""
 

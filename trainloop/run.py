@@ -51,7 +51,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.fsdp import shard_model
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
-    from trainloop.metrics import Metrics
+    from trainloop.metrics import Metrics, library_progress_bars
     from trainloop.mixture import build_training_data
     from trainloop.model import build_model, build_model_config, context_length, special_token_ids
     from trainloop.node_turns import build_once_per_node
@@ -62,6 +62,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.samples import Samples
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
+    library_progress_bars(cfg.logging.progress_bar)
     accelerator = build_accelerator(cfg)
     run_dir = agree_run_dir(accelerator, run_dir)
     if not accelerator.is_main_process:
