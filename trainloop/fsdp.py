@@ -54,7 +54,8 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if cfg.fsdp.offload == "cpu" else OffloadPolicy(),
     }
-    model.to(device)  # fully_shard keeps each rank's shard where the parameter is
+    # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
+    # it shards them, so a GPU holds one whole block at a time, never the whole model.
     blocks = transformer_blocks(model, "fsdp=full_shard", "fsdp=none")
     for block in blocks:
         fully_shard(block, **options)
