@@ -216,3 +216,32 @@ def test_samples_reach_wandb_as_a_table_and_its_service_ends(tmp_path, monkeypat
     assert history[3]["samples/_type"] == "table-file" and history[3]["samples/nrows"] == len(SAMPLES)
     [table] = (tmp_path / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json")
     assert json.loads(table.read_text())["data"] == [[s["prompt"], s["text"]] for s in SAMPLES]
+
+
+def test_a_failed_run_ends_its_mlflow_run_as_failed_with_every_line_logged(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from trainloop.errors import NonFiniteError
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    run_dir = tmp_path / "run"
+    with pytest.raises(NonFiniteError):  # lr=1e6: the loss goes non-finite within a few steps
+        train(run_dir, "optimizer.lr=1e6", "trainer.on_nonfinite=stop", "trainer.max_steps=30",
+              "logging.trackers=[mlflow,tensorboard]")
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("trainloop").experiment_id])
+    assert run.info.status == "FAILED"
+    expected = by_step(read_metrics(run_dir), "loss")
+    assert expected
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == expected
+    assert tensorboard_scalars(run_dir / "tensorboard", "loss") == pytest.approx(expected, rel=1e-6)
+
+
+def test_no_trackers_start_nothing(tmp_path):
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    assert Trackers.start(accelerator, compose(*SMALL, "logging.trackers=[]"), tmp_path) is None
+    assert accelerator.trackers == [] and not any(tmp_path.iterdir())
