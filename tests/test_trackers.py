@@ -167,7 +167,7 @@ def write_through_metrics(run_dir: Path, tracker: str):
     accelerator = Accelerator(cpu=True)
     trackers = Trackers.start(accelerator, compose(*SMALL, f"logging.trackers=[{tracker}]"), run_dir)
     metrics = Metrics(run_dir, True, 10, 0, False, 1, trackers=trackers)
-    metrics.write({"step": 2, "loss": 1.5, "tokens_per_source": {"a": 10, "b": 20}, "router_load": [0.25, 0.75],
+    metrics.write({"step": 2, "loss": 1.5, "tokens_per_source": {"a": 10, "/data/b~1.jsonl": 20}, "router_load": [0.25, 0.75],
                    "grad_norm": None})
     metrics.write({"step": 3, "event": "samples", "samples": SAMPLES})
     metrics.close()
@@ -183,7 +183,7 @@ def test_samples_reach_tensorboard_as_text_and_nested_values_as_scalars(tmp_path
     for i, sample in enumerate(SAMPLES):
         [text] = events.Tensors(f"samples/{i}/text_summary")
         assert text.step == 3 and sample["text"] in text.tensor_proto.string_val[0].decode()
-    assert tensorboard_scalars(tmp_path / "tensorboard", "tokens_per_source/b") == {2: 20}
+    assert tensorboard_scalars(tmp_path / "tensorboard", "tokens_per_source//data/b~1.jsonl") == {2: 20}
     assert tensorboard_scalars(tmp_path / "tensorboard", "router_load/1") == {2: 0.75}
     assert "grad_norm" not in events.Tags()["scalars"]
 
@@ -199,6 +199,7 @@ def test_samples_reach_mlflow_as_an_artifact_per_step(tmp_path, monkeypatch):
     text = Path(client.download_artifacts(run.info.run_id, "samples/step_0000003.txt", str(tmp_path))).read_text()
     assert all(sample["text"] in text for sample in SAMPLES)
     assert run.data.metrics["tokens_per_source/a"] == 10
+    assert run.data.metrics["tokens_per_source/data/b_1.jsonl"] == 20  # a source's path, as MLflow takes names
 
 
 def test_samples_reach_wandb_as_a_table_and_its_service_ends(tmp_path, monkeypatch):

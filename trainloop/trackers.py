@@ -14,6 +14,8 @@ import importlib.util
 import json
 import logging
 import os
+import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -99,6 +101,16 @@ def _samples_as_strings(tracker, step: int | None, samples: list[dict]) -> None:
     tracker.log({f"samples/{i}": sample["text"] for i, sample in enumerate(samples)}, step=step)
 
 
+def _mlflow_names(values: dict) -> dict:
+    """MLflow refuses a metric name outside [\\w/.- :] or one that is not a normal path (a//b): a
+    data.sources path in tokens_per_source/PATH would stop the run."""
+    return {re.sub(r"[^\w/.\- :]", "_", posixpath.normpath(key)).lstrip("/"): value for key, value in values.items()}
+
+
+def _same_names(values: dict) -> dict:
+    return values
+
+
 def _fail_mlflow(tracker) -> None:
     import mlflow
 
@@ -120,12 +132,14 @@ class Tracker:
     build: Callable[[Path], Any]  # the run dir -> accelerate's tracker, not yet started
     log_samples: Callable = _samples_as_strings  # an event=samples record: generated text
     fail: Callable = _finish  # a run that raised: end the tracker's run, marked failed where it can be
+    names: Callable[[dict], dict] = _same_names  # the metric names the tracker accepts
 
 
 # Every tracker accelerate 1.15 supports (tests/test_trackers.py checks the list against it).
 TRACKERS = {
     "tensorboard": Tracker("tensorboard", "pip install tensorboard", _tensorboard, _samples_tensorboard),
-    "mlflow": Tracker("mlflow", "pip install 'trainloop[mlflow]'", _mlflow, _samples_mlflow, _fail_mlflow),
+    "mlflow": Tracker("mlflow", "pip install 'trainloop[mlflow]'", _mlflow, _samples_mlflow, _fail_mlflow,
+                      _mlflow_names),
     "wandb": Tracker("wandb", "pip install 'trainloop[wandb]'", _wandb, _samples_wandb, _fail_wandb),
     **{name: Tracker(package, f"pip install {package}", _elsewhere(name)) for name, package in (
         ("aim", "aim"), ("comet_ml", "comet_ml"), ("clearml", "clearml"), ("dvclive", "dvclive"),
@@ -203,10 +217,10 @@ class Trackers:
         step, event = record.pop("step", None), record.pop("event", None)
         samples = record.pop("samples", None) if event == "samples" else None
         values = scalars(record, f"{event}/" if event else "")
-        if values:
-            self.accelerator.log(values, step=step)
-        if samples:
-            for name, tracker in zip(self.names, self.accelerator.trackers):
+        for name, tracker in zip(self.names, self.accelerator.trackers):  # started on the main process only
+            if values:
+                tracker.log(TRACKERS[name].names(values), step=step)
+            if samples:
                 TRACKERS[name].log_samples(tracker, step, samples)
 
     def fail(self) -> None:
