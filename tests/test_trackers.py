@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,16 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
+def mlflow_run(store: Path, monkeypatch):
+    """MLflow's client on the file store in `store`, and the one run of experiment trainloop there."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when allowed
+    client = MlflowClient(tracking_uri=store.as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("trainloop").experiment_id])
+    return client, run
+
+
 def test_the_default_run_writes_tensorboard_scalars_equal_to_metrics_jsonl(tmp_path):
     run_dir = train(tmp_path / "run")
     records = read_metrics(run_dir)
@@ -39,14 +50,11 @@ def test_the_default_run_writes_tensorboard_scalars_equal_to_metrics_jsonl(tmp_p
 
 
 def test_mlflow_logs_params_and_metrics_to_a_file_store_in_the_run_dir(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     run_dir = train(tmp_path / "run", "logging.trackers=[mlflow]", "logging.telemetry_every=2")
     records = read_metrics(run_dir)
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
-    [run] = client.search_runs([client.get_experiment_by_name("trainloop").experiment_id])
+    client, run = mlflow_run(run_dir / "mlruns", monkeypatch)
     assert run.info.run_name == run_dir.name and run.info.status == "FINISHED"
     cfg = compose(*SMALL, "logging.trackers=[mlflow]", "logging.telemetry_every=2")
     assert run.data.params["optimizer.lr"] == str(cfg.optimizer.lr)
@@ -189,13 +197,10 @@ def test_samples_reach_tensorboard_as_text_and_nested_values_as_scalars(tmp_path
 
 
 def test_samples_reach_mlflow_as_an_artifact_per_step(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(name, raising=False)
     write_through_metrics(tmp_path, "mlflow")
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
-    [run] = client.search_runs([client.get_experiment_by_name("trainloop").experiment_id])
+    client, run = mlflow_run(tmp_path / "mlruns", monkeypatch)
     text = Path(client.download_artifacts(run.info.run_id, "samples/step_0000003.txt", str(tmp_path))).read_text()
     assert all(sample["text"] in text for sample in SAMPLES)
     assert run.data.metrics["tokens_per_source/a"] == 10
@@ -220,8 +225,6 @@ def test_samples_reach_wandb_as_a_table_and_its_service_ends(tmp_path, monkeypat
 
 
 def test_a_failed_run_ends_its_mlflow_run_as_failed_with_every_line_logged(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
     from trainloop.errors import NonFiniteError
 
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
@@ -230,8 +233,7 @@ def test_a_failed_run_ends_its_mlflow_run_as_failed_with_every_line_logged(tmp_p
     with pytest.raises(NonFiniteError):  # lr=1e6: the loss goes non-finite within a few steps
         train(run_dir, "optimizer.lr=1e6", "trainer.on_nonfinite=stop", "trainer.max_steps=30",
               "logging.trackers=[mlflow,tensorboard]")
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
-    [run] = client.search_runs([client.get_experiment_by_name("trainloop").experiment_id])
+    client, run = mlflow_run(run_dir / "mlruns", monkeypatch)
     assert run.info.status == "FAILED"
     expected = by_step(read_metrics(run_dir), "loss")
     assert expected
@@ -246,3 +248,31 @@ def test_no_trackers_start_nothing(tmp_path):
     accelerator = Accelerator(cpu=True)
     assert Trackers.start(accelerator, compose(*SMALL, "logging.trackers=[]"), tmp_path) is None
     assert accelerator.trackers == [] and not any(tmp_path.iterdir())
+
+
+def test_a_preempted_run_leaves_every_logged_line_in_its_trackers(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+
+    from test_resume import wait_for_step
+
+    run_dir = tmp_path / "run"
+    env = clean_env()
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainloop", "+preset=smoke", "trainer.max_steps=500",
+                             "trainer.log_every=1", "logging.progress_bar=false",
+                             "logging.trackers=[tensorboard,mlflow]", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, stderr[-3000:]
+    expected = by_step(read_metrics(run_dir), "loss")
+    assert len(expected) >= 2 and max(expected) < 500
+    assert tensorboard_scalars(run_dir / "tensorboard", "loss") == pytest.approx(expected, rel=1e-6)
+    client, run = mlflow_run(run_dir / "mlruns", monkeypatch)
+    assert run.info.status == "FINISHED"  # ended by end_training, as the run ends after its checkpoint
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == expected
