@@ -40,8 +40,7 @@ def _mlflow(run_dir: Path):
     if uri is None:
         uri = (run_dir / "mlruns").as_uri()
         # MLflow 3.x refuses a file store ("maintenance mode") unless this is set; its database
-        # store needs SQLAlchemy, which mlflow-skinny leaves out. The file store still reads and
-        # writes, and `mlflow ui --backend-store-uri RUN_DIR/mlruns` shows it.
+        # store needs SQLAlchemy, which mlflow-skinny leaves out. The file store still reads and writes.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow.set_tracking_uri(uri)  # every run sets its own: a sweep's runs each have a store
     return MLflowTracker(experiment_name=PROJECT, run_name=run_dir.name)
@@ -50,17 +49,17 @@ def _mlflow(run_dir: Path):
 def _wandb(run_dir: Path):
     from accelerate.tracking import WandBTracker
 
-    configured = "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ or _wandb_logged_in()
+    configured = any(k in os.environ for k in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL")) or _wandb_logged_in()
     return WandBTracker(os.environ.get("WANDB_PROJECT", PROJECT), name=run_dir.name, dir=str(run_dir),
                         **({} if configured else {"mode": "offline"}))
 
 
 def _wandb_logged_in() -> bool:
-    """`wandb login` leaves a key in ~/.netrc (or WANDB_CONFIG_DIR's settings); no network asked."""
+    """`wandb login` writes its key into the netrc file (NETRC, else ~/.netrc); no network asked."""
     import netrc
 
     try:
-        hosts = netrc.netrc().hosts
+        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
     except (OSError, netrc.NetrcParseError):
         return False
     return any("wandb" in host for host in hosts)
