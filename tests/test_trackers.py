@@ -39,13 +39,21 @@ def mlflow_run(store: Path, monkeypatch):
 
 
 def test_the_default_run_writes_tensorboard_scalars_equal_to_metrics_jsonl(tmp_path):
-    run_dir = train(tmp_path / "run")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = train(tmp_path / "run", "eval.prompts=['def ']", "eval.max_new_tokens=8")
     records = read_metrics(run_dir)
     for key in ("loss", "eval_loss", "lr"):
         expected = by_step(records, key)
         assert len(expected) >= 2
         # TensorBoard keeps float32
         assert tensorboard_scalars(run_dir / "tensorboard", key) == pytest.approx(expected, rel=1e-6), key
+    samples = {r["step"]: r["samples"][0]["text"] for r in records if r.get("event") == "samples"}
+    assert len(samples) >= 2  # at every evaluation
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/0/text_summary")}
+    assert texts.keys() == samples.keys() and all(samples[step] in texts[step] for step in samples)
     assert not (run_dir / "mlruns").exists() and not (run_dir / "wandb").exists()
 
 
