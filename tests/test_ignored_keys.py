@@ -284,3 +284,20 @@ def test_the_command_line_refuses_a_key_the_default_option_ignores(tmp_path, ove
     assert override.split("=")[0] in proc.stderr and option in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_logging_trackers_is_read(tmp_path, monkeypatch):
+    """logging.* is no group with options, so the walk above does not reach it: the trackers a run
+    builds (trainloop/trackers.py, before accelerate starts them) follow logging.trackers."""
+    from trainloop.trackers import TRACKERS
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # building the MLflow tracker sets it
+
+    def built_trackers(*overrides: str) -> list[str]:
+        cfg = compose("+preset=smoke", *overrides)
+        validate(cfg)
+        return [type(TRACKERS[name].build(tmp_path)).__name__ for name in cfg.logging.trackers]
+
+    assert built_trackers() == ["TensorBoardTracker"]
+    assert built_trackers("logging.trackers=[mlflow,wandb]") == ["MLflowTracker", "WandBTracker"]
+    assert built_trackers("logging.trackers=[]") == []

@@ -146,6 +146,8 @@ class LoggingConfig:
     profile_steps: Optional[list[int]] = None  # [START, END]: torch.profiler trace of these optimizer steps (1-based, inclusive) in RUN_DIR/profile/
     profile_ranks: str = "main"  # main: profile the main process only; all: every rank
     peak_tflops: Optional[float] = None  # the device's peak for mfu; None: the GPU table (trainloop/flops.py), none on CPU
+    # accelerate's trackers that get every metrics.jsonl line (tensorboard, mlflow, wandb, ...); []: none
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclass
@@ -497,6 +499,7 @@ def profile_problems(cfg: Any) -> list[str]:
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
     from trainloop.optim import OPTIMIZERS
+    from trainloop.trackers import tracker_problems
 
     problems = []
     for key, allowed in choices().items():
@@ -578,6 +581,7 @@ def validate(cfg: Any) -> None:
     if c.regional and c.backend == "none":
         problems.append("compile.regional=true needs a compile backend: add compile=inductor")
     problems += profile_problems(cfg)
+    problems += tracker_problems(cfg.logging.trackers)
     if cfg.trainer.auto_batch_size and ds.stage:
         problems.append("trainer.auto_batch_size with DeepSpeed: ZeRO fixes the micro-batch in its engine; "
                         "set data.batch_size yourself, or deepspeed=none")

@@ -32,8 +32,9 @@ class Metrics:
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
                  progress_bar: bool, world_size: int, flops_per_token: float | None = None,
-                 peak_tflops: float | None = None):
+                 peak_tflops: float | None = None, trackers=None):
         self.enabled = enabled
+        self.trackers = trackers  # trainloop.trackers.Trackers: every record goes there too
         self.run_dir = Path(run_dir)
         self.flops_per_token = flops_per_token  # trainloop.flops: counted once at start
         self.peak_tflops = peak_tflops
@@ -48,11 +49,14 @@ class Metrics:
         self.start = psutil.Process().create_time()  # `time` counts from process start: start-up shows
 
     def write(self, record: dict) -> None:
+        """The one place records pass: a line in metrics.jsonl, and the same values to the trackers."""
         if not self.enabled:
             return
-        record = {**record, "world_size": self.world_size, "time": round(time.time() - self.start, 3)}
-        self.file.write(json.dumps(record) + "\n")
+        line = {**record, "world_size": self.world_size, "time": round(time.time() - self.start, 3)}
+        self.file.write(json.dumps(line) + "\n")
         self.file.flush()
+        if self.trackers is not None:  # world_size and time describe the line; trackers stamp their own time
+            self.trackers.log(record)
 
     def train(self, step: int, **values) -> None:
         if self.flops_per_token is not None:  # from the window's tokens/s: no sync of its own

@@ -60,6 +60,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.parallel import describe, full_numel
     from trainloop.preemption import Preemption
     from trainloop.samples import Samples
+    from trainloop.trackers import Trackers
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
     library_progress_bars(cfg.logging.progress_bar)
@@ -136,10 +137,11 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         restore_cpu_adam_step_count(optimizer)  # bitwise resume under optimizer offload (see there)
     if record is not None and accelerator.is_main_process:
         record.write(run_dir)
+    trackers = Trackers.start(accelerator, cfg, run_dir)  # None with logging.trackers=[]
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, accelerator.num_processes, flops_per_token=flops,
                       peak_tflops=peak_tflops(accelerator.device, cfg.precision.name, cfg.logging.peak_tflops)
-                      if accelerator.is_main_process else None)
+                      if accelerator.is_main_process else None, trackers=trackers)
     if batch_search is not None:
         metrics.write(batch_search.record(accelerator.num_processes))
     guard = StepGuard(cfg, accelerator, checkpointer, Preemption())
@@ -151,6 +153,12 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
                 accelerator.end_training()
                 raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
                                 f"saved in {checkpointer.last_good()}; run the same command again to continue")
+    except Preempted:
+        raise  # end_training above finished the trackers
+    except BaseException:
+        if trackers is not None:  # flushed and closed, each tracker's run marked failed where it can be
+            trackers.fail()
+        raise
     finally:
         metrics.close()
     if state.step < cfg.trainer.max_steps:
