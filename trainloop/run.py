@@ -153,6 +153,11 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
                 accelerator.end_training()
                 raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
                                 f"saved in {checkpointer.last_good()}; run the same command again to continue")
+        if state.step < cfg.trainer.max_steps:
+            log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
+                     "to continue", state.step, cfg.trainer.max_steps)
+        elif cfg.checkpoint.save_final_model:  # a failed export fails the run in the trackers too
+            export_model(accelerator, model, tokenizer, Path(run_dir) / "final", cfg)
     except Preempted:
         raise  # end_training above finished the trackers
     except BaseException:
@@ -161,11 +166,6 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         raise
     finally:
         metrics.close()
-    if state.step < cfg.trainer.max_steps:
-        log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
-                 "to continue", state.step, cfg.trainer.max_steps)
-    elif cfg.checkpoint.save_final_model:
-        export_model(accelerator, model, tokenizer, Path(run_dir) / "final", cfg)
     end_distributed(accelerator)
     return eval_loss
 
