@@ -100,6 +100,8 @@ def test_torchrun_fsdp_regionally_compiled_matches_one_process_and_exports_the_g
     log = run_log(run_dir)
     assert FSDP_LINE in log and "compute in float32" in log and "backend gloo" in log, log[-3000:]
     assert "torch.compile: 2 LlamaDecoderLayer blocks, backend inductor" in log
+    # rank 1 held no weights of its own: the same curve and weights as 1 process come from rank 0's
+    assert "1 of 2 processes built the model on the meta device and received their shards" in log
     assert_same_curve(run_dir, reference)
     assert_same_weights(run_dir / "final", reference / "final")
 
@@ -110,6 +112,7 @@ def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter
     complete and is what one process at batch 8 trained."""
     run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora")
     assert FSDP_LINE in run_log(run_dir)
+    assert "1 of 2 processes built the model on the meta device" in run_log(run_dir)  # with the adapter
     assert_same_curve(run_dir, lora_reference)
     adapter, want = safetensors_of(run_dir / "final" / "adapter"), safetensors_of(lora_reference / "final" / "adapter")
     assert adapter and set(adapter) == set(want) and all(t.numel() for t in adapter.values())

@@ -33,9 +33,19 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
+def builds_on_meta(cfg, accelerator) -> bool:
+    """FSDP2 on several processes with model=tiny: only the main process draws the random
+    weights; the others build the model's shapes on the meta device (no memory) and receive
+    their shards from it in shard_model. An N-process node holds one whole copy in host memory,
+    not N. (model=hf: every process still loads the pretrained weights itself.)"""
+    return (cfg.fsdp.name != "none" and cfg.model.name == "tiny" and accelerator.num_processes > 1
+            and not accelerator.is_main_process)
+
+
 def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """Shard `model` in place with fully_shard over every process (a process group must exist:
     a launcher's, or accelerator.single_process_group_env's for one process); returns it.
+    A model built on the meta device (builds_on_meta) gets its shards from the main process.
 
     An adapter is applied and torch.compile (regional: each block) set up before this, as
     torchtitan does: the blocks are compiled, then sharded.
@@ -56,11 +66,39 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
     }
     # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
     # it shards them, so a GPU holds one whole block at a time, never the whole model.
+    # the main process's whole weights, taken before sharding, when the others hold none
+    from_main = cfg.model.name == "tiny" and dist.get_world_size() > 1
+    whole = model.state_dict() if from_main and dist.get_rank() == 0 else {}
     blocks = transformer_blocks(model, "fsdp=full_shard", "fsdp=none")
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)
+    if from_main:
+        _receive_from_main(model, whole, torch.device("cpu") if cfg.fsdp.offload == "cpu" else device)
     return model
+
+
+def _receive_from_main(model: torch.nn.Module, whole: dict, device: torch.device) -> None:
+    """Every process: the main process's weights (`whole`; empty elsewhere) scattered into the
+    shards, its buffers copied, and its random number generator's state taken, so that every
+    process continues as if it had drawn the same initial weights itself."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    persistent = set(model.state_dict())
+    on_meta = [None] * dist.get_world_size()
+    dist.all_gather_object(on_meta, any(p.is_meta for p in model.parameters()))
+    if on_meta[dist.get_rank()]:
+        model.to_empty(device=device)  # storage for the shards, filled below
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():  # not in a state dict: rotary frequencies and the like
+        if name not in persistent:
+            dist.broadcast(buffer, src=0)
+    rng = [torch.get_rng_state()]  # the main process drew the weights: the others skipped those draws
+    dist.broadcast_object_list(rng, src=0)
+    torch.set_rng_state(rng[0])
+    log.info("FSDP2: the main process drew the weights; %d of %d processes built the model on the meta "
+             "device and received their shards", sum(on_meta), len(on_meta))
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

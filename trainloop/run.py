@@ -36,6 +36,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None
 def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None) -> float | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
 
+    import torch
     from accelerate.utils import set_seed
 
     from trainloop.accelerator import agree_run_dir, build_accelerator
@@ -48,7 +49,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.errors import Preempted
     from trainloop.flops import flops_per_token, peak_tflops, trained_matmul_params
     from trainloop.export import export_model
-    from trainloop.fsdp import shard_model
+    from trainloop.fsdp import builds_on_meta, shard_model
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.metrics import Metrics, library_progress_bars
@@ -85,9 +86,10 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
 
     on_cuda = accelerator.device.type == "cuda"
     set_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, model_config, cfg.precision.name)
-    if cfg.adapter.name != "none":
-        model = apply_adapter(cfg, model)
+    with torch.device("meta") if builds_on_meta(cfg, accelerator) else nullcontext():  # filled by shard_model
+        model = build_model(cfg.model, model_config, cfg.precision.name)
+        if cfg.adapter.name != "none":
+            model = apply_adapter(cfg, model)
     flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
                             trained_matmul_params=trained_matmul_params(model) if cfg.adapter.name != "none" else None)
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
