@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, train
+from conftest import REPO, compose, train
 
 FAST = ["trainer.max_steps=2"]
 
@@ -123,3 +123,19 @@ def test_model_config_refuses_token_ids_outside_its_vocabulary():
     assert build_model_config(cfg, 257, {"eos_token_id": 256}).eos_token_id == 256
     with pytest.raises(ConfigError, match="outside the model's vocabulary of 320"):
         build_model_config(cfg, 257, {"eos_token_id": 50256})
+
+
+def test_a_bf16_checkpoint_trains_in_fp32(tmp_path):
+    """Most hub checkpoints are saved in bf16; transformers 5 would keep that dtype. model=hf
+    loads them in fp32 (the weights the optimizer updates), computing in the precision group's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainloop.model import build_model, build_model_config
+
+    path = pretrained_llama(tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16  # what the files hold
+    cfg = compose("model=hf", f"model.name_or_path={tmp_path / 'bf16'}")
+    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=320))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -93,16 +93,19 @@ def context_length(config) -> int:
 def build_model(cfg: ModelConfig, config, precision: str = "fp32"):
     """Instantiate the model (random init for tiny, pretrained weights for hf) in fp32; with
     model.quantization, the linear layers' weights in 4 or 8 bits (computing in `precision`)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from trainloop.adapter import quantization_config
 
     try:
         if cfg.name == "hf":
-            # Loaded at its own vocabulary size; a larger tokenizer's rows are added below.
+            # Loaded at its own vocabulary size; a larger tokenizer's rows are added below. In fp32
+            # whatever the files hold: transformers 5 keeps a checkpoint's dtype by default, and
+            # most are saved in bf16, which would train bf16 weights with no fp32 master copy.
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path, attn_implementation=cfg.attn_implementation, ignore_mismatched_sizes=False,
-                quantization_config=quantization_config(cfg, precision),
+                quantization_config=quantization_config(cfg, precision), dtype=torch.float32,
             )
         else:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
