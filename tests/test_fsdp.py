@@ -122,6 +122,21 @@ def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter
     assert_same_weights(run_dir / "final", lora_reference / "final")  # the merged model
 
 
+def test_a_pretrained_model_is_loaded_by_the_main_process_alone(tmp_path):
+    """model=hf on 2 FSDP2 processes: rank 1 builds the pretrained model's shapes on the meta
+    device and receives its shards from rank 0, which loaded the weights: the same curve and
+    final weights as 1 process at batch 8 loading them itself."""
+    from test_export import pretrained_llama
+
+    model = f"model.name_or_path={pretrained_llama(tmp_path / 'pretrained')}"
+    reference = train(tmp_path / "one", "+preset=smoke", "model=hf", model, *RUN, "data.batch_size=8", small=False)
+    (tmp_path / "two").mkdir()
+    run_dir = launch_fsdp(tmp_path / "two", "torchrun", "smoke,fsdp", "model=hf", model)
+    assert "1 of 2 processes built the model on the meta device and received their shards" in run_log(run_dir)
+    assert_same_curve(run_dir, reference)
+    assert_same_weights(run_dir / "final", reference / "final")
+
+
 def test_one_process_fsdp_whole_model_compiled(tmp_path, reference, caplog):
     """Without a launcher FSDP2 runs on a 1-process group of its own; the whole model compiled
     (aot_eager: dynamo traces around FSDP2's hooks without inductor's code generation)."""

@@ -34,12 +34,11 @@ def mixed_precision_policy(precision: str):
 
 
 def builds_on_meta(cfg, accelerator) -> bool:
-    """FSDP2 on several processes with model=tiny: only the main process draws the random
-    weights; the others build the model's shapes on the meta device (no memory) and receive
-    their shards from it in shard_model. An N-process node holds one whole copy in host memory,
-    not N. (model=hf: every process still loads the pretrained weights itself.)"""
-    return (cfg.fsdp.name != "none" and cfg.model.name == "tiny" and accelerator.num_processes > 1
-            and not accelerator.is_main_process)
+    """FSDP2 on several processes: only the main process draws the random weights (model=tiny)
+    or loads the pretrained ones (model=hf); the others build the model's shapes on the meta
+    device (no memory) and receive their shards from it in shard_model. An N-process node holds
+    one whole copy in host memory, not N."""
+    return cfg.fsdp.name != "none" and accelerator.num_processes > 1 and not accelerator.is_main_process
 
 
 def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -67,7 +66,7 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
     # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
     # it shards them, so a GPU holds one whole block at a time, never the whole model.
     # the main process's whole weights, taken before sharding, when the others hold none
-    from_main = cfg.model.name == "tiny" and dist.get_world_size() > 1
+    from_main = dist.get_world_size() > 1
     whole = model.state_dict() if from_main and dist.get_rank() == 0 else {}
     blocks = transformer_blocks(model, "fsdp=full_shard", "fsdp=none")
     for block in blocks:
@@ -97,7 +96,7 @@ def _receive_from_main(model: torch.nn.Module, whole: dict, device: torch.device
     rng = [torch.get_rng_state()]  # the main process drew the weights: the others skipped those draws
     dist.broadcast_object_list(rng, src=0)
     torch.set_rng_state(rng[0])
-    log.info("FSDP2: the main process drew the weights; %d of %d processes built the model on the meta "
+    log.info("FSDP2: the main process built the weights; %d of %d processes built the model on the meta "
              "device and received their shards", sum(on_meta), len(on_meta))
 
 

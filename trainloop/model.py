@@ -90,16 +90,18 @@ def context_length(config) -> int:
     return getattr(config, "max_position_embeddings", None) or config.n_positions
 
 
-def build_model(cfg: ModelConfig, config, precision: str = "fp32"):
+def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: bool = False):
     """Instantiate the model (random init for tiny, pretrained weights for hf) in fp32; with
-    model.quantization, the linear layers' weights in 4 or 8 bits (computing in `precision`)."""
+    model.quantization, the linear layers' weights in 4 or 8 bits (computing in `precision`).
+    `shapes_only`: under a meta device context, the same modules without loading any weights
+    (trainloop.fsdp: they come from the main process)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from trainloop.adapter import quantization_config
 
     try:
-        if cfg.name == "hf":
+        if cfg.name == "hf" and not shapes_only:
             # Loaded at its own vocabulary size; a larger tokenizer's rows are added below. In fp32
             # whatever the files hold: transformers 5 keeps a checkpoint's dtype by default, and
             # most are saved in bf16, which would train bf16 weights with no fp32 master copy.
@@ -107,8 +109,9 @@ def build_model(cfg: ModelConfig, config, precision: str = "fp32"):
                 cfg.name_or_path, attn_implementation=cfg.attn_implementation, ignore_mismatched_sizes=False,
                 quantization_config=quantization_config(cfg, precision), dtype=torch.float32,
             )
-        else:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+        else:  # from_pretrained refuses a meta context: a pretrained model's shapes come from its config
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation,
+                                                     dtype=torch.float32)
     except ImportError as err:  # e.g. flash_attention_2 without the flash-attn package
         raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r} is not available "
                           f"here: {err}. Use model.attn_implementation=sdpa or eager") from None

@@ -86,8 +86,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
 
     on_cuda = accelerator.device.type == "cuda"
     set_seed(cfg.trainer.seed)
-    with torch.device("meta") if builds_on_meta(cfg, accelerator) else nullcontext():  # filled by shard_model
-        model = build_model(cfg.model, model_config, cfg.precision.name)
+    shapes_only = builds_on_meta(cfg, accelerator)  # FSDP2: the main process's weights fill it in shard_model
+    with torch.device("meta") if shapes_only else nullcontext():
+        model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model)
     flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
