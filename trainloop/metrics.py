@@ -94,7 +94,10 @@ class Metrics:
             self.bar.update(steps)
 
     def close(self) -> None:
+        """The bar ends and metrics.jsonl is closed; again is a no-op."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.file is not None:
             self.file.close()
+            self.file = None

@@ -160,6 +160,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
             log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
                      "to continue", state.step, cfg.trainer.max_steps)
         elif cfg.checkpoint.save_final_model:  # a failed export fails the run in the trackers too
+            metrics.close()  # the bar ends before the export logs
             export_model(accelerator, model, tokenizer, Path(run_dir) / "final", cfg)
     except Preempted:
         raise  # end_training above finished the trackers
