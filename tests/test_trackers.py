@@ -55,6 +55,14 @@ def test_the_default_run_writes_tensorboard_scalars_equal_to_metrics_jsonl(tmp_p
     texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("samples/0/text_summary")}
     assert texts.keys() == samples.keys() and all(samples[step] in texts[step] for step in samples)
     assert not (run_dir / "mlruns").exists() and not (run_dir / "wandb").exists()
+    # the composed config as hyperparameters, in the run's own folder: no sub-run beside it
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = HParamsPluginData.FromString(start).session_start_info.hparams
+    assert hparams["optimizer.lr"].number_value == pytest.approx(compose(*SMALL).optimizer.lr)
+    assert hparams["model.name"].string_value == "tiny"
+    assert not [p for p in (run_dir / "tensorboard").iterdir() if p.is_dir()]
 
 
 def test_mlflow_logs_params_and_metrics_to_a_file_store_in_the_run_dir(tmp_path, monkeypatch):

@@ -28,8 +28,17 @@ PROJECT = "trainloop"  # MLflow's experiment, W&B's project; each run is named a
 def _tensorboard(run_dir: Path):
     from accelerate.tracking import TensorBoardTracker
 
+    class TensorBoard(TensorBoardTracker):
+        """accelerate's, with the hyperparameters in the run's own folder: its own writes them,
+        and a YAML copy of the config, into two timestamped folders that `tensorboard --logdir`
+        lists as two more runs (the config is in RUN_DIR/.hydra/config.yaml already)."""
+
+        def store_init_configuration(self, values: dict) -> None:
+            self.writer.add_hparams(values, metric_dict={}, run_name=".")
+            self.writer.flush()
+
     # accelerate writes to LOGGING_DIR/RUN_NAME: the "run name" is the folder, RUN_DIR/tensorboard
-    return TensorBoardTracker("tensorboard", run_dir)
+    return TensorBoard("tensorboard", run_dir)
 
 
 def _mlflow(run_dir: Path):
