@@ -13,18 +13,18 @@ import psutil
 log = logging.getLogger("trainloop")
 
 
-def library_progress_bars(enabled: bool) -> None:
-    """logging.progress_bar=false: no bars from datasets (map, filter) or transformers (writing
-    the final model's shards) either, only log lines. Set by every run: sweeps and tests run several."""
-    import datasets
-    import transformers
+def library_progress_bars(enabled: bool, loads_rows: bool) -> None:
+    """logging.progress_bar=false: no bars from transformers (writing the final model's shards)
+    or, with `loads_rows`, datasets (map, filter) either, only log lines. Set by every run: sweeps
+    and tests run several. data=prepared reads its shards without datasets, so it is not imported
+    for that (0.6 s of start-up)."""
+    from transformers.utils import logging as transformers_logging
 
-    if enabled:
-        datasets.enable_progress_bars()
-        transformers.utils.logging.enable_progress_bar()
-    else:
-        datasets.disable_progress_bars()
-        transformers.utils.logging.disable_progress_bar()
+    (transformers_logging.enable_progress_bar if enabled else transformers_logging.disable_progress_bar)()
+    if loads_rows:
+        import datasets
+
+        (datasets.enable_progress_bars if enabled else datasets.disable_progress_bars)()
 
 
 class Metrics:
@@ -71,19 +71,20 @@ class Metrics:
             log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s", step, values["loss"],
                      values["lr"], values["tokens_per_s"])
 
+    def say(self, text: str) -> None:
+        """A line for the user, above the progress bar (or in the log without one); main process only."""
+        if self.enabled:
+            (self.bar.write if self.bar is not None else log.info)(text)
+
     def eval(self, step: int, eval_loss: float, eval_ppl: float) -> None:
         self.write({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
-        if self.enabled:
-            (self.bar.write if self.bar is not None else log.info)(
-                f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}")
+        self.say(f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}")
 
     def samples(self, step: int, samples: list[dict]) -> None:
         """eval.prompts and what the model wrote after each (trainloop.samples): event=samples."""
         self.write({"step": step, "event": "samples", "samples": samples})
-        if self.enabled:
-            for sample in samples:
-                (self.bar.write if self.bar is not None else log.info)(
-                    f"step {step}: {sample['prompt']!r} -> {sample['text']!r}")
+        for sample in samples:
+            self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}")
 
     def telemetry(self, step: int, **values) -> None:
         """A sample of the machine (trainloop.telemetry): its own line, event=telemetry."""

@@ -64,7 +64,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.trackers import Trackers
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
-    library_progress_bars(cfg.logging.progress_bar)
+    library_progress_bars(cfg.logging.progress_bar, loads_rows=cfg.data.name != "prepared")
     accelerator = build_accelerator(cfg)
     run_dir = agree_run_dir(accelerator, run_dir)
     if not accelerator.is_main_process:
