@@ -214,6 +214,34 @@ def chat_template(cfg: DataConfig, tokenizer) -> str:
     return BUILTIN_CHAT_TEMPLATE
 
 
+def trained_chat_template(cfg: DataConfig, tokenizer) -> str | None:
+    """The chat template the run's rows are rendered with, which final/'s tokenizer must carry so
+    the model is prompted as it was trained: data=chat's (chat_template), or the one prepared chat
+    shards were made with (their manifests). None for text data."""
+    if cfg.name == "chat":
+        return chat_template(cfg, tokenizer)
+    if cfg.name != "prepared":
+        return None
+    from trainloop.shards import read_manifest
+
+    paths = [source.path for source in cfg.sources] if cfg.sources else [cfg.path]
+    templates = {read_manifest(path).get("chat_template") for path in paths} - {None}
+    if len(templates) > 1:
+        log.warning("the prepared sources were rendered with %d different chat templates: final/ keeps "
+                    "the tokenizer's own", len(templates))
+    return templates.pop() if len(templates) == 1 else None
+
+
+def carry_chat_template(tokenizer, template: str | None) -> None:
+    """Make `template` the tokenizer's default chat template (its save_pretrained writes it)."""
+    if template is None:
+        return
+    if isinstance(tokenizer.chat_template, dict):  # named templates: the others are kept
+        tokenizer.chat_template = {**tokenizer.chat_template, "default": template}
+    else:
+        tokenizer.chat_template = template
+
+
 def check_messages(rows, field: str) -> None:
     """Every conversation is a list of {role, content} messages with known roles; else one line naming the row."""
     for r, messages in enumerate(rows[field]):

@@ -44,7 +44,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.checkpoint import Checkpointer
     from trainloop.compile import compile_model
-    from trainloop.data import build_dataloaders, build_tokenizer, check_batch_fits
+    from trainloop.data import (build_dataloaders, build_tokenizer, carry_chat_template, check_batch_fits,
+                                trained_chat_template)
     from trainloop.deepspeed import restore_cpu_adam_step_count
     from trainloop.errors import Preempted
     from trainloop.flops import flops_per_token, peak_tflops, trained_matmul_params
@@ -73,6 +74,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     resume_from = checkpointer.find_resume()
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    carry_chat_template(tokenizer, trained_chat_template(cfg.data, tokenizer))  # final/ is prompted as trained
     model_config = build_model_config(cfg.model, len(tokenizer), special_token_ids(tokenizer))
     if cfg.data.seq_len > context_length(model_config):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "

@@ -91,7 +91,7 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     """Tokenize and label the rows as a run does, and write them as shards into out_dir; the manifest."""
     from tqdm.auto import tqdm
 
-    from trainloop.data import MASKED, build_tokenizer, load_examples, tokenize_examples
+    from trainloop.data import MASKED, build_tokenizer, load_examples, tokenize_examples, trained_chat_template
 
     if cfg.data.name == "prepared":
         raise ConfigError("data=prepared reads shards; prepare from the data itself (data=files, chat, "
@@ -128,6 +128,9 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     manifest = {**plan, "dtype": np.dtype(dtype).name, "masked": masked,
                 "tokens": sum(s["tokens"] for s in shards), "validation_documents": len(held_out),
                 "sha256": content, "shards": shards}
+    template = trained_chat_template(cfg.data, tokenizer)
+    if template is not None:  # a run from these shards hands it on to its final/ tokenizer
+        manifest["chat_template"] = template
     write_json(out / "manifest.json", manifest)
     log.info("prepared %d documents, %d tokens (%s) in %d shards (%d kept from before) in %s",
              count, manifest["tokens"], manifest["dtype"], len(shards), kept, out)
