@@ -45,6 +45,52 @@ def test_every_preset_composes_and_validates(preset):
     validate(cfg)
 
 
+def conflicting_presets() -> list[tuple[str, str]]:
+    """Every pair of shipped presets that choose different options of one config group."""
+    from itertools import combinations
+
+    from trainloop.config import preset_choices
+
+    return [(a, b) for a, b in combinations(PRESETS, 2)
+            if any(preset_choices(b).get(group, option) != option for group, option in preset_choices(a).items())]
+
+
+def test_the_strategy_presets_conflict_pairwise():
+    pairs = conflicting_presets()
+    for strategy in ("ddp", "fsdp", "zero2"):
+        assert (strategy, "zero3") in pairs and (strategy, "zero3_offload") in pairs, pairs
+    assert ("ddp", "fsdp") in pairs and ("fsdp_offload", "zero2") in pairs, pairs
+    assert ("smoke", "zero3") not in pairs and ("fsdp", "fsdp_offload") not in pairs, pairs
+
+
+@pytest.mark.parametrize("a,b", conflicting_presets(), ids="-".join)
+def test_conflicting_presets_are_refused_in_either_order_naming_both(a, b):
+    from itertools import permutations
+
+    from trainloop.config import compose_config
+
+    for order in [*permutations(["smoke", a, b])]:
+        with pytest.raises(ConfigError, match=f"preset ({a}|{b}) sets .* preset ({a}|{b}) sets") as refused:
+            compose_config([f"+preset=[{','.join(order)}]", "deepspeed.nvme_path=/tmp", "model.name_or_path=/m"])
+        assert a in str(refused.value) and b in str(refused.value)
+
+
+def test_presets_that_agree_stack_and_the_later_ones_keys_count():
+    cfg = compose("+preset=[smoke,zero3_offload,zero3]")
+    assert (cfg.deepspeed.stage, cfg.deepspeed.offload_param) == (3, "cpu")
+    assert compose("+preset=[smoke,memory_saver]").data.batch_size == 2
+    assert compose("+preset=[memory_saver,smoke]").data.batch_size == 4
+
+
+def test_a_preset_conflict_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    done = launch(["python", "-m", "trainloop", "+preset=[smoke,zero3,fsdp]", f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path, check=False)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("trainloop: error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "preset zero3 sets deepspeed=zero3 and preset fsdp sets deepspeed=none" in errors[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_default_config_is_the_documented_one():
     cfg = compose()
     assert (cfg.model.name, cfg.data.name, cfg.optimizer.name, cfg.precision.name) == ("tiny", "pydoc", "adamw", "fp32")

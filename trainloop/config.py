@@ -224,6 +224,8 @@ def compose_config(overrides: Sequence[str] = (), check: bool = True, return_hyd
     register_configs()
     GlobalHydra.instance().clear()
     overrides = [o for o in overrides if not (check and o.startswith("hydra."))]
+    if check:
+        check_presets(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides, return_hydra_config=return_hydra_config)
@@ -387,10 +389,44 @@ def command_line_keys(overrides: Sequence[str]) -> list[str]:
     return keys
 
 
-def check_command_line(cfg: Any, overrides: Sequence[str]) -> None:
-    """Refuse keys given on the command line that the chosen options do not read."""
+def preset_choices(name: str) -> dict[str, str]:
+    """The options a preset file chooses for config groups (its `override /GROUP: OPTION` lines)."""
     from omegaconf import OmegaConf
 
+    path = CONFIG_DIR / "preset" / f"{name}.yaml"
+    if not path.is_file():  # Hydra names the unknown preset itself
+        return {}
+    return {key.split()[-1].lstrip("/"): option
+            for entry in OmegaConf.load(path).get("defaults", []) for key, option in entry.items()}
+
+
+def check_presets(overrides: Sequence[str]) -> None:
+    """Presets given together must not choose different options of one group (deepspeed=zero3 and
+    deepspeed=none, say): Hydra would keep the later one's and drop the other without a word.
+    Keys that several presets set are another matter: the later preset's value counts, as the
+    README says (+preset=[smoke,memory_saver] is smoke's sizes with memory_saver's batch)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    names = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.key_or_group == "preset" and not override.is_delete() and not override.is_sweep_override():
+            value = override.value()
+            names += value if isinstance(value, list) else [value]
+    chosen: dict[str, tuple[str, str]] = {}
+    for name in names:
+        for group, option in preset_choices(str(name)).items():
+            first, first_option = chosen.setdefault(group, (name, option))
+            if first_option != option:
+                raise ConfigError(f"+preset=[{first},{name}]: preset {first} sets {group}={first_option} and preset "
+                                  f"{name} sets {group}={option}, so one of them would be dropped; choose one of the two")
+
+
+def check_command_line(cfg: Any, overrides: Sequence[str]) -> None:
+    """Refuse presets that contradict each other, and keys given on the command line that the
+    chosen options do not read."""
+    from omegaconf import OmegaConf
+
+    check_presets(overrides)
     unread, table = [], read_only_by()
     for key in command_line_keys(overrides):
         reads, reader = table.get(key, (None, None))
