@@ -133,6 +133,18 @@ def test_two_runs_of_one_name_are_told_apart(two_runs, tmp_path):
     assert legend_texts(fig) == ["a/sgd", "b/sgd"]  # and the first, named again, is drawn once
 
 
+def test_three_runs_with_long_names_all_show_in_the_legend(two_runs, tmp_path):
+    names = [f"learning-rate-sweep-with-a-long-descriptive-name-{i}" for i in range(3)]
+    for name in names:
+        shutil.copytree(two_runs[0], tmp_path / name)
+    fig = main([str(tmp_path / name) for name in names] + ["-o", str(tmp_path / "three.png")])
+    assert legend_texts(fig) == names
+    renderer, width = fig.canvas.get_renderer(), fig.bbox.width
+    for text in fig.legends[0].get_texts():  # every entry inside the picture, none cut at its edges
+        box = text.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= width, (text.get_text(), box, width)
+
+
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     proc = launch(["python", "-m", "trainloop.report", str(tmp_path)], check=False)
     assert proc.returncode == 2

@@ -177,9 +177,13 @@ def draw_report(labels: list[str], curves: list[dict]):
         draw_panel(ax, panel, runs)
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    fig.legend(handles=[Line2D([], [], color=c, linewidth=2, label=label) for label, c in zip(labels, colors)],
-               loc="outside upper center", ncols=min(len(labels), 3),
-               title=f"trainloop report: {len(labels)} run(s)")
+    handles = [Line2D([], [], color=c, linewidth=2, label=label) for label, c in zip(labels, colors)]
+    for ncols in range(min(len(labels), 3), 0, -1):  # fewer columns until the legend fits the figure's width
+        legend = fig.legend(handles=handles, loc="outside upper center", ncols=ncols,
+                            title=f"trainloop report: {len(labels)} run(s)")
+        if ncols == 1 or legend.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width:
+            break
+        legend.remove()
     return fig
 
 
