@@ -137,6 +137,13 @@ def test_another_tokenizer_is_refused_when_preparing_and_when_training(tmp_path,
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_no_progress_draws_no_bar(tmp_path, chat_jsonl):
+    proc = launch(["python", "-m", "trainloop.prepare", str(tmp_path / "shards"), "--no-progress", "data=chat",
+                   f"data.path={chat_jsonl}"], timeout=300)
+    assert "it/s]" not in proc.stderr and "examples/s]" not in proc.stderr, proc.stderr[-3000:]  # tqdm's rates
+    assert "documents" in proc.stdout and (tmp_path / "shards" / "manifest.json").is_file()
+
+
 @pytest.mark.parametrize("key", ["data.text_field=content", "data.train_on=all", "data.validation_fraction=0.2"])
 def test_keys_prepare_fixed_are_refused_under_data_prepared(key):
     overrides = ["data=prepared", "data.path=/some/shards", key]

@@ -92,6 +92,9 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     from tqdm.auto import tqdm
 
     from trainloop.data import MASKED, build_tokenizer, load_examples, tokenize_examples, trained_chat_template
+    from trainloop.metrics import library_progress_bars
+
+    library_progress_bars(progress, loads_rows=True)  # datasets' map and filter bars too
 
     if cfg.data.name == "prepared":
         raise ConfigError("data=prepared reads shards; prepare from the data itself (data=files, chat, "
