@@ -108,6 +108,20 @@ def test_the_command_line_form_composes_and_is_read(corpora):
     assert run_fingerprint(cfg, 1)["data.sources"][1] == {"path": str(corpora[1]), "weight": 0.25, "name": "upper"}
 
 
+def test_an_unnamed_source_is_keyed_by_its_stem_unless_two_are_alike(corpora, tmp_path):
+    from trainloop.mixture import source_names
+
+    a, b = corpora
+    (tmp_path / "other").mkdir()
+    other_a = tmp_path / "other" / "a.jsonl"
+    cases = [(f"[{{path: {a}}},{{path: {b}, name: upper}}]", ["a", "upper"]),
+             (f"[{{path: {a}}},{{path: {other_a}}},{{path: {b}}}]", [str(a), str(other_a), "b"]),
+             (f"[{{path: {a}}},{{path: {b}, name: a}}]", [str(a), "a"]),
+             (f"[{{path: {tmp_path / 'other'}}},{{path: '{tmp_path}/*.jsonl'}}]", ["other", f"{tmp_path}/*.jsonl"])]
+    for sources, names in cases:
+        assert source_names(compose("data=files", f"data.sources={sources}").data) == names
+
+
 @pytest.mark.parametrize("sources,extra,says", [
     (SOURCES, ["data.path=/x.jsonl"], "data.path=/x.jsonl and data.sources are both set"),
     ("data.sources=[{{path: {a}, weight: 1}},{{path: {b}, weight: 0}}]", [],
@@ -158,9 +172,9 @@ def test_two_sources_follow_their_weights_and_resume_exactly(tmp_path, corpora):
     lines = [[r for r in run if "loss" in r] for run in (whole, split)]
     assert [r["step"] for r in lines[0]] == list(range(20, 201, 20))
     last = lines[0][-1]["tokens_per_source"]
-    assert set(last) == {str(corpora[0]), "upper"}
+    assert set(last) == {"a", "upper"}  # the unnamed source by its file's stem (a.jsonl)
     assert sum(last.values()) == lines[0][-1]["tokens_seen"] == 200 * 1 * 16
-    assert abs(last[str(corpora[0])] / last["upper"] / 3 - 1) < 0.02, last
+    assert abs(last["a"] / last["upper"] / 3 - 1) < 0.02, last
     # The same seed, run whole and stopped at step 90 (saved between two log lines) then resumed:
     # identical counts and losses (but at step 100, whose mean the resumed run takes over 91-100 only).
     assert [(r["step"], r["tokens_per_source"]) for r in lines[1]] == [(r["step"], r["tokens_per_source"]) for r in lines[0]]

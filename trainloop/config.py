@@ -56,7 +56,7 @@ class SourceConfig:
 
     path: str = MISSING  # what data.path would be for this source alone
     weight: float = 1.0  # its share of the training blocks: weight / the sum of the weights
-    name: Optional[str] = None  # its key in metrics.jsonl's tokens_per_source; None: the path
+    name: Optional[str] = None  # its key in metrics.jsonl's tokens_per_source; None: its file or folder stem
 
 
 @dataclass
@@ -64,7 +64,7 @@ class DataConfig:
     name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, prepared: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet; prepared: the shards' folder
     # a mixture instead of data.path: [{path: P, weight: W, name: N}, ...]; each path read as data.path
-    # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default P) keys
+    # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default: P's stem) keys
     # tokens_per_source in metrics.jsonl (trainloop/mixture.py)
     sources: Optional[list[SourceConfig]] = None
     text_field: str = "text"  # the column that holds the text (data=files)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+from pathlib import Path
+
 import torch
 from torch.utils.data import Dataset
 
@@ -19,8 +21,13 @@ from trainloop.order import Permutation
 
 
 def source_names(data_cfg) -> list[str]:
-    """The key of each source in metrics.jsonl: its name, else its path."""
-    return [s.name or s.path for s in data_cfg.sources or []]
+    """The key of each source in metrics.jsonl and the trackers: its name, else the stem of its file
+    or folder (`chat` for data/chat.jsonl), else, where two stems or a stem and a name are alike,
+    or for a glob, its path."""
+    sources = data_cfg.sources or []
+    stems = [s.name or Path(s.path).stem for s in sources]
+    return [s.name or (stem if stems.count(stem) == 1 and not any(c in s.path for c in "*?[") else s.path)
+            for s, stem in zip(sources, stems)]
 
 
 class Schedule:
@@ -137,6 +144,6 @@ def build_training_data(cfg, tokenizer, seed: int) -> tuple[Dataset, Dataset, di
         return train, valid, data_fingerprint(tokenizer, train, valid)
     train, valid, parts = build_source_datasets(cfg, tokenizer, seed)
     prints = [data_fingerprint(tokenizer, t, v) for t, v in parts]
-    content = "; ".join(f"{name} x {s.weight}: {p['data content']}"
-                        for name, s, p in zip(source_names(cfg), cfg.sources, prints))
+    content = "; ".join(f"{s.name or s.path} x {s.weight}: {p['data content']}"  # as checkpoints have it
+                        for s, p in zip(cfg.sources, prints))
     return train, valid, {**prints[0], "data content": content}
