@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from itertools import chain
 from pathlib import Path
 
@@ -204,14 +205,28 @@ def chat_template(cfg: DataConfig, tokenizer) -> str:
         path = Path(cfg.chat_template).expanduser()
         if not path.is_file():
             raise ConfigError(f"data.chat_template={cfg.chat_template!r}: no such file; give a Jinja template file")
-        return path.read_text()
+        return check_generation_markers(cfg, tokenizer, path.read_text())
     own = tokenizer.chat_template
     if isinstance(own, dict):  # named templates: the default one
         own = own.get("default")
     if own:
-        return own
+        return check_generation_markers(cfg, tokenizer, own)
     log.info("the tokenizer has no chat template: using trainloop's built-in one (data.chat_template=FILE to choose)")
     return BUILTIN_CHAT_TEMPLATE
+
+
+# transformers' own test for a template that marks the assistant's tokens (render_jinja_template)
+GENERATION_MARKER = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+
+
+def check_generation_markers(cfg: DataConfig, tokenizer, template: str) -> str:
+    """A template with {% generation %} markers picks the trained tokens by their characters' offsets,
+    which only a fast tokenizer reports."""
+    if GENERATION_MARKER.search(template) and cfg.train_on != "all" and not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"data.chat_template: the template marks the trained tokens with {{% generation %}}, which "
+                          f"needs a fast tokenizer (character offsets), and {type(tokenizer).__name__} is not one; "
+                          "use a tokenizer with a tokenizer.json (data.tokenizer=DIR), or set data.train_on=all")
+    return template
 
 
 def trained_chat_template(cfg: DataConfig, tokenizer) -> str | None:
@@ -260,7 +275,11 @@ def check_messages(rows, field: str) -> None:
 
 def chat_tokens(messages: list[dict], tokenizer, template: str, train_on: str) -> tuple[list[int], list[int]]:
     """The conversation rendered with the template, tokenized piece by piece so each piece's labels
-    are known: an assistant reply (after its header) is a target; with train_on=all, everything is."""
+    are known: an assistant reply (after its header) is a target; with train_on=all, everything is.
+    A template with {% generation %} markers decides the targets itself (marked_chat_tokens)."""
+    if GENERATION_MARKER.search(template):
+        return marked_chat_tokens(messages, tokenizer, template, train_on)
+
     def render(upto: list[dict], prompt: bool = False) -> str:
         return tokenizer.apply_chat_template(upto, chat_template=template, tokenize=False,
                                              add_generation_prompt=prompt) if upto or prompt else ""
@@ -287,6 +306,19 @@ def chat_tokens(messages: list[dict], tokenizer, template: str, train_on: str) -
         add(text[len(done):], reply or train_on == "all")
         done = text
     return ids, labels
+
+
+def marked_chat_tokens(messages: list[dict], tokenizer, template: str, train_on: str) -> tuple[list[int], list[int]]:
+    """The whole conversation rendered and tokenized at once; the targets are the tokens that the
+    template's {% generation %} blocks cover, exactly transformers' assistant mask (which TRL's
+    assistant_only_loss uses). A row whose blocks cover no token has no target (packing drops it)."""
+    if train_on == "all":
+        ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=False)
+        return ids, ids
+    out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids = out["input_ids"]
+    return ids, [token if marked else IGNORE for token, marked in zip(ids, out["assistant_masks"])]
 
 
 def row_tokenizer(cfg: DataConfig, tokenizer):
