@@ -154,7 +154,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         with guard.preemption:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, raise Preempted
             eval_loss = train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
                               state, metrics, checkpointer, guard, samples)
-            if guard.preempted_by:
+            if guard.preempted_by:  # the last line says so: a job script's cue to requeue (scripts/slurm.sbatch)
+                metrics.write({"step": state.step, "event": "preempted", "by": guard.preempted_by,
+                               "checkpoint": str(checkpointer.last_good())})
                 accelerator.end_training()
                 raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
                                 f"saved in {checkpointer.last_good()}; run the same command again to continue")
