@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 
 log = logging.getLogger("trainloop")
 

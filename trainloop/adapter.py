@@ -8,7 +8,8 @@ alone (trainloop/export.py).
 
 from __future__ import annotations
 
-from trainloop.config import AdapterConfig, ConfigError, ModelConfig
+from trainloop.errors import ConfigError
+from trainloop.schema import AdapterConfig, ModelConfig
 
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
 

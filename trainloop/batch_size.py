@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 from trainloop.loop import token_loss_sum
 
 log = logging.getLogger("trainloop")

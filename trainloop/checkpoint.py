@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 from trainloop.errors import NonFiniteError
 from trainloop.parallel import local_shard, strategy
 

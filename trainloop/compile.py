@@ -11,7 +11,8 @@ import logging
 
 import torch
 
-from trainloop.config import CompileConfig, ConfigError
+from trainloop.errors import ConfigError
+from trainloop.schema import CompileConfig
 
 log = logging.getLogger("trainloop")
 

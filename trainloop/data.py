@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainloop.config import ConfigError, DataConfig
+from trainloop.errors import ConfigError
+from trainloop.schema import DataConfig
 from trainloop.packing import IGNORE
 from trainloop.preemption import ignore_stop_signals
 

@@ -13,7 +13,8 @@ import logging
 import os
 from pathlib import Path
 
-from trainloop.config import ConfigError, DeepSpeedConfig
+from trainloop.errors import ConfigError
+from trainloop.schema import DeepSpeedConfig
 
 log = logging.getLogger("trainloop")
 

@@ -11,13 +11,17 @@ exit 1 whenever a rank exits non-zero, and print each rank's code):
       again to continue (EX_TEMPFAIL: "try again later"; 143 would look like a plain kill)
   130 a second Ctrl-C: stopped at once, without a checkpoint
 
-A bad config is trainloop.config.ConfigError (exit 2); the types below are the others.
+This module imports nothing from trainloop, so every module can raise these.
 """
 
 EXIT_BAD_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
+
+
+class ConfigError(ValueError):
+    """A config (or input) that cannot work; exit EXIT_BAD_CONFIG. The message names the key and what to change."""
 
 
 class Preempted(Exception):

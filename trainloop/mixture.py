@@ -118,7 +118,7 @@ def build_source_datasets(cfg, tokenizer, seed: int) -> tuple[MixtureBlocks, Mix
     trainer.eval_batches prefix reads every source), and the per-source (train, valid) pairs."""
     from omegaconf import OmegaConf
 
-    from trainloop.config import ConfigError
+    from trainloop.errors import ConfigError
     from trainloop.data import build_datasets
 
     parts = []

@@ -6,7 +6,8 @@ import ast
 import logging
 import re
 
-from trainloop.config import ConfigError, ModelConfig
+from trainloop.errors import ConfigError
+from trainloop.schema import ModelConfig
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

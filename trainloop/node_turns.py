@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 
 log = logging.getLogger("trainloop")
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from trainloop.config import ConfigError, OptimizerConfig, SchedulerConfig
+from trainloop.errors import ConfigError
+from trainloop.schema import OptimizerConfig, SchedulerConfig
 
 Shape = tuple[int, ...]
 

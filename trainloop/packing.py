@@ -118,7 +118,7 @@ def part_from_batches(batches, masked: bool, dtype=np.int64) -> Part:
 def split_documents(count: int, fraction: float, seed: int) -> np.ndarray:
     """The documents held out for validation: ceil(count x fraction) of them (at least 1, at most
     count - 1), drawn from the seed alone; sorted. Whole documents, so no text is in both splits."""
-    from trainloop.config import ConfigError
+    from trainloop.errors import ConfigError
 
     if count < 2:
         raise ConfigError(f"the data holds {count} document(s): too little to train and validate; add data")
@@ -135,7 +135,7 @@ def fit_pieces(cfg, documents: Documents) -> tuple[np.ndarray, np.ndarray]:
     label is never a target (in a packed block the token before it is another piece's), so a piece
     whose other tokens are no targets is dropped. Counted in the log.
     """
-    from trainloop.config import ConfigError
+    from trainloop.errors import ConfigError
 
     seq_len, lengths = cfg.seq_len, documents.lengths
     docs = np.arange(len(lengths))
@@ -320,7 +320,7 @@ class PlannedBlocks(Dataset):
 
 def plan_blocks(cfg, documents: Documents, held_out: np.ndarray, pad: int) -> tuple[PlannedBlocks, PlannedBlocks]:
     """Train and validation blocks: the held-out documents' pieces are validation's, the rest train's."""
-    from trainloop.config import ConfigError
+    from trainloop.errors import ConfigError
 
     valid_doc = np.zeros(len(documents), dtype=bool)
     valid_doc[held_out] = True

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainloop.config import ConfigError, check_complete, validate
+from trainloop.config import check_complete, validate
+from trainloop.errors import ConfigError
 from trainloop.rundir import LaunchRecord, hold_run_dir
 
 log = logging.getLogger("trainloop")

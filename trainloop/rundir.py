@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 
 log = logging.getLogger("trainloop")
 

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 
 
 class Samples:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainloop.config import ConfigError
+from trainloop.errors import ConfigError
 from trainloop.packing import (Documents, Part, PlannedBlocks, part_from_batches, plan_blocks, split_documents,
                                token_batches)
 

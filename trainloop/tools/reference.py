@@ -1,6 +1,6 @@
 """`python -m trainloop.reference [--write [PATH] | --check]`: the config reference, generated.
 
-Every key comes from the structured configs in trainloop/config.py: its type from the
+Every key comes from the structured configs in trainloop/schema.py: its type from the
 annotation, its description from the comment on the field's line (or the comment lines right
 above it), its allowed values from config.choices() / config.POSITIVE, and its default from the
 config `python -m trainloop` composes with no arguments. The options of each group and the
@@ -22,6 +22,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainloop import config as config_module
+from trainloop import schema
 from trainloop.config import CONFIG_DIR, POSITIVE, TrainConfig, choices
 
 DOCS_FILE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
@@ -142,7 +143,7 @@ def optimizer_table(defaults) -> list[str]:
 
 
 def render() -> str:
-    docs = field_docs(Path(config_module.__file__).read_text())
+    docs = field_docs(Path(schema.__file__).read_text())
     cfg, choices = default_config()
     groups = [f for f in dataclasses.fields(TrainConfig)]
     out = [
@@ -160,7 +161,7 @@ def render() -> str:
         "Groups: " + ", ".join(f"[{g.name}](#{g.name})" for g in groups) + ", [presets](#presets).",
     ]
     for group in groups:
-        cls = group.type if isinstance(group.type, type) else getattr(config_module, group.type)
+        cls = group.type if isinstance(group.type, type) else getattr(schema, group.type)
         out += ["", f"## {group.name}", ""]
         folder = CONFIG_DIR / group.name
         if folder.is_dir():
