@@ -198,9 +198,9 @@ def test_overlong_rows_are_truncated_or_dropped_and_counted(pairs_jsonl, caplog)
 
 BAD_ROWS = {
     "no messages field": ([{"conversation": conversation(1)}], "data.messages_field='messages' is not a column"),
-    "unknown role": ([{"messages": [{"role": "bot", "content": "hi"}]}], "data.messages_field='messages': row 0 "
-                                                                          "message 0 has role 'bot'"),
-    "no content": ([{"messages": [{"role": "user"}]}], "data.messages_field='messages': row 0 message 0 "
+    "unknown role": ([{"messages": [{"role": "bot", "content": "hi"}]}], "bad.jsonl:1: data.messages_field='messages' "
+                                                                          "message 1 has role 'bot'"),
+    "no content": ([{"messages": [{"role": "user"}]}], "bad.jsonl:1: data.messages_field='messages' message 1 "
                                                        r"\(user\) has no content"),
     "no assistant turn": ([{"messages": [{"role": "user", "content": "hi"}]}], "data.train_on=assistant: no row"),
 }
@@ -251,5 +251,5 @@ def test_bad_chat_data_exits_2_with_one_line(tmp_path):
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
     errors = [line for line in done.stderr.splitlines() if line.startswith("trainloop: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
-    assert "data.messages_field='messages': row 0 message 0 has role 'bot'" in errors[0]
+    assert f"{path}:1: data.messages_field='messages' message 1 has role 'bot'" in errors[0]
     assert "Traceback" not in done.stderr

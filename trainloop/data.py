@@ -89,7 +89,8 @@ def columns_read(cfg: DataConfig) -> dict[str, str]:
 
 
 def load_rows(cfg: DataConfig):
-    """A `datasets.Dataset` with one document (text, conversation or prompt/completion) per row."""
+    """A `datasets.Dataset` with one document (text, conversation or prompt/completion) per row, and
+    only the columns the data option reads (columns_read): the others may differ from row to row."""
     import datasets
 
     if cfg.name == "pydoc":
@@ -100,17 +101,33 @@ def load_rows(cfg: DataConfig):
     for file in files:
         if os.path.getsize(file) == 0:
             raise ConfigError(f"data.path={cfg.path!r}: {file} is empty; remove it or fill it")
-    try:
-        ds = read_files(builder, files)
-    except UNREADABLE:  # find the file to name, reading each alone: only on this error path
+    columns = columns_read(cfg)
+    if builder == "json":
+        return read_json_rows(cfg.path, files, columns)
+    if builder != "text":
         for file in files:
             try:
-                read_files(builder, [file])
+                header = file_columns(builder, file)
             except UNREADABLE as err:
                 raise ConfigError(f"data.path={cfg.path!r}: {file} cannot be read as {builder} "
                                   f"({root_cause(err)}); fix or remove that file") from None
-        raise
-    for key, column in columns_read(cfg).items():
+            for key, column in columns.items():
+                if column not in header:
+                    raise ConfigError(f"{key}={column!r} is not a column of {file}: its columns are "
+                                      f"{header}; set {key}=ONE_OF_THEM")
+    try:
+        ds = read_files(builder, files, sorted(set(columns.values())))
+    except UNREADABLE as together:  # find the file to name, reading each alone: only on this error path
+        for file in files:
+            try:
+                read_files(builder, [file], sorted(set(columns.values())))
+            except UNREADABLE as err:
+                raise ConfigError(f"data.path={cfg.path!r}: {file} cannot be read as {builder} "
+                                  f"({root_cause(err)}); fix or remove that file") from None
+        raise ConfigError(f"data.path={cfg.path!r}: each file reads alone but not together ({root_cause(together)}): "
+                          f"the column(s) {sorted(set(columns.values()))} hold different types in different "
+                          "files; give them one type") from None
+    for key, column in columns.items():
         if column not in ds.column_names:
             raise ConfigError(f"{key}={column!r} is not a column of {cfg.path}: its columns are "
                               f"{ds.column_names}; set {key}=ONE_OF_THEM")
@@ -123,11 +140,13 @@ def load_rows(cfg: DataConfig):
 UNREADABLE = (ValueError, StopIteration, OSError)
 
 
-def read_files(builder: str, files: list[str]):
+def read_files(builder: str, files: list[str], columns: list[str]):
+    """csv, parquet and text files through `datasets` (cached by it), csv and parquet reading only `columns`."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
-    extra = {"sample_by": "document"} if builder == "text" else {}
+    extra = {"text": {"sample_by": "document"}, "csv": {"usecols": columns},
+             "parquet": {"columns": columns}}.get(builder, {})
     datasets_log = logging.getLogger("datasets")
     level = datasets_log.level
     datasets_log.setLevel(logging.CRITICAL)  # it logs each failure at ERROR; load_rows says it once
@@ -137,6 +156,167 @@ def read_files(builder: str, files: list[str]):
         raise ValueError(root_cause(err)) from err
     finally:
         datasets_log.setLevel(level)
+
+
+def file_columns(builder: str, file: str) -> list[str]:
+    """The column names of a csv or parquet file, from its header or schema."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(file).names
+    import csv
+
+    with open(file, newline="", encoding="utf-8") as f:
+        return next(csv.reader(f), [])
+
+
+JSON_ROWS_FORMAT = 1  # the cache below is keyed by this: change it when what read_json_rows stores changes
+
+
+def read_json_rows(path: str, files: list[str], columns: dict[str, str]):
+    """json and jsonl rows, keeping only the read columns: `datasets`' json builder infers every
+    column's type from the first 10 MB and refuses later rows or files whose other fields differ.
+    Each read column's values are checked here, where the file and line are known; the columns are
+    cached as one Arrow file (memory-mapped), keyed by the files' paths, sizes and times."""
+    import datasets
+
+    features = datasets.Features({column: datasets.Json() if key == "data.messages_field" else datasets.Value("string")
+                                  for key, column in columns.items()})
+    stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+    key = hashlib.sha256(json.dumps([JSON_ROWS_FORMAT, stamps, features.to_dict()]).encode()).hexdigest()[:32]
+    cached = Path(datasets.config.HF_DATASETS_CACHE) / "trainloop_json_rows" / f"{key}.arrow"
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial_file = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp")
+        try:
+            write_json_rows(path, files, columns, features, str(partial_file))
+            os.replace(partial_file, cached)
+        finally:
+            partial_file.unlink(missing_ok=True)
+    return datasets.Dataset.from_file(str(cached))
+
+
+def write_json_rows(path: str, files: list[str], columns: dict[str, str], features, out: str) -> None:
+    from datasets.arrow_writer import ArrowWriter
+
+    names = list(features)
+    batch = {column: [] for column in names}
+    found, first_keys = set(), None
+    with ArrowWriter(features=features, path=out) as writer:
+        for file in files:
+            for place, row in json_records(path, file):
+                first_keys = first_keys or list(row)
+                found.update(column for column in names if column in row)
+                for key, column in columns.items():
+                    value = row.get(column)
+                    if key == "data.messages_field":
+                        value = None if value is None else json.dumps(value)  # Json keeps it as it is
+                    elif value is not None and not isinstance(value, str):
+                        raise ConfigError(f"{place}: {key}={column!r} holds {json_kind(value)}, not text; "
+                                          "fix or remove that row")
+                    batch[column].append(value)
+                if len(batch[names[0]]) == 10_000:
+                    writer.write_batch(batch)
+                    batch = {column: [] for column in names}
+        if first_keys is None:
+            raise ConfigError(f"data.path={path!r} holds no rows: its json files have only blank lines or empty arrays")
+        for key, column in columns.items():
+            if column not in found:
+                raise ConfigError(f"{key}={column!r} is not a column of {path}: its columns are "
+                                  f"{first_keys}; set {key}=ONE_OF_THEM")
+        if batch[names[0]]:
+            writer.write_batch(batch)
+        writer.finalize()
+
+
+def json_kind(value) -> str:
+    return {str: "text", bool: "true or false", int: "a number", float: "a number", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def json_records(path: str, file: str):
+    """(FILE:LINE, row) for each row of a json file: one object per line (JSON lines), or an array of
+    objects (the line is where the object starts). Blank lines are no rows."""
+    def unreadable(err: BaseException) -> ConfigError:
+        return ConfigError(f"data.path={path!r}: {file} cannot be read as json ({root_cause(err)}); "
+                           "fix or remove that file")
+
+    def row(value, line: int):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{file}:{line}: a row is an object of named fields, and this is {json_kind(value)}")
+        return f"{file}:{line}", value
+
+    try:
+        with open(file, encoding="utf-8-sig") as f:
+            start = f.read(4096).lstrip()[:1]
+            f.seek(0)
+            if start == "[":
+                text = f.read()
+            else:
+                for line, text in enumerate(f, 1):
+                    if text.strip():
+                        try:
+                            value = json.loads(text)
+                        except ValueError as err:
+                            raise ConfigError(f"{file}:{line} is not valid JSON ({err}): a json file holds one "
+                                              "row object per line, or one array of them") from None
+                        yield row(value, line)
+                return
+    except UnicodeDecodeError as err:
+        raise unreadable(err) from None
+    decoder = json.JSONDecoder()
+    at = text.index("[") + 1
+    line = 1 + text.count("\n", 0, at)
+    while True:
+        start = at
+        while at < len(text) and text[at] in " \t\r\n,":  # the commas between objects, leniently
+            at += 1
+        line += text.count("\n", start, at)
+        if at == len(text):
+            raise unreadable(ValueError("the array has no closing ]"))
+        if text[at] == "]":
+            return
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError as err:
+            raise ConfigError(f"{file}:{line} is not valid JSON ({err})") from None
+        yield row(value, line)
+        line += text.count("\n", at, end)
+        at = end
+
+
+def row_place(cfg: DataConfig, r: int) -> str:
+    """Where row r (0-based, over all files in order) of load_rows' dataset comes from: FILE:LINE,
+    1-based (FILE row K for parquet). Reads the files again: for messages only."""
+    if cfg.name == "pydoc":
+        return f"pydoc topic {r + 1}"
+    builder, files = data_files(cfg.path)
+    for file in files:
+        for place in file_places(cfg.path, builder, file):
+            if r == 0:
+                return place
+            r -= 1
+    raise IndexError(r)
+
+
+def file_places(path: str, builder: str, file: str):
+    if builder == "json":
+        yield from (place for place, _ in json_records(path, file))
+    elif builder == "csv":
+        import csv
+
+        with open(file, newline="", encoding="utf-8") as f:
+            reader, line = csv.reader(f), 0
+            for row in reader:  # the header first; a row may span lines (quoted newlines)
+                if row and line:
+                    yield f"{file}:{line + 1}"
+                line = reader.line_num
+    elif builder == "parquet":
+        import pyarrow.parquet as pq
+
+        yield from (f"{file} row {k + 1}" for k in range(pq.ParquetFile(file).metadata.num_rows))
+    else:
+        yield file
 
 
 def root_cause(err: BaseException) -> str:
@@ -258,20 +438,76 @@ def carry_chat_template(tokenizer, template: str | None) -> None:
         tokenizer.chat_template = template
 
 
-def check_messages(rows, field: str) -> None:
-    """Every conversation is a list of {role, content} messages with known roles; else one line naming the row."""
+def message_problem(messages) -> str | None:
+    """What makes a conversation unusable whatever the template: None if it is a list of {role, content}."""
+    if not isinstance(messages, list):
+        return f"is {json_kind(messages)}, not a list of {{role, content}} messages"
+    for m, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            return f"message {m} is {json_kind(message)}, not a {{role, content}} object"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"message {m} has role {role!r}; the roles are {', '.join(ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {m} ({role}) has no content; every message needs a text 'content'"
+    return None
+
+
+def usable_conversations(rows, cfg: DataConfig, tokenizer=None):
+    """The conversations to train on, by the rules README's data=chat section lists: a row that
+    cannot be used is refused naming its file and line; rows with nothing to learn are skipped and
+    counted; kept rows of unusual shape are counted too, in the same warning line."""
+    from collections import Counter
+
+    field, assistant_only = cfg.messages_field, cfg.train_on == "assistant"
+    template = chat_template(cfg, tokenizer) if tokenizer is not None else None
+    skipped, kept_as, keep, replies, empty = Counter(), Counter(), [], 0, 0
     for r, messages in enumerate(rows[field]):
         if not messages:
-            raise ConfigError(f"data.messages_field={field!r}: row {r} has no messages; "
-                              "every row needs a list of {role, content} messages")
-        for m, message in enumerate(messages):
-            role = message.get("role") if isinstance(message, dict) else None
-            if role not in ROLES:
-                raise ConfigError(f"data.messages_field={field!r}: row {r} message {m} has role {role!r}; "
-                                  f"the roles are {', '.join(ROLES)}")
-            if not isinstance(message.get("content"), str):
-                raise ConfigError(f"data.messages_field={field!r}: row {r} message {m} ({role}) has no "
-                                  "content; every message needs a text 'content'")
+            skipped["no messages (missing or empty)"] += 1
+            continue
+        problem = message_problem(messages)
+        if problem:
+            raise ConfigError(f"{row_place(cfg, r)}: data.messages_field={field!r} {problem}; fix or remove that row")
+        if template is not None:
+            try:  # a template's own rule (e.g. raise_exception on roles that do not alternate) refuses the row
+                tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+            except Exception as err:  # noqa: BLE001 - whatever a template raises, name the row
+                raise ConfigError(f"{row_place(cfg, r)}: the chat template cannot render this conversation "
+                                  f"({root_cause(err)}); fix the row, or choose a template that accepts it "
+                                  "(data.chat_template=FILE)") from None
+        roles = [m["role"] for m in messages]
+        if roles[0] == "assistant":
+            skipped["the assistant's reply first (it answers no prompt)"] += 1
+            continue
+        if assistant_only and "assistant" not in roles:
+            skipped["no assistant reply"] += 1
+            continue
+        keep.append(r)
+        row_replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        replies, empty = replies + len(row_replies), empty + sum(not c.strip() for c in row_replies)
+        pairs = set(zip(roles, roles[1:]))
+        notes = {"a trailing turn after the last reply (not trained)": assistant_only and roles[-1] != "assistant",
+                 "two user turns in a row": ("user", "user") in pairs,
+                 "two assistant replies in a row": ("assistant", "assistant") in pairs,
+                 "a system turn after the first message": "system" in roles[1:],
+                 "an empty reply (trained as its end of turn alone)": any(not c.strip() for c in row_replies)}
+        kept_as.update(note for note, holds in notes.items() if holds)
+    if not keep:
+        if set(skipped) == {"no assistant reply"}:
+            raise ConfigError(f"data.train_on=assistant: no row of {cfg.path} has an assistant message, so "
+                              "nothing would be learned; add replies, or set data.train_on=all")
+        raise ConfigError(f"none of the {len(rows)} rows of {cfg.path} can be trained: "
+                          + ", ".join(f"{n} with {why}" for why, n in skipped.items()))
+    if assistant_only and replies == empty:
+        raise ConfigError(f"every assistant reply in {cfg.path} is empty: the model would learn only to stop; "
+                          "fill the replies, or remove those rows")
+    parts = [f"skipped {sum(skipped.values())} of {len(rows)} rows (" + ", ".join(
+        f"{n} with {why}" for why, n in skipped.items()) + ")"] if skipped else []
+    parts += [f"kept {n} with {note}" for note, n in kept_as.items()]
+    if parts:
+        log.warning("data=chat rows of %s: %s", cfg.path, "; ".join(parts))
+    return rows.select(keep) if len(keep) < len(rows) else rows
 
 
 def chat_tokens(messages: list[dict], tokenizer, template: str, train_on: str) -> tuple[list[int], list[int]]:
@@ -362,23 +598,20 @@ def ragged_table(**columns: list[list[int]]):
     return pa.table(arrays)
 
 
-def load_examples(cfg: DataConfig):
-    """The rows, checked: text rows without text skipped; conversations and prompt/completion pairs validated."""
+def load_examples(cfg: DataConfig, tokenizer=None):
+    """The rows, checked: text rows without text skipped; conversations kept, skipped or refused by
+    the data=chat rules (the template's own among them when the tokenizer is given); prompt/completion
+    pairs validated."""
     rows = load_rows(cfg)
     if cfg.name in ("pydoc", "files"):
         return drop_rows_without_text(rows, cfg.text_field, cfg.num_proc)
     if cfg.name == "chat":
-        check_messages(rows, cfg.messages_field)
-        if cfg.train_on == "assistant" and not any(
-                m["role"] == "assistant" for messages in rows[cfg.messages_field] for m in messages):
-            raise ConfigError(f"data.train_on=assistant: no row of {cfg.path} has an assistant message, so "
-                              "nothing would be learned; add replies, or set data.train_on=all")
-        return rows
+        return usable_conversations(rows, cfg, tokenizer)
     for key, column in columns_read(cfg).items():
         missing = [r for r, value in enumerate(rows[column]) if not isinstance(value, str)]
         if missing:
-            raise ConfigError(f"{key}={column!r}: row {missing[0]} (and {len(missing) - 1} more) has no text "
-                              "in that column; fix or remove those rows")
+            raise ConfigError(f"{row_place(cfg, missing[0])}: {key}={column!r} has no text there (nor in "
+                              f"{len(missing) - 1} more rows); fix or remove those rows")
     return rows
 
 
@@ -395,7 +628,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int):
         from trainloop.shards import open_prepared
 
         return open_prepared(cfg, tokenizer)
-    tokens = tokenize_examples(cfg, tokenizer, load_examples(cfg))
+    tokens = tokenize_examples(cfg, tokenizer, load_examples(cfg, tokenizer))
     documents = Documents([part_from_batches(token_batches(tokens), masked=cfg.name in MASKED)])
     held_out = split_documents(len(documents), cfg.validation_fraction, seed)
     train, valid = plan_blocks(cfg, documents, held_out, pad_id(tokenizer))

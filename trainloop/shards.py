@@ -104,7 +104,7 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     plan = {"format": FORMAT, "tokenizer": tokenizer_record(tokenizer), "data": token_options(cfg),
             "shard_documents": shard_documents}
     check_folder(out, plan)  # before the rows are read: a wrong tokenizer is said at once
-    examples = load_examples(cfg.data)
+    examples = load_examples(cfg.data, tokenizer)
     plan["documents"] = count = len(examples)
     check_folder(out, plan)
     out.mkdir(parents=True, exist_ok=True)
