@@ -1,19 +1,24 @@
 """Faults end in one message that says what happened: a full disk during a save, a truncated or
 broken checkpoint (resume=auto falls back to the newest one that loads), unreadable data files,
-rows without text, and a resume onto other data."""
+rows without text, and a resume onto other data; and `kill -9` of a run leaves none of its processes."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import compose, launch, read_metrics, train
+from conftest import clean_env, compose, family, launch, read_metrics, train
 from trainloop.checkpoint import COMPLETE, STATE_FILE, why_unloadable
 from trainloop.config import ConfigError
 
@@ -221,3 +226,103 @@ def test_data_where_no_row_has_text_is_refused(tmp_path):
     cfg = compose("data=files", f"data.path={empty}", "data.text_field=content").data
     with pytest.raises(ConfigError, match="none of the 2 rows has text in data.text_field='content'"):
         build_datasets(cfg, byte_level_tokenizer(), seed=0)
+
+
+# --- kill -9 leaves no process behind ---------------------------------------------------------
+
+def processes_marked(marker: str) -> list[int]:
+    """Processes whose environment holds `marker`: everything a run started, re-parented or not."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes().split(b"\0") and running(int(environ.parent.name)):
+                found.append(int(environ.parent.name))
+        except OSError:  # it exited meanwhile, or is not ours to read
+            pass
+    return found
+
+
+def running(pid: int) -> bool:
+    try:  # an orphan's zombie (no init to reap it in a container) is not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill_9_of_a_run_with_loader_workers_leaves_no_process(tmp_path):
+    """Issue 23: SIGKILL a data=prepared run with 2 forkserver workers mid-training; within 10 s
+    the workers, the forkserver and the resource tracker are gone too (they used to wait on one
+    another forever: trainloop.lifetime)."""
+    from trainloop.config import compose_config
+    from trainloop.shards import prepare
+
+    prepare(compose_config(["+preset=smoke"]), str(tmp_path / "shards"), 10, progress=False)
+    tag = uuid.uuid4().hex
+    marker = f"TRAINLOOP_TEST_RUN={tag}"
+    run_dir, output = tmp_path / "run", tmp_path / "output.txt"
+    with open(output, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainloop", "+preset=smoke", "data=prepared", f"data.path={tmp_path / 'shards'}",
+             "data.num_workers=2", "data.multiprocessing_context=forkserver", "trainer.max_steps=100000",
+             "trainer.eval_every=100000", "trainer.log_every=1", "logging.progress_bar=false",
+             f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path, env=clean_env(TRAINLOOP_TEST_RUN=tag), stdout=out, stderr=subprocess.STDOUT)
+    started, last_ended = [proc.pid], None
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or '"loss"' not in (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None, f"it ended (exit {proc.returncode}):\n{output.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, output.read_text()[-4000:]
+            time.sleep(0.1)
+        started = family(proc.pid)
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in started]
+        assert sum(b"forkserver import main" in c for c in commands) == 3, commands  # the server, 2 workers
+        assert sum(b"resource_tracker import main" in c for c in commands) == 1, commands
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.monotonic()
+        while time.monotonic() < killed + 10 and (
+                any(running(pid) for pid in started) or processes_marked(marker)):
+            time.sleep(0.1)
+        last_ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:  # it failed before the kill
+            started = family(proc.pid)
+            proc.kill()
+            proc.wait()
+        left = sorted({pid for pid in started if running(pid)} | set(processes_marked(marker)))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, (f"10 s after kill -9 of the run (pid {proc.pid}), these of its processes still ran: "
+                      f"{left}\n{output.read_text()[-3000:]}")
+    print(f"the last of its {len(started)} processes ended {last_ended:.1f} s after the kill")
+
+
+MAP_FOREVER = """
+import sys, time, datasets
+from trainloop.lifetime import register_forked_children
+register_forked_children()  # as python -m trainloop and trainloop.prepare do
+datasets.Dataset.from_dict({"x": list(range(1000))}).map(
+    lambda batch: time.sleep(0.2) or batch, batched=True, batch_size=10, num_proc=2)
+"""
+
+
+def test_kill_9_during_a_datasets_map_with_num_proc_leaves_no_process(tmp_path):
+    """datasets.map(num_proc=2) forks a pool, then a Manager that inherits the pool's task pipe:
+    killed mid-map, the Manager served forever and the pool waited on it. Forked children now end
+    with their parent (trainloop.lifetime.register_forked_children)."""
+    proc = subprocess.Popen([sys.executable, "-c", MAP_FOREVER], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(started := family(proc.pid)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # the pool's 2 workers and the Manager
+    time.sleep(1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = time.monotonic()
+    while any(running(pid) for pid in started) and time.monotonic() < killed + 10:
+        time.sleep(0.1)
+    left = [pid for pid in started if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert len(started) == 4 and not left, f"of {started}, {left} still ran 10 s after kill -9"

@@ -66,10 +66,11 @@ def main() -> None:
     from omegaconf import DictConfig
 
     from trainloop.config import CONFIG_DIR, ConfigError, check_command_line, register_configs
-    from trainloop.lifetime import watch_launcher
+    from trainloop.lifetime import register_forked_children, watch_launcher
 
     register_configs()
     watch_launcher()  # under a launcher: this rank ends when the launcher dies
+    register_forked_children()  # and what it forks ends with it
     run_started = False
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")

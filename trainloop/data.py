@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+from functools import partial
 from itertools import chain
 from pathlib import Path
 
@@ -15,9 +16,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainloop.errors import ConfigError
+from trainloop.lifetime import start_loader_worker
 from trainloop.schema import DataConfig
 from trainloop.packing import IGNORE
-from trainloop.preemption import ignore_stop_signals
 
 log = logging.getLogger("trainloop")
 
@@ -705,8 +706,10 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     if len(train) < cfg.batch_size:
         raise ConfigError(f"data.batch_size={cfg.batch_size} is larger than the "
                           f"{len(train)} training blocks; lower it or add data")
-    # Workers leave SIGTERM/Ctrl-C to the main process, which saves a checkpoint and stops them.
-    workers = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=ignore_stop_signals,
+    # Workers leave SIGTERM/Ctrl-C to the main process, which saves a checkpoint and stops them,
+    # and end as soon as it ends, however it ends (trainloop.lifetime).
+    workers = dict(num_workers=cfg.num_workers, pin_memory=pin_memory,
+                   worker_init_fn=partial(start_loader_worker, os.getpid()),
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     if cfg.num_workers:
         workers["multiprocessing_context"] = worker_context(cfg.multiprocessing_context)

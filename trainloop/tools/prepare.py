@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        from trainloop.lifetime import register_forked_children
         from trainloop.shards import prepare
+
+        register_forked_children()  # datasets.map's pool (data.num_proc) ends with this command
 
         check_keys_read(args.overrides)
         manifest = prepare(compose_config(args.overrides), args.out_dir, args.shard_documents,
