@@ -399,7 +399,10 @@ def validate(cfg: Any) -> None:
     if opt and ds.stage == 3 and not opt.zero3:
         library = f" ({opt.library})" if opt.library else ""
         problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under deepspeed stage 3: "
-                        f"{opt.not_zero3_because}; use optimizer=adamw, or deepspeed=zero2")
+                        f"{opt.not_zero3_because}; use optimizer=adamw, or deepspeed={'zero2' if opt.zero else 'none'}")
+    elif opt and ds.stage and not opt.zero:
+        problems.append(f"optimizer={cfg.optimizer.name} cannot run under deepspeed=zero{ds.stage}: "
+                        f"{opt.not_zero_because}; use optimizer=adamw, or deepspeed=none")
     if opt and ds.stage and ds.offload_optimizer != "none" and not opt.cpu_offload:
         problems.append(
             f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Callable
 
 from trainloop.errors import ConfigError
@@ -34,6 +34,28 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
         {"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
         {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]
+
+
+def hidden_matrices(model) -> list[bool]:
+    """For each parameter that trains, in model.parameters() order: is it a hidden layer's matrix,
+    a 2-D weight that is neither an embedding nor the output head? Muon takes these; torch
+    documents the rest (embeddings, head, norms, biases, 3-D expert weights) for AdamW."""
+    import torch
+
+    vocabulary = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocabulary |= {id(p) for p in (head.parameters() if head is not None else ())}
+    return [p.dim() == 2 and id(p) not in vocabulary for p in model.parameters() if p.requires_grad]
+
+
+def _muon_groups(model, weight_decay: float) -> list[dict]:
+    """The hidden matrices for Muon (use_muon), then parameter_groups' groups without them for AdamW."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    hidden = {id(p) for p, h in zip(params, hidden_matrices(model)) if h}
+    groups = [{"params": [p for p in params if id(p) in hidden], "weight_decay": weight_decay, "use_muon": True}]
+    groups += [{**g, "params": [p for p in g["params"] if id(p) not in hidden], "use_muon": False}
+               for g in parameter_groups(model, weight_decay)]
     return [g for g in groups if g["params"]]
 
 
@@ -76,10 +98,69 @@ def _paged_adamw8bit(cfg: OptimizerConfig, groups: list[dict], on_cuda: bool):
     return _bitsandbytes().optim.PagedAdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
+@cache
+def _muon_with_adamw():
+    """The class, made on first use: torch is imported inside the functions of this module."""
+    import torch
+
+    class MuonWithAdamW(torch.optim.Optimizer):
+        """torch's Muon on the hidden matrices and torch's AdamW on the rest, stepped as one optimizer.
+
+        The parts keep the wrapper's own param_groups (the same dicts) and state (the same dict),
+        so the scheduler, accelerate, the checkpoints and DCP see one ordinary optimizer;
+        load_state_dict replaces both, so the parts are pointed at the new ones again.
+        """
+
+        def __init__(self, parts: list):
+            self.parts, self.sizes = parts, [len(part.param_groups) for part in parts]
+            super().__init__([g for part in parts for g in part.param_groups], defaults={})
+            self.defaults = {type(part).__name__: part.defaults for part in parts}  # what each part was built with
+            self._share()
+
+        def _share(self) -> None:
+            groups = iter(self.param_groups)
+            for part, size in zip(self.parts, self.sizes):
+                part.param_groups = [next(groups) for _ in range(size)]
+                part.state = self.state
+
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for part in self.parts:
+                part.step()
+            return loss
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            super().load_state_dict(state_dict)
+            self._share()
+
+    return MuonWithAdamW
+
+
+def _muon(cfg: OptimizerConfig, groups: list[dict], on_cuda: bool):
+    """One optimizer.lr serves both parts: match_rms_adamw scales each matrix's orthogonalised
+    update to the RMS of an AdamW update (0.2 * sqrt(max(rows, cols)) * lr, Moonshot's rule in
+    torch's docs), so the lr and weight decay tuned for AdamW carry over and the scheduler scales
+    both parts alike. Nesterov momentum and 5 Newton-Schulz steps are torch's defaults."""
+    import torch
+
+    muon = [g for g in groups if g["use_muon"]]
+    rest = [g for g in groups if not g["use_muon"]]
+    parts = [torch.optim.Muon(muon, lr=cfg.lr, momentum=cfg.momentum, adjust_lr_fn="match_rms_adamw")] if muon else []
+    parts += [_adamw(cfg, rest, on_cuda)] if rest else []
+    return _muon_with_adamw()(parts)
+
+
 # --- state sizes: bytes each optimizer keeps for one fp32 parameter tensor of this shape -------
 
 def _adamw_state(shape: Shape, cfg: OptimizerConfig) -> int:
     return 8 * math.prod(shape) + 4  # exp_avg, exp_avg_sq, and a 0-d fp32 `step`
+
+
+def _muon_state(shape: Shape, cfg: OptimizerConfig) -> int:
+    return 4 * math.prod(shape)  # the momentum buffer; no step count
 
 
 def _sgd_state(shape: Shape, cfg: OptimizerConfig) -> int:
@@ -115,6 +196,12 @@ def _adafactor_temporaries(sizes: list[int], cfg: OptimizerConfig, on_cuda: bool
     return 2 * 4 * max(sizes)  # grad**2 + eps, then the approximated update
 
 
+def _muon_temporaries(sizes: list[int], cfg: OptimizerConfig, on_cuda: bool) -> int:
+    # one matrix at a time: the fp32 Nesterov blend, two bf16 copies and two bf16 Gram matrices
+    # (min(rows, cols)^2 <= rows * cols elements each)
+    return (4 + 2 * 2 + 2 * 2) * max(sizes)
+
+
 def _none(sizes: list[int], cfg: OptimizerConfig, on_cuda: bool) -> int:
     return 0
 
@@ -128,7 +215,11 @@ class Optimizer:
     temporaries: Callable = _none  # (tensor sizes, OptimizerConfig, on_cuda) -> bytes of the step
     shared_state_bytes: int = 0  # state shared by every tensor (bitsandbytes' quantization maps)
     reads: tuple[str, ...] = ("lr", "weight_decay")  # the optimizer.* keys it reads
+    groups: Callable = parameter_groups  # (model, weight_decay) -> the parameter groups it builds on
+    rest: str = ""  # the row whose optimizer steps what this one does not take: the non-hidden_matrices
     cpu_offload: bool = False  # may run as DeepSpeed's CPU Adam under deepspeed.offload_optimizer
+    zero: bool = True  # steps ZeRO-1/2's partitions: 1-D slices of the flattened parameters
+    not_zero_because: str = ""
     zero3: bool = True  # works on ZeRO-3's partitioned parameters
     cuda_only: bool = False
     not_zero3_because: str = ""
@@ -154,6 +245,13 @@ OPTIMIZERS: dict[str, Optimizer] = {
     "adamw8bit": Optimizer(_adamw8bit, **EIGHT_BIT),
     "paged_adamw8bit": Optimizer(_paged_adamw8bit, **EIGHT_BIT),
     "sgd": Optimizer(_sgd, _sgd_state, reads=("lr", "weight_decay", "momentum")),
+    # torch.optim.Muon on hidden_matrices, AdamW (optimizer.betas, eps, impl) on the rest. Under FSDP2
+    # Newton-Schulz runs on the DTensor shards through DTensor ops (seen: 2 processes equal 1 to 1e-5)
+    "muon": Optimizer(_muon, _muon_state, _muon_temporaries, reads=(*ADAM_KEYS, "impl", "momentum"),
+                      groups=_muon_groups, rest="adamw", zero=False, zero3=False,
+                      not_zero_because="ZeRO hands the optimizer 1-D slices of the flattened parameters, and "
+                      "Muon orthogonalises each matrix whole (seen: 'Param gradient must be a 2D matrix')",
+                      not_zero3_because="ZeRO-3 partitions the matrices Muon must orthogonalise whole"),
 }
 
 
@@ -163,23 +261,38 @@ def optimizer_named(name: str) -> Optimizer:
     return OPTIMIZERS[name]
 
 
-def planned_state_bytes(cfg: OptimizerConfig, shapes: list[Shape]) -> int:
-    """Bytes of optimizer state for fp32 parameters of these shapes, as the optimizer stores it."""
+def _parts(cfg: OptimizerConfig, shapes: list[Shape], hidden_matrix: list[bool] | None) -> list[tuple[Optimizer, list]]:
+    """(row, shapes) of each optimizer that steps these tensors: the row's alone, or, for a row with
+    a `rest`, its own on the hidden matrices (hidden_matrices; None: every 2-D shape) and the rest's."""
     spec = optimizer_named(cfg.name)
-    per_tensor = [spec.state_bytes(shape, cfg) for shape in shapes]
-    eight_bit = spec.shared_state_bytes and any(math.prod(s) >= 4096 for s in shapes)
-    return sum(per_tensor) + (spec.shared_state_bytes if eight_bit else 0)
+    if not spec.rest:
+        return [(spec, shapes)]
+    hidden_matrix = [len(s) == 2 for s in shapes] if hidden_matrix is None else hidden_matrix
+    return [(spec, [s for s, h in zip(shapes, hidden_matrix) if h]),
+            (OPTIMIZERS[spec.rest], [s for s, h in zip(shapes, hidden_matrix) if not h])]
 
 
-def planned_step_temporaries(cfg: OptimizerConfig, on_cuda: bool, shapes: list[Shape]) -> int:
-    return optimizer_named(cfg.name).temporaries([math.prod(s) for s in shapes], cfg, on_cuda)
+def planned_state_bytes(cfg: OptimizerConfig, shapes: list[Shape], hidden_matrix: list[bool] | None = None) -> int:
+    """Bytes of optimizer state for fp32 parameters of these shapes, as the optimizer stores it.
+    `hidden_matrix`: for each shape, whether hidden_matrices counts it (it matters to a row with a rest)."""
+    total = 0
+    for spec, own in _parts(cfg, shapes, hidden_matrix):
+        eight_bit = spec.shared_state_bytes and any(math.prod(s) >= 4096 for s in own)
+        total += sum(spec.state_bytes(shape, cfg) for shape in own) + (spec.shared_state_bytes if eight_bit else 0)
+    return total
+
+
+def planned_step_temporaries(cfg: OptimizerConfig, on_cuda: bool, shapes: list[Shape],
+                             hidden_matrix: list[bool] | None = None) -> int:
+    return max((spec.temporaries([math.prod(s) for s in own], cfg, on_cuda)
+                for spec, own in _parts(cfg, shapes, hidden_matrix) if own), default=0)
 
 
 def build_optimizer(cfg: OptimizerConfig, model, on_cuda: bool, cpu_offload: bool = False):
     """The optimizer over the weight-decay groups. `cpu_offload`: DeepSpeed keeps the optimizer
     state in CPU memory and steps it there, which needs its own vectorised CPU Adam."""
     spec = optimizer_named(cfg.name)
-    groups = parameter_groups(model, cfg.weight_decay)
+    groups = spec.groups(model, cfg.weight_decay)
     if spec.cuda_only and not on_cuda:
         raise ConfigError(f"optimizer={cfg.name} needs a CUDA GPU; choose another optimizer on this machine")
     if cpu_offload:

@@ -86,13 +86,13 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd
+    name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd, muon
     lr: float = 1e-3  # peak learning rate, reached after scheduler.warmup_steps
     weight_decay: float = 0.1  # on matrices and embeddings; never on biases and norm weights
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
     eps: float = 1e-8  # Adam's denominator term
-    momentum: float = 0.9  # sgd only
-    impl: str = "auto"  # adamw only: auto, fused, foreach, for_loop
+    momentum: float = 0.9  # sgd and muon (its hidden matrices' momentum) only
+    impl: str = "auto"  # adamw (and muon's AdamW part) only: auto, fused, foreach, for_loop
 
 
 @dataclass

@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from trainloop.config import CONFIG_DIR, ConfigError, compose_config
-from trainloop.optim import planned_state_bytes, planned_step_temporaries
+from trainloop.optim import hidden_matrices, planned_state_bytes, planned_step_temporaries
 
 GIB = 1024**3
 
@@ -62,6 +62,7 @@ class ModelShape:
     num_experts: int = 0  # a mixture of experts: expert MLPs per block (0: a dense MLP)
     experts_per_token: int = 0  # experts the router sends each token to
     expert_params: int = 0  # in all blocks' experts (the routers not counted)
+    hidden_matrix: list[bool] | None = None  # for each trainable shape: a hidden layer's matrix? (optim.hidden_matrices)
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -114,7 +115,7 @@ def model_shape(cfg) -> ModelShape:
         expert_params=sum(p.numel() for m in experts for p in m.parameters()),
         trainable=trainable, quantized_params=quantized, family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
-        shapes=shapes, layer_linear_params=matmul,
+        shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
         largest_layer_params=max(layer_sizes),
     )
 
@@ -260,9 +261,10 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                  note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
         add(Line("gradients", 4 * t, dev, None if grads_held else "optimizer step",
                  note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
-        states = planned_state_bytes(opt, t_shapes)
+        states = planned_state_bytes(opt, t_shapes, shape.hidden_matrix)
         add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / t:.2f} B/param"))
-        add(Line("optimizer step temporaries", planned_step_temporaries(opt, device == "cuda", t_shapes),
+        add(Line("optimizer step temporaries",
+                 planned_step_temporaries(opt, device == "cuda", t_shapes, shape.hidden_matrix),
                  dev, "optimizer step", exact=False))
         if world_size > 1:
             add(Line("DDP gradient buckets", 4 * t, dev, exact=False,
@@ -343,10 +345,11 @@ def _fsdp_states(plan: MemoryPlan, cfg, shape: ModelShape, world_size: int, dev:
     add(Line("parameters", 4 * sum(math.prod(s) for s in sharded), home, note=f"fp32 shards, {shard_note}"))
     add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, None if grads_held else "optimizer step",
              note=f"fp32 shards (reduce-scattered), {shard_note}" + ("" if grads_held else ", freed by zero_grad")))
-    states = planned_state_bytes(opt, trainable)
+    states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
     t = max(1, sum(math.prod(s) for s in trainable))
     add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
-    add(Line("optimizer step temporaries", planned_step_temporaries(opt, plan.device == "cuda", trainable),
+    add(Line("optimizer step temporaries", planned_step_temporaries(opt, plan.device == "cuda", trainable,
+                                                                  shape.hidden_matrix),
              home, "optimizer step", exact=False))
     block = shape.largest_layer_params
     root = max(0, shape.num_params - shape.num_layers * block)  # embeddings, final norm, output head

@@ -130,14 +130,14 @@ def optimizer_table(defaults) -> list[str]:
     matrix = (4096, 4096)
     out = ["What each optimizer keeps and works with (trainloop/optim.py's table; state in bytes per",
            "element of a 4096 x 4096 fp32 matrix, with this page's defaults):", "",
-           "| optimizer | state B/param | reads | deepspeed.offload_optimizer | deepspeed=zero3 | fsdp=full_shard "
-           "| CUDA only |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "| optimizer | state B/param | reads | deepspeed.offload_optimizer | deepspeed=zero1/2 | deepspeed=zero3 "
+           "| fsdp=full_shard | CUDA only |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, spec in OPTIMIZERS.items():
         cfg = OmegaConf.merge(defaults, {"name": name})
         per_param = planned_state_bytes(cfg, [matrix]) / (matrix[0] * matrix[1])
         reads = ", ".join(f"`{key}`" for key in spec.reads)
-        out.append(f"| `{name}` | {per_param:.3g} | {reads} | {yes[spec.cpu_offload]} | {yes[spec.zero3]} | "
+        out.append(f"| `{name}` | {per_param:.3g} | {reads} | {yes[spec.cpu_offload]} | {yes[spec.zero]} | {yes[spec.zero3]} | "
                    f"{yes[spec.fsdp2]} | {yes[spec.cuda_only]} |")
     return out + [""]
 
