@@ -71,8 +71,6 @@ CHOICES = {
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "model.quantization": ("none", "8bit", "4bit"),
     "adapter.name": ("none", "lora"),
-    "data.name": ("pydoc", "files", "chat", "prompt_completion", "prepared"),
-    "data.train_on": ("all", "assistant", "completion"),
     "data.packing": ("documents", "stream", "none"),
     "data.overlong": ("truncate", "drop", "split"),
     "data.multiprocessing_context": ("forkserver", "spawn", "fork"),
@@ -90,10 +88,6 @@ CHOICES = {
     "logging.profile_ranks": ("main", "all"),
 }
 
-# What each data option can take the loss on (data.train_on).
-TRAIN_ON = {"pydoc": ("all",), "files": ("all",), "chat": ("assistant", "all"),
-            "prompt_completion": ("completion", "all"), "prepared": ("all", "assistant", "completion")}
-
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.max_position_embeddings",
     "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
@@ -106,11 +100,6 @@ POSITIVE = (
 _TINY = (lambda c: c.model.name == "tiny", "model=tiny")
 _ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
 _ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
-_CHAT = (lambda c: c.data.name == "chat", "data=chat")
-_PROMPT_COMPLETION = (lambda c: c.data.name == "prompt_completion", "data=prompt_completion")
-# Keys that shape the tokens or the validation split: fixed by `python -m trainloop.prepare` for data=prepared.
-_TOKENIZING = (lambda c: c.data.name != "prepared",
-               "data=pydoc, files, chat or prompt_completion (data=prepared: give it to python -m trainloop.prepare)")
 _MIXTRAL = (lambda c: c.model.name == "tiny" and c.model.arch == "mixtral", "model=tiny and model.arch=mixtral")
 _FSDP = (lambda c: c.fsdp.name != "none", "fsdp=full_shard (or +preset=fsdp)")
 _LORA = (lambda c: c.adapter.name == "lora", "adapter=lora")
@@ -119,7 +108,7 @@ _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or anothe
 # Keys that only some choices read: KEY -> (does this config read it?, the choice that reads it).
 # A key given on the command line that the composed config does not read is refused, so that
 # `data.path=X` without data=files cannot train on something else and exit 0. The optimizer keys
-# come from the optimizer table (read_only_by).
+# and the data-format keys come from their tables (read_only_by).
 _READ_ONLY_BY = {
     "model.name_or_path": (lambda c: c.model.name == "hf", "model=hf"),
     "model.arch": _TINY,
@@ -132,16 +121,6 @@ _READ_ONLY_BY = {
     **{f"model.{key}": _MIXTRAL for key in ("num_experts", "experts_per_token", "router_aux_loss_coef")},
     "model.quantization": (lambda c: c.model.name == "hf" and c.adapter.name == "lora", "model=hf and adapter=lora"),
     **{f"adapter.{key}": _LORA for key in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
-    "data.path": (lambda c: c.data.name != "pydoc", "data=files, chat, prompt_completion or prepared"),
-    "data.train_on": _TOKENIZING,
-    "data.validation_fraction": _TOKENIZING,
-    "data.num_proc": _TOKENIZING,
-    "data.sources": (lambda c: c.data.name != "pydoc", "data=files, chat, prompt_completion or prepared"),
-    "data.text_field": (lambda c: c.data.name == "files", "data=files"),
-    "data.messages_field": _CHAT,
-    "data.chat_template": _CHAT,
-    "data.prompt_field": _PROMPT_COMPLETION,
-    "data.completion_field": _PROMPT_COMPLETION,
     "data.overlong": (lambda c: c.data.packing != "stream", "data.packing=documents or none"),
     "data.multiprocessing_context": (lambda c: c.data.num_workers > 0, "data.num_workers > 0"),
     "trainer.auto_batch_size_budget_mb": (lambda c: c.trainer.auto_batch_size, "trainer.auto_batch_size=true"),
@@ -163,10 +142,12 @@ _READ_ONLY_BY = {
 
 
 def read_only_by() -> dict[str, tuple]:
-    """_READ_ONLY_BY and, from trainloop/optim.py's table, the optimizer keys not every optimizer reads."""
+    """_READ_ONLY_BY and, from trainloop/optim.py's table, the optimizer keys not every optimizer reads;
+    from trainloop/formats' table, the data keys not every data format reads."""
+    from trainloop.formats import read_only_by as data_read_only_by
     from trainloop.optim import OFFLOAD_READS, OPTIMIZERS
 
-    table = dict(_READ_ONLY_BY)
+    table = {**_READ_ONLY_BY, **data_read_only_by()}
     for key in (f.name for f in fields(OptimizerConfig) if f.name != "name"):
         readers = tuple(name for name, spec in OPTIMIZERS.items() if key in spec.reads)
         if len(readers) == len(OPTIMIZERS) and key in OFFLOAD_READS:
@@ -185,9 +166,11 @@ def read_only_by() -> dict[str, tuple]:
 
 def choices() -> dict[str, tuple]:
     """CHOICES, with the optimizers from their table in trainloop/optim.py."""
+    from trainloop.formats import FORMATS, train_on_choices
     from trainloop.optim import OPTIMIZERS
 
-    return {**CHOICES, "optimizer.name": tuple(OPTIMIZERS)}
+    return {**CHOICES, "data.name": tuple(FORMATS), "data.train_on": train_on_choices(),
+            "optimizer.name": tuple(OPTIMIZERS)}
 
 
 def command_line_keys(overrides: Sequence[str]) -> list[str]:
@@ -281,26 +264,6 @@ def adapter_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def source_problems(d: Any) -> list[str]:
-    """data.sources: a mixture replaces data.path; every weight a positive number."""
-    if d.sources is None:
-        return []
-    if d.path:
-        return [f"data.path={d.path} and data.sources are both set: a run reads one or the other; "
-                "drop data.path, or data.sources=null"]
-    if not d.sources:
-        return ["data.sources=[] holds no source: give [{path: DIR, weight: W}, ...], or null"]
-    problems = [f"data.sources[{i}].weight={s.weight} must be a number greater than 0"
-                for i, s in enumerate(d.sources) if not s.weight > 0 or s.weight == float("inf")]
-    names = [s.name or s.path for s in d.sources]
-    if len(set(names)) < len(names):
-        problems.append(f"data.sources names {names} repeat: give each source its own path or name")
-    if d.persistent_workers:
-        problems.append("data.persistent_workers=true with data.sources: persistent workers would keep the "
-                        "first epoch's copy of the mixture's schedule; set data.persistent_workers=false")
-    return problems
-
-
 def fsdp_problems(cfg) -> list[str]:
     """Combinations FSDP2 (fsdp=full_shard) cannot run, each with what to choose instead."""
     from trainloop.optim import OPTIMIZERS
@@ -348,6 +311,7 @@ def profile_problems(cfg: Any) -> list[str]:
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
     from trainloop.optim import OPTIMIZERS
+    from trainloop import formats
     from trainloop.trackers import tracker_problems
 
     problems = []
@@ -362,7 +326,7 @@ def validate(cfg: Any) -> None:
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     if m.name == "tiny" and m.hidden_size % m.num_heads:
         problems.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
@@ -377,23 +341,7 @@ def validate(cfg: Any) -> None:
     if m.router_aux_loss_coef < 0:
         problems.append(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be 0 or more")
     problems += adapter_problems(cfg)
-    if d.name != "pydoc" and not d.path and not d.sources:
-        what = ("a folder written by python -m trainloop.prepare" if d.name == "prepared"
-                else "a file, directory or glob of your data")
-        problems.append(f"data={d.name} needs data.path: {what} (or data.sources, a mixture)")
-    problems += source_problems(d)
-    serves = TRAIN_ON.get(d.name, ())
-    if d.train_on in CHOICES["data.train_on"] and d.train_on not in serves:
-        problems.append(f"data.train_on={d.train_on} cannot be served by data={d.name}: "
-                        f"choose {' or '.join(serves)}")
-    if not 0.0 < d.validation_fraction < 1.0:
-        problems.append(f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
-    if d.num_workers < 0:
-        problems.append(f"data.num_workers={d.num_workers} must be 0 or more")
-    if d.num_workers == 0 and (d.persistent_workers or d.prefetch_factor is not None):
-        problems.append(
-            "data.persistent_workers and data.prefetch_factor need data.num_workers > 0"
-        )
+    problems += formats.problems(cfg)
 
     ds, opt = cfg.deepspeed, OPTIMIZERS.get(cfg.optimizer.name)
     if opt and ds.stage == 3 and not opt.zero3:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainloop.order import Permutation
+from trainloop.packing import TrainingSet
 
 
 def source_names(data_cfg) -> list[str]:
@@ -63,7 +64,7 @@ class Schedule:
         return s, k
 
 
-class MixtureBlocks(Dataset):
+class MixtureBlocks(TrainingSet):
     """The blocks of several datasets in weighted proportion: item i is position
     epoch * len(self) + i of the schedule; each item is its source's item plus `source` (int64).
 
@@ -71,7 +72,8 @@ class MixtureBlocks(Dataset):
     new one each time the source has given all its blocks: a small source is re-used (its passes
     = its share of the positions / its blocks); a large one repeats nothing until it is used up.
     With shuffle=False the draws go in order, one pass (the validation union).
-    Its order is its own: the run reads it in order (orders_itself: GlobalOrder without shuffling) and calls set_epoch.
+    Its order is its own (TrainingSet's protocol): the run reads it in order (orders_itself: GlobalOrder
+    without shuffling), trims its epoch to whole batches (whole_batches) and calls set_epoch.
     """
 
     orders_itself = True

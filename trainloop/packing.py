@@ -1,4 +1,5 @@
-"""Token documents into training blocks, the same way for data tokenized by the run and for shards.
+"""Token documents into training blocks, the same way for data tokenized by the run and for shards;
+and TrainingSet, what a run asks of every training set.
 
 A corpus is a sequence of documents (rows), stored end to end in one or more parts: token ids, the
 offsets where each document starts, and, for chat and prompt/completion data, which tokens are
@@ -23,6 +24,60 @@ from torch.utils.data import Dataset
 log = logging.getLogger("trainloop")
 
 IGNORE = -100  # the label torch's cross-entropy skips: no loss on this token
+
+
+class TrainingSet(Dataset):
+    """What a run asks of a training set, answered here as a plain one answers: a set of blocks the
+    run shuffles itself (PackedBlocks, PlannedBlocks). A set with an order of its own (a mixture's
+    schedule, trainloop.mixture) overrides them. The run and the loop call these directly.
+
+    - orders_itself: True if its items come in its own order, to be read in order (no shuffle).
+    - whole_batches(global_batch): trim an epoch to whole global batches, before the order is made.
+    - set_epoch(epoch): called at the start of each epoch, before its items are read.
+    """
+
+    orders_itself = False
+
+    def whole_batches(self, global_batch: int) -> None:
+        """A plain set keeps every block: the order (trainloop.order) drops the tail of an epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """A plain set is the same every epoch: the order reshuffles it."""
+
+
+class PackedBlocks(TrainingSet):
+    """Training blocks: rows of [num_blocks, seq_len] tensors, one dict of them per block.
+
+    labels are the input ids with IGNORE where no loss is taken; position_ids restart at 0 at
+    each packed row (the model then keeps attention inside the row); attention_mask only for
+    data.packing=none, where rows are padded on the right.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
+        if labels is None:
+            labels = input_ids
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        self.tensors = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if attention_mask is not None:
+            self.tensors["attention_mask"] = attention_mask
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["input_ids"]
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {key: tensor[i] for key, tensor in self.tensors.items()}
+
+
+def materialize(blocks) -> PackedBlocks:
+    """Planned blocks gathered into tensors: data the run tokenized itself fits in memory."""
+    items = [blocks[b] for b in range(len(blocks))]
+    return PackedBlocks(**{key: torch.stack([item[key] for item in items]) for key in items[0]})
 
 
 def memory_map(path: Path) -> tuple[np.ndarray, mmap.mmap]:
@@ -241,9 +296,9 @@ def best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]
     return members, np.searchsorted(block_of[members], np.arange(blocks + 1))
 
 
-class PlannedBlocks(Dataset):
+class PlannedBlocks(TrainingSet):
     """Training blocks planned over documents, gathered when asked for: the same dict items as
-    data.PackedBlocks (input_ids, labels, position_ids, and attention_mask for packing=none).
+    PackedBlocks (input_ids, labels, position_ids, and attention_mask for packing=none).
 
     documents/none: first one block per full piece (`full` rows (document, count): that document's
     tokens [j L, (j + 1) L) for j < count), then blocks of `pieces` rows (document, start, end),

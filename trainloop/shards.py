@@ -1,4 +1,5 @@
-"""Prepared token shards: written once by `python -m trainloop.prepare`, memory-mapped by runs (data=prepared).
+"""Prepared token shards, written once by `python -m trainloop.prepare` (the reader is the data=prepared
+row, trainloop/formats/prepared.py, memory-mapping them for runs).
 
 A prepared folder holds:
   prepare.json     written first: the tokenizer, data options and shard size it is being prepared with,
@@ -29,37 +30,26 @@ from pathlib import Path
 import numpy as np
 
 from trainloop.errors import ConfigError
-from trainloop.packing import (Documents, Part, PlannedBlocks, part_from_batches, plan_blocks, split_documents,
-                               token_batches)
+from trainloop.formats import FORMATS, data_format
+from trainloop.formats.prepared import FORMAT, read_json
+from trainloop.packing import Part, part_from_batches, split_documents, token_batches
+from trainloop.tokenizer import build_tokenizer, tokenizer_record
 
 log = logging.getLogger("trainloop")
 
-FORMAT = 1
 SHARD_DOCUMENTS = 100_000  # rows per shard, by default: a unit of work an interruption loses at most
-
-
-def tokenizer_record(tokenizer) -> dict:
-    from trainloop.data import vocabulary_fingerprint
-
-    return {"source": tokenizer.name_or_path or "the built-in byte-level tokenizer",
-            "vocabulary": vocabulary_fingerprint(tokenizer)}
 
 
 def token_options(cfg) -> dict:
     """The options that shape the tokens of each document, and the validation split."""
-    from trainloop.data import columns_read
-
     d = cfg.data
+    fmt = data_format(d.name)
     template = None
-    if d.name == "chat" and d.chat_template:
+    if "data.chat_template" in fmt.reads() and d.chat_template:
         template = hashlib.sha256(Path(d.chat_template).expanduser().read_bytes()).hexdigest()[:16]
     return {"data.name": d.name, "data.path": os.path.abspath(os.path.expanduser(d.path)) if d.path else None,
-            **columns_read(d), "data.train_on": d.train_on, "data.chat_template sha256": template,
+            **fmt.columns(d), "data.train_on": d.train_on, "data.chat_template sha256": template,
             "trainer.seed": cfg.trainer.seed, "data.validation_fraction": d.validation_fraction}
-
-
-def read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_json(path: Path, value: dict) -> None:
@@ -91,20 +81,21 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     """Tokenize and label the rows as a run does, and write them as shards into out_dir; the manifest."""
     from tqdm.auto import tqdm
 
-    from trainloop.data import MASKED, build_tokenizer, load_examples, tokenize_examples, trained_chat_template
     from trainloop.metrics import library_progress_bars
 
     library_progress_bars(progress, loads_rows=True)  # datasets' map and filter bars too
 
-    if cfg.data.name == "prepared":
-        raise ConfigError("data=prepared reads shards; prepare from the data itself (data=files, chat, "
-                          "prompt_completion or pydoc, with data.path)")
+    fmt = data_format(cfg.data.name)
+    if not fmt.loads_rows:
+        loaders = sorted((name for name, f in FORMATS.items() if f.loads_rows), key=lambda n: not FORMATS[n].path)
+        raise ConfigError(f"data={cfg.data.name} reads shards; prepare from the data itself "
+                          f"(data={', '.join(loaders[:-1])} or {loaders[-1]}, with data.path)")
     out = Path(out_dir).expanduser()
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     plan = {"format": FORMAT, "tokenizer": tokenizer_record(tokenizer), "data": token_options(cfg),
             "shard_documents": shard_documents}
     check_folder(out, plan)  # before the rows are read: a wrong tokenizer is said at once
-    examples = load_examples(cfg.data, tokenizer)
+    examples = fmt.load(cfg.data, tokenizer)
     plan["documents"] = count = len(examples)
     check_folder(out, plan)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +106,7 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     for stale in out.glob("shard_*.tmp"):  # an interrupted write
         shutil.rmtree(stale)
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
-    masked = cfg.data.name in MASKED
+    masked = fmt.masked
     starts = range(0, count, shard_documents)
     shards, kept = [], 0
     for k, start in enumerate(tqdm(starts, desc="shards", unit="shard", disable=not progress)):
@@ -124,14 +115,14 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
             kept += 1
         else:
             rows = examples.select(range(start, min(start + shard_documents, count)))
-            tokens = tokenize_examples(cfg.data, tokenizer, rows, desc=f"tokenize shard {k + 1}/{len(starts)}")
+            tokens = fmt.tokenize(cfg.data, tokenizer, rows, desc=f"tokenize shard {k + 1}/{len(starts)}")
             write_shard(folder, part_from_batches(token_batches(tokens), masked, dtype))
         shards.append({"name": folder.name, **read_json(folder / "meta.json")})
     content = hashlib.sha256("".join(s["sha256"] for s in shards).encode() + held_out.tobytes()).hexdigest()
     manifest = {**plan, "dtype": np.dtype(dtype).name, "masked": masked,
                 "tokens": sum(s["tokens"] for s in shards), "validation_documents": len(held_out),
                 "sha256": content, "shards": shards}
-    template = trained_chat_template(cfg.data, tokenizer)
+    template = fmt.chat_template(cfg.data, tokenizer)
     if template is not None:  # a run from these shards hands it on to its final/ tokenizer
         manifest["chat_template"] = template
     write_json(out / "manifest.json", manifest)
@@ -154,45 +145,3 @@ def write_shard(folder: Path, part: Part) -> None:
     if folder.exists():  # a folder without meta.json is not ours to keep
         shutil.rmtree(folder)
     os.replace(tmp, folder)
-
-
-def read_manifest(path: str) -> dict:
-    manifest = read_json(Path(path).expanduser() / "manifest.json")
-    if manifest is None:
-        raise ConfigError(f"data.path={path!r} holds no manifest.json: prepare it with `python -m trainloop.prepare "
-                          f"{path} ...` (run it again to finish an interrupted one)")
-    if manifest.get("format") != FORMAT:
-        raise ConfigError(f"data.path={path!r} was prepared in format {manifest.get('format')}, this trainloop "
-                          f"reads format {FORMAT}: prepare it again")
-    return manifest
-
-
-def check_tokenizer(path: str, manifest: dict, tokenizer) -> None:
-    theirs, ours = manifest["tokenizer"], tokenizer_record(tokenizer)
-    if theirs["vocabulary"] != ours["vocabulary"]:
-        raise ConfigError(f"data.path={path!r} was prepared with tokenizer {theirs['source']} "
-                          f"({theirs['vocabulary']}), but this run's tokenizer is {ours['source']} ({ours['vocabulary']}): set data.tokenizer "
-                          "(or model.name_or_path) to the one the shards were made with, or prepare again")
-
-
-def open_prepared(data_cfg, tokenizer) -> tuple[PlannedBlocks, PlannedBlocks]:
-    """Train and validation blocks over memory-mapped shards: only the plan is in memory."""
-    from trainloop.data import pad_id
-
-    folder = Path(data_cfg.path).expanduser()
-    manifest = read_manifest(data_cfg.path)
-    check_tokenizer(data_cfg.path, manifest, tokenizer)
-    documents = Documents([Part(folder=str(folder / s["name"]), masked=manifest["masked"]) for s in manifest["shards"]])
-    held_out = np.load(folder / "validation.npy")
-    train, valid = plan_blocks(data_cfg, documents, held_out, pad_id(tokenizer))
-    for part in (train, valid):
-        part.source = f"prepared shards sha256 {manifest['sha256'][:16]}"
-    return train, valid
-
-
-def prepared_fingerprint(train: PlannedBlocks, valid: PlannedBlocks) -> dict:
-    """The resume check's view of prepared data: the manifest's content hash and how it is packed,
-    so no token is read for it."""
-    packing = f"packing={train.packing}" + (f", overlong={train.overlong}" if train.packing != "stream" else "")
-    return {"data content": f"{len(train)} train + {len(valid)} valid blocks of {train.seq_len} tokens "
-                            f"({packing}) from {train.source}"}

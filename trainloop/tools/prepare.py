@@ -3,7 +3,7 @@
 The overrides are a run's (data=files data.path=X, model=..., data.tokenizer=..., trainer.seed=...):
 the rows are loaded, tokenized and labelled exactly as that run would, the validation documents
 are held out as it would hold them out, and the result is written to OUT_DIR (see
-trainloop/shards.py for the layout). Train from it with `data=prepared data.path=OUT_DIR`.
+trainloop/shards.py, the writer, for the layout). Train from it with `data=prepared data.path=OUT_DIR`.
 An interrupted prepare is continued by running the same command again.
 """
 
@@ -16,19 +16,25 @@ import sys
 
 from trainloop.config import ConfigError, compose_config
 
-# What shapes the tokens and the split; every other key is chosen when training from the shards.
-READS = {"model.name_or_path", "trainer.seed", *(f"data.{key}" for key in (
-    "path", "text_field", "messages_field", "chat_template", "prompt_field", "completion_field", "train_on",
-    "tokenizer", "validation_fraction", "num_proc"))}
+
+def keys_read() -> set[str]:
+    """What shapes the tokens and the split: the tokenizer, the seed and the keys of the data formats
+    that tokenize (trainloop.formats; one source at a time, so no data.sources). Every other key is
+    chosen when training from the shards."""
+    from trainloop.formats import FORMATS
+
+    return {"model.name_or_path", "trainer.seed", "data.tokenizer",
+            *(key for fmt in FORMATS.values() if fmt.loads_rows for key in fmt.reads() if key != "data.sources")}
 
 
 def check_keys_read(overrides: list[str]) -> None:
     """A key prepare does not read is refused, not silently dropped (data.seq_len belongs to the run)."""
+    reads = keys_read()
     for override in overrides:
         key = override.lstrip("+~").partition("=")[0]
-        if "." in key and not key.startswith("hydra.") and key not in READS:
+        if "." in key and not key.startswith("hydra.") and key not in reads:
             raise ConfigError(f"{key}: python -m trainloop.prepare does not read it (it reads "
-                              f"{', '.join(sorted(READS))}); give it when training with data=prepared")
+                              f"{', '.join(sorted(reads))}); give it when training with data=prepared")
 
 
 def main(argv: list[str] | None = None) -> int:
