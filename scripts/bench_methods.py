@@ -158,22 +158,23 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     import gc
 
     import torch
-    from accelerate.utils import set_seed
     from omegaconf import OmegaConf
 
-    from trainloop.adapter import apply_adapter
-    from trainloop.compile import compile_model
-    from trainloop.data import PackedBlocks, build_dataloaders
     from trainloop.accelerator import build_accelerator
+    from trainloop.adapter import apply_adapter
+    from trainloop.build import build
+    from trainloop.data import PackedBlocks
+    from trainloop.loop import micro_step
     from trainloop.model import build_model, build_model_config
+    from trainloop.objectives import build_objective
     from trainloop.optim import build_optimizer, optimizer_state_bytes
+    from trainloop.parallel import build_strategy
 
     accelerator = build_accelerator(cfg)
+    strategy = build_strategy(cfg, accelerator)
     on_cuda = accelerator.device.type == "cuda"
     data = torch.load(data_file)  # tokenized once by the driver: the same blocks for every method
-    train_set = PackedBlocks(data["train"])
-    train_loader, _ = build_dataloaders(cfg.data, train_set, train_set, pin_memory=cfg.data.pin_memory and on_cuda)
-    model_config = build_model_config(cfg.model, data["vocab_size"])
+    blocks = PackedBlocks(data["train"])
 
     # Load the code paths first (model classes, the optimizer's library, autocast and autograd
     # kernels, thread pools) on a one-block model, so that what is measured is the method's
@@ -185,31 +186,32 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     scrap_optimizer = build_optimizer(cfg.optimizer, scrap, on_cuda=on_cuda)
     ids = data["train"][:2].to(accelerator.device)
     with accelerator.autocast():
-        scrap(input_ids=ids, labels=ids).loss.backward()
+        build_objective(cfg, accelerator.device).batch_loss(scrap, {"input_ids": ids, "labels": ids}).summed.backward()
     scrap_optimizer.step()
     del scrap, scrap_optimizer, ids
     gc.collect()
 
-    if on_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        libc = _glibc()
-        if libc is not None:
-            _track_live_memory(libc, True)
-        exact_peak = _reset_peak_rss()
-        before = _status_bytes("VmRSS")
-    set_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, model_config, cfg.precision.name)
-    if cfg.adapter.name != "none":  # trains the adapters only: the base is frozen
-        model = apply_adapter(cfg, model)
-    compile_model(cfg.compile, model)
-    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=on_cuda)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    marks = {}
+
+    def start_measuring() -> None:  # the data is in memory; the model is built next
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            marks["before"] = torch.cuda.memory_allocated()
+        else:
+            marks["libc"] = _glibc()
+            if marks["libc"] is not None:
+                _track_live_memory(marks["libc"], True)
+            marks["exact_peak"] = _reset_peak_rss()
+            marks["before"] = _status_bytes("VmRSS")
+
+    # The run's own build (adapter, compile, strategy, optimizer, in the run's order) and its objective's loss.
+    built = build(cfg, strategy, blocks=(blocks, blocks), before_model=start_measuring)
+    model, optimizer, objective = built.model, built.optimizer, built.objective
+    before, libc, exact_peak = marks["before"], marks.get("libc"), marks.get("exact_peak")
 
     accumulation = cfg.trainer.gradient_accumulation_steps
-    batches = iter(train_loader)
+    batches = iter(built.train_loader)
     model.train()
     step_times, step_cpu = [], []
     for step in range(warmup + steps):
@@ -224,16 +226,20 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                 if libc is not None:
                     _track_live_memory(libc, False)
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(accumulation):
-            ids = next(batches)["input_ids"]
-            with accelerator.accumulate(model):
-                loss = model(input_ids=ids, labels=ids).loss
-                accelerator.backward(loss)
+        group = [next(batches) for _ in range(accumulation)]
+        count = sum(objective.count(b) for b in group).clamp(min=1)  # one step's units, as the loop counts them
+        step_loss = 0.0
+        for i, batch in enumerate(group):
+            batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+            with micro_step(strategy, model, last=i == accumulation - 1):
+                summed = objective.batch_loss(model, batch).summed
+                accelerator.backward(summed * (accumulation / count))  # accelerate divides by the accumulation
+                step_loss = step_loss + summed.detach() / count
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
-                optimizer.step()
+                    strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm)
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        last_loss = loss.item()  # also waits for the device
+        last_loss = float(step_loss)  # also waits for the device
         step_times.append(time.perf_counter() - t0)
         step_cpu.append(time.process_time() - c0)
     # The median step: a neighbour's burst on a shared machine moves it less than the mean.
@@ -271,18 +277,19 @@ def tokenize_once(path: Path) -> None:
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     train_set, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     torch.save({"train": train_set.blocks, "vocab_size": len(tokenizer)}, path)
-    save_tiny_model(cfg, len(tokenizer), path.parent / "model")
+    save_tiny_model(cfg, tokenizer, path.parent / "model")
 
 
-def save_tiny_model(cfg, vocab_size: int, directory: Path) -> None:
-    """The baseline's model with its seeded initial weights, as a local model directory
-    (MODEL_DIR in a method's overrides): what the qlora row quantizes."""
+def save_tiny_model(cfg, tokenizer, directory: Path) -> None:
+    """The baseline's model with its seeded initial weights and its tokenizer, as a local model
+    directory (MODEL_DIR in a method's overrides): what the qlora row quantizes."""
     from accelerate.utils import set_seed
 
     from trainloop.model import build_model, build_model_config
 
     set_seed(cfg.trainer.seed)
-    build_model(cfg.model, build_model_config(cfg.model, vocab_size)).save_pretrained(directory)
+    build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def run_method(method: Method, steps: int, warmup: int, on_cuda: bool, data_file: Path) -> dict:

@@ -153,6 +153,7 @@ def test_batch_search_trials_leave_the_weights_alone():
 
     from trainloop.batch_size import search_batch_size
     from trainloop.model import build_model, build_model_config
+    from trainloop.objectives import build_objective
     from trainloop.optim import build_optimizer
 
     cfg = compose("+preset=smoke", "data.seq_len=128")
@@ -160,7 +161,7 @@ def test_batch_search_trials_leave_the_weights_alone():
     before = [p.detach().clone() for p in model.parameters()]
     samples = torch.randint(0, 257, (64, 128))
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=False)
-    roomy = search_batch_size(model, make_optimizer, samples, 32, torch.device("cpu"),
+    roomy = search_batch_size(model, build_objective(cfg, "cpu"), make_optimizer, samples, 32, torch.device("cpu"),
                               contextlib.nullcontext, budget=2**30)
     assert [(t["batch_size"], t["fits"]) for t in roomy.tried] == [(32, True)]
     assert (roomy.batch_size, roomy.accumulation) == (32, 1)

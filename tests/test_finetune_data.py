@@ -115,8 +115,9 @@ def test_eval_loss_counts_only_target_tokens(chat_jsonl):
     from accelerate import Accelerator
 
     from trainloop.data import build_dataloaders
-    from trainloop.loop import evaluate
     from trainloop.model import build_model, build_model_config
+    from trainloop.objectives import build_objective
+    from trainloop.parallel import build_strategy
 
     cfg, tokenizer, train, valid = build("+preset=smoke", "data=chat", f"data.path={chat_jsonl}",
                                          "data.seq_len=256", "data.batch_size=2", "data.validation_fraction=0.3")
@@ -126,7 +127,8 @@ def test_eval_loss_counts_only_target_tokens(chat_jsonl):
     reset_accelerate()
     accelerator = Accelerator(cpu=True)
     _, valid_loader = build_dataloaders(cfg.data, train, valid, pin_memory=False)
-    got = evaluate(accelerator, model, valid_loader, max_batches=None)
+    got = build_objective(cfg, "cpu").evaluate(build_strategy(cfg, accelerator), model, valid_loader,
+                                               max_batches=None)["eval_loss"]
 
     total, count = 0.0, 0
     model.eval()
@@ -152,8 +154,8 @@ def test_a_row_packed_after_others_has_the_logits_it_has_alone(chat_jsonl, attn,
     """A block built by the data pipeline, through the loop's forward: each row's logits equal
     that row alone, in training and in evaluation mode, even with a model whose config asks for
     a cache (the packed mask needs use_cache=False)."""
-    from trainloop.loop import model_inputs
     from trainloop.model import build_model, build_model_config
+    from trainloop.objectives.causal_lm import model_inputs
 
     cfg, tokenizer, train, _ = build("+preset=smoke", "data=chat", f"data.path={chat_jsonl}", "data.seq_len=256",
                                      f"model.arch={arch}", f"model.attn_implementation={attn}")

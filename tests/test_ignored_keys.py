@@ -20,7 +20,7 @@ import torch
 
 from conftest import compose, launch
 from test_config import NEEDS, OPTIONS
-from trainloop import config as schema
+from trainloop import schema
 from trainloop.config import ConfigError, check_command_line, validate
 
 # Keys every option reads, whose effect a build on this CPU machine cannot show.
@@ -30,7 +30,7 @@ NOT_PROBED = {
     "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
 }
 SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "precision.name",
-             "deepspeed.stage", "compile.backend", "adapter.name", "fsdp.name"}  # these choose the option itself
+             "deepspeed.stage", "compile.backend", "adapter.name", "fsdp.name", "objective.name"}  # choose the option itself
 
 
 @pytest.fixture(scope="module")

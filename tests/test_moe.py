@@ -91,8 +91,8 @@ def test_router_metrics_are_the_routers_choices():
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from trainloop.data import build_tokenizer
-    from trainloop.loop import token_loss_sum
     from trainloop.model import build_model, build_model_config
+    from trainloop.objectives.causal_lm import CausalLM
     from trainloop.router import RouterLoad
 
     cfg = compose(*MOE)
@@ -101,9 +101,10 @@ def test_router_metrics_are_the_routers_choices():
     chosen = []
     for layer in model.model.layers:  # the router returns (logits, scores, indices)
         layer.mlp.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2].flatten()))
-    router = RouterLoad.for_model(cfg.model, "cpu")
+    objective = CausalLM(cfg, "cpu")  # the loop's loss, which records each training forward's routing
+    router = objective.router
     ids = torch.randint(0, model.config.vocab_size, (3, 16))
-    token_loss_sum(model, {"input_ids": ids, "labels": ids}, router)
+    objective.batch_loss(model, {"input_ids": ids, "labels": ids})
 
     expected = torch.bincount(torch.cat(chosen), minlength=4).double()
     assert expected.sum() == 2 * 3 * 16 * cfg.model.num_layers  # every token, top 2, every layer
@@ -117,15 +118,15 @@ def test_router_metrics_are_the_routers_choices():
 def test_experts_without_tokens_still_get_a_gradient():
     """What DDP needs without find_unused_parameters: 3 tokens, 8 experts, top 1, so at least 5
     experts per block get no token; the stacked expert weights still all get a gradient."""
-    from trainloop.loop import token_loss_sum
     from trainloop.model import build_model, build_model_config
-    from trainloop.router import RouterLoad
+    from trainloop.objectives.causal_lm import CausalLM
 
     cfg = compose(*MOE, "model.num_experts=8", "model.experts_per_token=1")
     model = build_model(cfg.model, build_model_config(cfg.model, 320))
-    router = RouterLoad.for_model(cfg.model, "cpu")
+    objective = CausalLM(cfg, "cpu")
+    router = objective.router
     ids = torch.tensor([[5, 7, 9]])
-    summed, _ = token_loss_sum(model, {"input_ids": ids, "labels": ids}, router)
+    summed = objective.batch_loss(model, {"input_ids": ids, "labels": ids}).summed
     (summed + router.coef * router.aux).backward()
     assert [n for n, p in model.named_parameters() if p.grad is None] == []
     idle = [e for e in range(8) if router.tokens[e] == 0]  # in every block: 3 tokens x 2 blocks < 8

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from trainloop.errors import ConfigError
-from trainloop.loop import token_loss_sum
 
 log = logging.getLogger("trainloop")
 
@@ -149,8 +148,9 @@ def stacked(samples, size: int, device: torch.device) -> dict:
     return {key: torch.stack([s[key] for s in first]).to(device) for key in first[0]}
 
 
-def trial_steps(model, make_optimizer, batch: dict, autocast) -> None:
-    """TRIAL_STEPS forward/backward/optimizer steps that leave the model's weights unchanged.
+def trial_steps(model, objective, make_optimizer, batch: dict, autocast) -> None:
+    """TRIAL_STEPS forward/backward/optimizer steps of the run's objective (trainloop.objectives)
+    that leave the model's weights unchanged.
 
     A throwaway optimizer (learning rate 0, gradients zeroed before its step) allocates its real
     state; with zero gradients and a zero rate every update is exactly zero.
@@ -161,8 +161,7 @@ def trial_steps(model, make_optimizer, batch: dict, autocast) -> None:
     try:
         for _ in range(TRIAL_STEPS):
             with autocast():
-                summed, count = token_loss_sum(model, batch)
-                loss = summed / count.clamp(min=1)
+                loss = objective.batch_loss(model, batch).summed / objective.count(batch).clamp(min=1)
             loss.backward()
             for p in model.parameters():
                 if p.grad is not None:
@@ -180,7 +179,7 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def search_batch_size(model, make_optimizer, samples, effective: int, device: torch.device,
+def search_batch_size(model, objective, make_optimizer, samples, effective: int, device: torch.device,
                       autocast, budget: int | None, limit: int | None = None) -> BatchSearch:
     """Try per-device batches (divisors of `effective`, at most `limit`), largest first, until one fits."""
     search = BatchSearch(per_device_effective=effective)
@@ -189,7 +188,7 @@ def search_batch_size(model, make_optimizer, samples, effective: int, device: to
         # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
         # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
         try:
-            trial_steps(model, make_optimizer, stacked(samples, 1, device), autocast)
+            trial_steps(model, objective, make_optimizer, stacked(samples, 1, device), autocast)
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
@@ -200,7 +199,7 @@ def search_batch_size(model, make_optimizer, samples, effective: int, device: to
             error = None
             try:
                 with memory_budget(device, budget):
-                    trial_steps(model, make_optimizer, batch, autocast)
+                    trial_steps(model, objective, make_optimizer, batch, autocast)
             except (RuntimeError, MemoryError) as err:
                 if not is_out_of_memory(err):
                     raise
@@ -214,7 +213,7 @@ def search_batch_size(model, make_optimizer, samples, effective: int, device: to
     return search
 
 
-def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume_from=None) -> BatchSearch:
+def settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer, resume_from=None) -> BatchSearch:
     """trainer.auto_batch_size: find the batch and agree on it across ranks; the caller applies it.
 
     The settled data.batch_size and trainer.gradient_accumulation_steps keep their product, the
@@ -234,13 +233,13 @@ def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume
         search = BatchSearch(effective, saved)  # tried stays empty: nothing was searched
     else:
         budget_mb = cfg.trainer.auto_batch_size_budget_mb
-        model.to(accelerator.device)
-        search = search_batch_size(model, make_optimizer, train_set, effective, accelerator.device,
-                                   accelerator.autocast, None if budget_mb is None else int(budget_mb * 2**20),
-                                   limit=len(train_set) // accelerator.num_processes)  # each rank's share
-        if accelerator.num_processes > 1:
-            found = torch.tensor([search.batch_size], device=accelerator.device)
-            search.batch_size = int(accelerator.gather(found).min().item())
+        model.to(strategy.device)
+        search = search_batch_size(model, objective, make_optimizer, train_set, effective, strategy.device,
+                                   strategy.accelerator.autocast, None if budget_mb is None else int(budget_mb * 2**20),
+                                   limit=len(train_set) // strategy.dp_size)  # each data-parallel rank's share
+        if strategy.world_size > 1:
+            found = torch.tensor([search.batch_size], device=strategy.device)
+            search.batch_size = int(strategy.accelerator.gather(found).min().item())
         if search.batch_size == 0:
             tried = ", ".join(f"{t['batch_size']} ({t['error']})" for t in search.tried)
             raise ConfigError(f"trainer.auto_batch_size: not even a batch of 1 fits (tried {tried}); turn on "
@@ -250,5 +249,5 @@ def settle_batch_size(cfg, accelerator, model, train_set, make_optimizer, resume
                       for t in search.tried) or f"none, resumed from {resume_from}"
     log.info("auto batch size: per-device batch %d x %d accumulation steps = %d per device, effective batch "
              "%d over %d process(es); tried %s", search.batch_size, search.accumulation, effective,
-             effective * accelerator.num_processes, accelerator.num_processes, tried)
+             effective * strategy.dp_size, strategy.dp_size, tried)
     return search

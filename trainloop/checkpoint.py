@@ -29,19 +29,14 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainloop.errors import ConfigError
-from trainloop.errors import NonFiniteError
-from trainloop.parallel import local_shard, strategy
+from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
+from trainloop.parallel.tensors import local_shard
 
 log = logging.getLogger("trainloop")
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint could not be saved (disk full) or loaded: one message, no traceback, exit 2."""
 
 
 
@@ -272,43 +267,17 @@ def parameters_finite(accelerator, model) -> bool:
     return accelerator.reduce(bad, reduction="sum").item() == 0
 
 
-def _keep_trainable(models, weights, output_dir) -> None:
-    """accelerate's save-state hook: drop the frozen parameters from the weights it saves."""
-    for model, state in zip(models, weights):
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        for key in [k for k in state if k not in trainable]:
-            del state[key]
-
-
-def _expect_trainable(path: Path, model) -> None:
-    """The checkpoint holds exactly this model's trainable parameters: the adapter loads with
-    strict=False (the frozen base is absent by design), so a mismatch is caught here instead."""
-    from safetensors import safe_open
-
-    file = path / "model.safetensors"
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing: {path} is not an adapter checkpoint")
-    with safe_open(file, framework="pt") as f:
-        saved = set(f.keys())
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    if saved != trainable:
-        raise CheckpointError(
-            f"{file} holds {len(saved)} tensors, but this run trains {len(trainable)} "
-            f"(missing {sorted(trainable - saved)[:3]}, unexpected {sorted(saved - trainable)[:3]}): "
-            "it was saved with another adapter config; start a new run in a new hydra.run.dir")
-
-
 class Checkpointer:
-    def __init__(self, cfg, accelerator, run_dir: Path):
+    def __init__(self, cfg, strategy, run_dir: Path):
         self.cfg = cfg
+        self.strategy = strategy  # trainloop.parallel: how model and optimizer are saved and loaded
         self.every = cfg.checkpoint.every_steps
         self.keep_last = cfg.checkpoint.keep_last
-        self.accelerator = accelerator
+        self.accelerator = strategy.accelerator
         self.root = Path(run_dir) / "checkpoints"
         self.data_fingerprint: dict = {}  # set by check_data once the data is built
         self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
-        self.sharded = cfg.fsdp.name != "none"  # model and optimizer in DCP format (trainloop.dcp)
-        self.async_save = self.sharded and cfg.checkpoint.async_save
+        self.async_save = strategy.saves_async and cfg.checkpoint.async_save  # DCP (trainloop.dcp) writes in the background
         self.in_flight = None  # the asynchronous save being written (trainloop.dcp.InFlight)
         self.unsettled: tuple[Path, Path] | None = None  # (tmp, final) of the last one, until all ranks agree it
         self.steps_done = 0  # the optimizer steps training has taken, as poll last heard
@@ -319,7 +288,7 @@ class Checkpointer:
     def fingerprint(self) -> dict:
         """What this run's saves record, from the config as the run applied it (a batch size
         settled by trainer.auto_batch_size included), and the data's own fingerprint."""
-        return {**run_fingerprint(self.cfg, self.accelerator.num_processes), **self.data_fingerprint}
+        return {**run_fingerprint(self.cfg, self.strategy.dp_size), **self.data_fingerprint}
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -439,37 +408,10 @@ class Checkpointer:
         return self.cfg.adapter.name != "none"
 
     def _save_state(self, directory: Path, model) -> None:
-        acc = self.accelerator
-        if self.sharded:
-            from trainloop import dcp
-
-            dcp.save(directory, model, acc._optimizers[0], self.adapter_only)
-            dcp.save_rank_states(acc, directory)
-        elif not self.adapter_only:
-            acc.save_state(str(directory))
-        elif strategy(acc).startswith("zero"):
-            acc.save_state(str(directory), exclude_frozen_parameters=True)
-        else:
-            handle = acc.register_save_state_pre_hook(_keep_trainable)
-            try:
-                acc.save_state(str(directory))
-            finally:
-                handle.remove()
+        self.strategy.save_state(directory, model, self.adapter_only)
 
     def _load_state(self, path: Path, model) -> None:
-        acc = self.accelerator
-        if self.sharded:
-            from trainloop import dcp
-
-            dcp.load(path, model, acc._optimizers[0], self.adapter_only)
-            dcp.load_rank_states(acc, path)
-        elif not self.adapter_only:
-            acc.load_state(str(path))
-        elif strategy(acc).startswith("zero"):
-            acc.load_state(str(path), load_module_strict=False)
-        else:
-            _expect_trainable(path, acc._models[0])
-            acc.load_state(str(path), strict=False)  # the frozen base is not in the file
+        self.strategy.load_state(path, model, self.adapter_only)
 
     @staticmethod
     def _attempt(action, *args) -> BaseException | None:

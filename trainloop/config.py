@@ -165,12 +165,13 @@ def read_only_by() -> dict[str, tuple]:
 
 
 def choices() -> dict[str, tuple]:
-    """CHOICES, with the optimizers from their table in trainloop/optim.py."""
+    """CHOICES, with the optimizers and objectives from their tables (trainloop/optim.py, trainloop/objectives)."""
+    from trainloop.objectives import OBJECTIVES
     from trainloop.formats import FORMATS, train_on_choices
     from trainloop.optim import OPTIMIZERS
 
     return {**CHOICES, "data.name": tuple(FORMATS), "data.train_on": train_on_choices(),
-            "optimizer.name": tuple(OPTIMIZERS)}
+            "optimizer.name": tuple(OPTIMIZERS), "objective.name": tuple(OBJECTIVES)}
 
 
 def command_line_keys(overrides: Sequence[str]) -> list[str]:
@@ -264,34 +265,6 @@ def adapter_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def fsdp_problems(cfg) -> list[str]:
-    """Combinations FSDP2 (fsdp=full_shard) cannot run, each with what to choose instead."""
-    from trainloop.optim import OPTIMIZERS
-
-    if cfg.fsdp.name == "none":
-        return []
-    problems = []
-    name = cfg.fsdp.name
-    if cfg.precision.name == "fp16":
-        problems.append(f"fsdp={name} with precision=fp16: trainloop's FSDP2 computes in bf16 or fp32 (fp16 "
-                        "would need a loss scaler that unscales sharded gradients); use precision=bf16")
-    if cfg.model.quantization != "none":
-        problems.append(f"fsdp={name} with model.quantization={cfg.model.quantization}: FSDP2 shards each "
-                        "parameter on dim 0 as a DTensor, and bitsandbytes' packed 4/8-bit weights are not "
-                        "tensors it can split and gather; use model.quantization=none (LoRA on the full base "
-                        "works under FSDP2), or QLoRA with fsdp=none")
-    opt = OPTIMIZERS.get(cfg.optimizer.name)
-    if opt and not opt.fsdp2:
-        library = f" ({opt.library})" if opt.library else ""
-        problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under fsdp={name}: "
-                        f"{opt.not_fsdp2_because}; use optimizer=adamw or sgd, or fsdp=none")
-    if cfg.trainer.auto_batch_size:
-        problems.append(f"trainer.auto_batch_size with fsdp={name}: the search measures trial steps of the "
-                        "whole model on one process, before it is sharded, so it would not measure what a "
-                        "sharded step needs; set data.batch_size yourself, or fsdp=none")
-    return problems
-
-
 def profile_problems(cfg: Any) -> list[str]:
     """logging.profile_steps: [START, END], optimizer steps counted from 1, within the run."""
     window = cfg.logging.profile_steps
@@ -310,7 +283,7 @@ def profile_problems(cfg: Any) -> list[str]:
 
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
-    from trainloop.optim import OPTIMIZERS
+    from trainloop import parallel
     from trainloop import formats
     from trainloop.trackers import tracker_problems
 
@@ -343,37 +316,7 @@ def validate(cfg: Any) -> None:
     problems += adapter_problems(cfg)
     problems += formats.problems(cfg)
 
-    ds, opt = cfg.deepspeed, OPTIMIZERS.get(cfg.optimizer.name)
-    if opt and ds.stage == 3 and not opt.zero3:
-        library = f" ({opt.library})" if opt.library else ""
-        problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under deepspeed stage 3: "
-                        f"{opt.not_zero3_because}; use optimizer=adamw, or deepspeed={'zero2' if opt.zero else 'none'}")
-    elif opt and ds.stage and not opt.zero:
-        problems.append(f"optimizer={cfg.optimizer.name} cannot run under deepspeed=zero{ds.stage}: "
-                        f"{opt.not_zero_because}; use optimizer=adamw, or deepspeed=none")
-    if opt and ds.stage and ds.offload_optimizer != "none" and not opt.cpu_offload:
-        problems.append(
-            f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "
-            "the offloaded optimizer is DeepSpeed's CPU Adam; use optimizer=adamw"
-        )
-    if ds.zero3_init and ds.stage != 3:
-        problems.append(f"deepspeed.zero3_init=true needs deepspeed stage 3 (deepspeed.stage is {ds.stage})")
-    if ds.offload_param != "none" and ds.stage != 3:
-        problems.append(
-            f"deepspeed.offload_param={ds.offload_param} needs deepspeed stage 3 "
-            f"(deepspeed.stage is {ds.stage})"
-        )
-    if ds.offload_optimizer != "none" and ds.stage == 0:
-        problems.append(
-            f"deepspeed.offload_optimizer={ds.offload_optimizer} needs DeepSpeed: "
-            "choose deepspeed=zero1, zero2 or zero3"
-        )
-    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
-        problems.append("deepspeed offload to nvme needs deepspeed.nvme_path=DIR on a fast local disk")
-    if cfg.fsdp.name != "none" and ds.stage:
-        problems.append(f"fsdp={cfg.fsdp.name} with deepspeed.stage={ds.stage}: a run shards with FSDP2 or "
-                        "with DeepSpeed ZeRO, not both; choose deepspeed=none or fsdp=none")
-    problems += fsdp_problems(cfg)
+    problems += parallel.problems(cfg)
     c = cfg.compile
     if c.mode != "default" and c.backend != "inductor":
         problems.append(f"compile.mode={c.mode} is an inductor setting; use compile=inductor "
@@ -382,17 +325,9 @@ def validate(cfg: Any) -> None:
         problems.append("compile.regional=true needs a compile backend: add compile=inductor")
     problems += profile_problems(cfg)
     problems += tracker_problems(cfg.logging.trackers)
-    if cfg.trainer.auto_batch_size and ds.stage:
-        problems.append("trainer.auto_batch_size with DeepSpeed: ZeRO fixes the micro-batch in its engine; "
-                        "set data.batch_size yourself, or deepspeed=none")
     budget = cfg.trainer.auto_batch_size_budget_mb
     if budget is not None and budget <= 0:
         problems.append(f"trainer.auto_batch_size_budget_mb={budget} must be greater than 0, or null")
-    if ds.stage and cfg.compile.backend != "none":
-        problems.append(
-            "compile.backend with DeepSpeed is not supported by trainloop yet: "
-            "set compile=none, or deepspeed=none"
-        )
 
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

@@ -114,12 +114,13 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     return train_loader, valid_loader
 
 
-def check_batch_fits(cfg, world_size: int, train_blocks: int) -> None:
-    """An epoch holds whole global batches only (trainloop.order); with fewer blocks than one, none."""
-    needed = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps * world_size
+def check_batch_fits(cfg, dp_size: int, train_blocks: int) -> None:
+    """An epoch holds whole global batches only (trainloop.order); with fewer blocks than one, none.
+    `dp_size`: the data-parallel processes (trainloop.parallel's strategy)."""
+    needed = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps * dp_size
     if train_blocks < needed:
         raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} x {world_size} processes needs {needed} training blocks "
+            f"data.batch_size={cfg.data.batch_size} x {dp_size} processes needs {needed} training blocks "
             f"per step (with trainer.gradient_accumulation_steps={cfg.trainer.gradient_accumulation_steps}), "
             f"but the data holds {train_blocks}: lower data.batch_size or "
             "trainer.gradient_accumulation_steps, use fewer processes, or add data"

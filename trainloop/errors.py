@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """A config (or input) that cannot work; exit EXIT_BAD_CONFIG. The message names the key and what to change."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint could not be saved (disk full) or loaded: one message, no traceback, exit 2."""
+
+
 class Preempted(Exception):
     """Every rank agreed to stop on a signal and the checkpoint is saved; exit EXIT_PREEMPTED."""
 

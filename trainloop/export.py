@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 
-from trainloop.parallel import full_shape, full_state_dict
+from trainloop.parallel.tensors import full_shape
 
 log = logging.getLogger("trainloop")
 
@@ -102,7 +102,7 @@ def check_token_ids(directory: Path, tokenizer) -> None:
                 raise RuntimeError(f"{directory / name}: {key}={ids}, but the tokenizer's is {value}")
 
 
-def export_model(accelerator, model, tokenizer, directory: Path, cfg=None) -> None:
+def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
     """Gather the full weights (all ranks take part), write them once, and verify the files.
 
     With an adapter (cfg.adapter), `directory` gets the merged model and `directory/adapter`
@@ -112,7 +112,8 @@ def export_model(accelerator, model, tokenizer, directory: Path, cfg=None) -> No
     """
     from accelerate.utils import broadcast_object_list
 
-    state_dict = full_state_dict(accelerator, model)
+    accelerator = strategy.accelerator
+    state_dict = strategy.full_state_dict(model)
     outcome = [None]
     if accelerator.is_main_process:
         try:
@@ -125,7 +126,7 @@ def export_model(accelerator, model, tokenizer, directory: Path, cfg=None) -> No
                 export_full(unwrapped, state_dict, tokenizer, directory)
         except Exception as err:  # noqa: BLE001 - handed to every rank below
             outcome = [f"{type(err).__name__}: {err}"]
-    if accelerator.num_processes > 1:
+    if strategy.world_size > 1:
         broadcast_object_list(outcome, from_process=0)
     if outcome[0] is not None:
         raise RuntimeError(f"exporting the final model to {directory} failed: {outcome[0]}")

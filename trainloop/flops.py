@@ -70,7 +70,7 @@ def matmul_params(config, model=None) -> int:
 
 
 def _live_matmul_params(model) -> int:
-    from trainloop.parallel import full_numel
+    from trainloop.parallel.tensors import full_numel
 
     embeddings = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
@@ -95,7 +95,7 @@ def flops_per_token(config, seq_len: int, trained_matmul_params: int | None = No
 
 def trained_matmul_params(model) -> int:
     """The >= 2-d parameters that train (LoRA's A and B, modules_to_save), counted whole under sharding."""
-    from trainloop.parallel import full_numel
+    from trainloop.parallel.tensors import full_numel
 
     return sum(full_numel(p) for p in model.parameters() if p.requires_grad and p.dim() >= 2)
 

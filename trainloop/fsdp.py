@@ -33,18 +33,11 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def builds_on_meta(cfg, accelerator) -> bool:
-    """FSDP2 on several processes: only the main process draws the random weights (model=tiny)
-    or loads the pretrained ones (model=hf); the others build the model's shapes on the meta
-    device (no memory) and receive their shards from it in shard_model. An N-process node holds
-    one whole copy in host memory, not N."""
-    return cfg.fsdp.name != "none" and accelerator.num_processes > 1 and not accelerator.is_main_process
-
-
 def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """Shard `model` in place with fully_shard over every process (a process group must exist:
     a launcher's, or accelerator.single_process_group_env's for one process); returns it.
-    A model built on the meta device (builds_on_meta) gets its shards from the main process.
+    A model built on the meta device (trainloop.parallel.fsdp2's builds_on_meta) gets its shards from
+    the main process.
 
     An adapter is applied and torch.compile (regional: each block) set up before this, as
     torchtitan does: the blocks are compiled, then sharded.

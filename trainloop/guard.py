@@ -25,8 +25,8 @@ class Verdict:
 
 
 class StepGuard:
-    def __init__(self, cfg, accelerator, checkpointer, preemption):
-        self.accelerator = accelerator
+    def __init__(self, cfg, strategy, checkpointer, preemption):
+        self.strategy = strategy
         self.policy = cfg.trainer.on_nonfinite
         self.accumulation = cfg.trainer.gradient_accumulation_steps
         self.scaler_owns_grads = cfg.precision.name == "fp16"
@@ -36,16 +36,15 @@ class StepGuard:
 
     def check(self, state, step_loss: torch.Tensor, grad_norm) -> Verdict:
         """Decide for the optimizer step that is about to be taken (state.step + 1)."""
-        acc = self.accelerator
+        device = self.strategy.device
         # DeepSpeed reports no norm before its first step; unknown is not non-finite.
-        grad_norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=acc.device)
+        grad_norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=device)
         flags = torch.stack([
             (~torch.isfinite(step_loss)).float(),
             (~torch.isfinite(grad_norm)).float() * (not self.scaler_owns_grads),
-            torch.tensor(float(self.preemption.requested is not None), device=acc.device),
+            torch.tensor(float(self.preemption.requested is not None), device=device),
         ])
-        if acc.num_processes > 1:
-            flags = acc.reduce(flags, reduction="sum")
+        flags = self.strategy.sum_over_all(flags)  # every process agrees, whatever group it is in
         # The one host sync the guard adds per optimizer step (not per micro-step).
         bad_loss, bad_grad, stop = (v > 0 for v in flags.tolist())
         if stop and self.preempted_by is None:

@@ -1,4 +1,4 @@
-"""The training loop: a step's micro-batches (loss per target token of the step), then clip, step, log, eval, save."""
+"""The training loop: a step's micro-batches (loss per unit of the step), then clip, step, log, eval, save."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from trainloop.mixture import source_names
-from trainloop.parallel import clip_grad_norm, gradient_sync
 from trainloop.profiler import StepProfiler
-from trainloop.router import RouterLoad
 from trainloop.telemetry import Telemetry
-
-IGNORE = -100  # labels with no loss (trainloop.data.IGNORE; not imported: data pulls in `datasets`)
 
 
 @dataclass
@@ -48,8 +44,7 @@ def batches_forever(accelerator, loader, state: TrainState):
     consumed = order.batch_size * order.world_size  # by one micro-step of every rank
     while True:
         order.set_position(state.epoch, state.samples_in_epoch)  # the order is a function of (seed, epoch)
-        if hasattr(loader.dataset, "set_epoch"):  # a mixture: the epoch's window of its schedule
-            loader.dataset.set_epoch(state.epoch)
+        loader.dataset.set_epoch(state.epoch)  # a mixture: the epoch's window of its schedule
         # Starting an epoch draws a worker seed from the global torch RNG; undo that draw, so
         # dropout does not depend on where a run was resumed. The iterator starts lazily.
         rng, batches = torch.get_rng_state(), iter(loader)
@@ -62,79 +57,41 @@ def batches_forever(accelerator, loader, state: TrainState):
         state.samples_in_epoch = 0
 
 
-def model_inputs(batch: dict) -> dict:
-    """What the model reads. No attention mask with packed rows: the model builds a block-diagonal
-    one from the restarting position ids, and only without a mask and without a cache."""
-    keys = ("input_ids", "position_ids", "attention_mask")
-    return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
-
-
-def token_loss_sum(model, batch: dict, router=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed next-token loss over the batch's target tokens, and their number.
-
-    Summed, not averaged: a step's loss is divided once by all its target tokens, over every
-    micro-batch and rank, so each token weighs the same however the tokens fall into micro-batches.
-    With `router` (a trainloop.router.RouterLoad), the forward's routing is recorded there.
-    """
-    output = model(**model_inputs(batch))
-    if router is not None:
-        router.record(output, batch)
-    logits = output.logits
-    targets = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss, (targets != IGNORE).sum()
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, loader, max_batches: int | None) -> float:
-    """Next-token loss per target token over the validation split (all ranks), identical on every rank."""
-    model.eval()
-    total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-    for i, batch in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        loss, count = token_loss_sum(model, batch)
-        total += torch.stack([loss.double(), count.double()])
-    model.train()
-    total = accelerator.reduce(total, reduction="sum")
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
 def step_batches(batches, accumulation: int) -> list[dict]:
     """The micro-batches of one optimizer step: an epoch holds whole global batches only (trainloop.order)."""
     return [next(batches) for _ in range(accumulation)]
 
 
 @contextmanager
-def micro_step(accelerator, model, last: bool):
+def micro_step(strategy, model, last: bool):
     """accelerate's `accumulate`, with the step's last micro-batch named by the loop: the loop reads
     a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
-    Gradients are reduced over the ranks only on the last (trainloop.parallel: DDP's no_sync, or
+    Gradients are reduced over the ranks only on the last (the strategy's: DDP's no_sync, or
     FSDP2's own switch)."""
-    accelerator.sync_gradients = last
-    with gradient_sync(accelerator, model, enabled=last):
+    strategy.accelerator.sync_gradients = last
+    with strategy.gradient_sync(model, enabled=last):
         yield
 
 
-def step_target_tokens(accelerator, group: list[dict], sources: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's target tokens over every rank (labels shifted by one, as the loss reads them) and,
+def step_units(strategy, objective, group: list[dict], sources: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's units over every rank (the objective's count: target tokens for causal_lm) and,
     for a mixture, the tokens each source gave (whole blocks, as tokens_seen counts): one reduce."""
-    count = sum((b["labels"][:, 1:] != IGNORE).sum() for b in group).view(1)
+    count = sum(objective.count(b) for b in group).view(1)
     if sources:
         blocks = sum(torch.bincount(b["source"], minlength=sources) for b in group)
         count = torch.cat([count, blocks * group[0]["input_ids"].shape[1]])
-    count = count.to(accelerator.device)
-    count = accelerator.reduce(count, reduction="sum") if accelerator.num_processes > 1 else count
+    count = strategy.reduce_sum(count.to(strategy.device))
     return count[0].clamp(min=1), count[1:]
 
 
-def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loader,
+def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, valid_loader,
           state: TrainState, metrics, checkpointer, guard, samples=None) -> float | None:
     """Run optimizer steps until trainer.max_steps (or a stop); return the last validation loss.
-    `samples` (trainloop.samples, from eval.prompts) generates at every evaluation."""
-    tc = cfg.trainer
-    tokens_per_batch = cfg.data.batch_size * cfg.data.seq_len * accelerator.num_processes
+    `strategy` (trainloop.parallel) spreads the model over the processes, `objective`
+    (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples, from
+    eval.prompts) generates at every evaluation."""
+    tc, accelerator = cfg.trainer, strategy.accelerator
+    tokens_per_batch = cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
     max_norm = tc.max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
@@ -144,9 +101,8 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
     eval_loss, t_log = None, time.perf_counter()
     model.train()
     # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
-    # scaled by both, the gradient is the sum of token-loss gradients / the step's target tokens.
-    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    router = RouterLoad.for_model(cfg.model, accelerator.device)  # a mixture of experts: its router
+    # scaled by both, the gradient is the sum of the units' loss gradients / the step's units.
+    scale = accelerator.gradient_accumulation_steps * strategy.dp_size
     names = source_names(cfg.data)  # data.sources: the mixture's, counted per step
     source_tokens = torch.tensor([state.tokens_per_source.get(n, 0) for n in names], device=accelerator.device)
     # None unless logging.profile_steps
@@ -156,19 +112,19 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
             t_data = time.perf_counter()
             group = step_batches(batches, accelerator.gradient_accumulation_steps)
             wait += time.perf_counter() - t_data
-            step_tokens, step_source_tokens = step_target_tokens(accelerator, group, len(names))
+            step_count, step_source_tokens = step_units(strategy, objective, group, len(names))
             source_tokens += step_source_tokens
             for i, batch in enumerate(group):
-                with micro_step(accelerator, model, last=i == len(group) - 1):
-                    summed, _ = token_loss_sum(model, batch, router)
-                    loss = summed * (scale / step_tokens)
-                    # divided by `scale` too: the step adds coef x the mean aux loss of its forwards
-                    if router is not None:
-                        loss = loss + router.coef * router.aux
+                with micro_step(strategy, model, last=i == len(group) - 1):
+                    out = objective.batch_loss(model, batch)
+                    loss = out.summed * (scale / step_count)
+                    # divided by `scale` too: the step adds the mean penalty of its forwards
+                    if out.penalty is not None:
+                        loss = loss + out.penalty
                     accelerator.backward(loss)  # under DeepSpeed this also steps at the end
-                    step_loss += summed.detach() / step_tokens  # this rank's share of the step's loss
+                    step_loss += out.summed.detach() / step_count  # this rank's share of the step's loss
                     if accelerator.sync_gradients:
-                        grad_norm = clip_grad_norm(accelerator, model, max_norm)
+                        grad_norm = strategy.clip_grad_norm(model, max_norm)
                         verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
                         if verdict.update:
                             optimizer.step()
@@ -195,22 +151,23 @@ def train(cfg, accelerator, model, optimizer, scheduler, train_loader, valid_loa
                 state.tokens_per_source = dict(zip(names, source_tokens.tolist()))
             if log_due:
                 elapsed = time.perf_counter() - t_log
-                mean_loss = accelerator.reduce(loss_sum, reduction="sum").item() / steps
+                mean_loss = strategy.reduce_sum(loss_sum).item() / steps
                 metrics.train(
                     state.step, loss=mean_loss, lr=scheduler.get_last_lr()[0],
                     grad_norm=None if grad_norm is None else float(grad_norm),
                     tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed, epoch=state.epoch,
                     tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
                     **({"tokens_per_source": state.tokens_per_source} if names else {}),
-                    **(router.window(accelerator) if router is not None else {}),
+                    **objective.window(strategy),
                 )
                 loss_sum.zero_()
                 t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
             if state.step % tc.eval_every == 0 or last:
-                eval_loss = evaluate(accelerator, model, valid_loader, tc.eval_batches)
-                metrics.eval(state.step, eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
+                evaluation = objective.evaluate(strategy, model, valid_loader, tc.eval_batches)
+                eval_loss = evaluation["eval_loss"]
+                metrics.eval(state.step, **evaluation)
                 if samples is not None:
-                    metrics.samples(state.step, samples.generate(accelerator, model))
+                    metrics.samples(state.step, samples.generate(strategy, model))
             if saving:
                 checkpointer.save(state, model)
             if profiler is not None:  # a profiled step holds its logging, eval and save too

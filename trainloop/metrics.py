@@ -76,9 +76,11 @@ class Metrics:
         if self.enabled:
             (self.bar.write if self.bar is not None else log.info)(text)
 
-    def eval(self, step: int, eval_loss: float, eval_ppl: float) -> None:
-        self.write({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
-        self.say(f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}")
+    def eval(self, step: int, eval_loss: float, eval_ppl: float, **more: float) -> None:
+        """The objective's evaluation (trainloop.objectives): its loss, perplexity and any other values."""
+        self.write({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl, **more})
+        self.say(f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}"
+                 + "".join(f"  {key} {value:.4g}" for key, value in more.items()))
 
     def samples(self, step: int, samples: list[dict]) -> None:
         """eval.prompts and what the model wrote after each (trainloop.samples): event=samples."""

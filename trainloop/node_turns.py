@@ -67,10 +67,12 @@ def wait_for(done: Path, failed: Path, pid: int, who: str) -> None:
         time.sleep(POLL_S)
 
 
-def build_once_per_node(accelerator, run_dir: str | os.PathLike, build):
-    """`build()` on every rank, the node's local main process first; returns what it returns."""
-    if accelerator.num_processes == 1:
+def build_once_per_node(strategy, run_dir: str | os.PathLike, build):
+    """`build()` on every rank, the node's local main process first; returns what it returns.
+    `strategy`: trainloop.parallel's, for the processes of the run."""
+    if strategy.world_size == 1:
         return build()
+    accelerator = strategy.accelerator
     rank, local_rank = accelerator.process_index, accelerator.local_process_index
     holder = rank - local_rank  # the global rank of this node's local main process
     folder = Path(run_dir) / ".data_build" / f"node_of_rank_{holder}"

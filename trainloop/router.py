@@ -39,12 +39,11 @@ class RouterLoad:
                       else mask.reshape(-1, 1).expand_as(chosen).double())
             self.tokens.index_add_(0, chosen.flatten(), weight.flatten())
 
-    def window(self, accelerator) -> dict:
-        """The log line's values over every rank since the last one (one reduce); then starts anew."""
-        both = torch.cat([self.aux_sum.view(1), self.tokens])
-        if accelerator.num_processes > 1:
-            both = accelerator.reduce(both, reduction="sum")
-        forwards = max(self.forwards * accelerator.num_processes, 1)
+    def window(self, strategy) -> dict:
+        """The log line's values over every data-parallel rank since the last one (one reduce); then
+        starts anew. `strategy`: trainloop.parallel's."""
+        both = strategy.reduce_sum(torch.cat([self.aux_sum.view(1), self.tokens]))
+        forwards = max(self.forwards * strategy.dp_size, 1)
         aux, tokens = both[0].item() / forwards, both[1:]
         share = (tokens / tokens.sum().clamp(min=1)).tolist()
         self.aux_sum.zero_()

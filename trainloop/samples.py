@@ -37,9 +37,10 @@ class Samples:
         return cls(cfg.eval.prompts, tokenizer, cfg.eval.max_new_tokens, context)
 
     @torch.no_grad()
-    def generate(self, accelerator, model) -> list[dict]:
-        """[{"prompt": ..., "text": what the model wrote after it}], the same on every rank."""
-        module = accelerator.unwrap_model(model)  # DDP and DeepSpeed's engine wrap it; FSDP2 shards it in place
+    def generate(self, strategy, model) -> list[dict]:
+        """[{"prompt": ..., "text": what the model wrote after it}], the same on every rank: each
+        takes part in every forward while sharded weights are gathered (`strategy`: trainloop.parallel's)."""
+        module = strategy.accelerator.unwrap_model(model)  # DDP and DeepSpeed's engine wrap it; FSDP2 shards it in place
         # a compiled model would recompile for every new length: generation runs it eagerly
         eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -48,10 +49,10 @@ class Samples:
         try:
             with eager:
                 for ids in self.ids:
-                    ids = ids.to(accelerator.device)
+                    ids = ids.to(strategy.device)
                     outputs.append(module.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                    max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                                   synced_gpus=accelerator.num_processes > 1))
+                                                   synced_gpus=strategy.world_size > 1))
         finally:
             module.train()
         return [{"prompt": prompt, "text": self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}

@@ -183,6 +183,11 @@ class CompileConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     adapter: AdapterConfig = MISSING
@@ -193,6 +198,7 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = MISSING
     fsdp: FsdpConfig = MISSING
     compile: CompileConfig = MISSING
+    objective: ObjectiveConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

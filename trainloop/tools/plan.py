@@ -492,9 +492,10 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     (track_live_memory) so that the resident set follows the live tensors. On a GPU: torch's peak
     allocated bytes. Then `timed_steps` more steps with glibc's usual heap, each timed
     (`step_seconds`); `peak_rss` is the whole process's peak resident set at the end.
-    Under a launcher every process measures itself; the model is prepared as run.py does (DDP or
-    DeepSpeed through accelerate, FSDP2 by trainloop.fsdp). `shard_bytes`: the storage this
-    process holds for parameters, gradients and optimizer state, counted on the live tensors.
+    Under a launcher every process measures itself; everything is built by the run's own build
+    (trainloop.build: adapter, compile, the strategy's sharding, the optimizer) and each step is the
+    objective's. `shard_bytes`: the storage this process holds for parameters, gradients and
+    optimizer state, counted on the live tensors.
     """
     import gc
     import time
@@ -502,39 +503,30 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     import torch
 
     from trainloop.accelerator import build_accelerator
-    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
-    from trainloop.loop import micro_step, token_loss_sum
-    from trainloop.model import build_model, build_model_config
-    from trainloop.optim import build_optimizer
-    from trainloop.parallel import clip_grad_norm, local_shard
+    from trainloop.build import build
+    from trainloop.loop import micro_step
+    from trainloop.parallel import build_strategy, local_shard
     from trainloop.run import end_distributed
 
     accelerator = build_accelerator(cfg)
+    strategy = build_strategy(cfg, accelerator)
     on_cuda = accelerator.device.type == "cuda"
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-    model_config = build_model_config(cfg.model, len(tokenizer))
-    train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
-    loader, _ = build_dataloaders(cfg.data, train_set, valid_set, pin_memory=False)
-    batch = {key: value.to(accelerator.device) for key, value in next(iter(loader)).items()}
-    gc.collect()
-    live = track_live_memory(True)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak RSS now starts from here
-    before = _rss()
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
-        gpu_before = torch.cuda.memory_allocated()
-    model = build_model(cfg.model, model_config, cfg.precision.name)
-    make_optimizer = lambda: build_optimizer(  # noqa: E731
-        cfg.optimizer, model, on_cuda=on_cuda,
-        cpu_offload=bool(cfg.deepspeed.stage) and cfg.deepspeed.offload_optimizer != "none")
-    if cfg.fsdp.name != "none":  # sharded by trainloop, as in run.py; accelerate prepares the optimizer
-        from trainloop.fsdp import shard_model
+    marks = {}
 
-        shard_model(cfg, model, accelerator.device)
-        optimizer = accelerator.prepare(make_optimizer())
-    else:
-        model, optimizer = accelerator.prepare(model, make_optimizer())
+    def start_measuring() -> None:  # after the data is built, before the model is
+        gc.collect()
+        marks["live"] = track_live_memory(True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS now starts from here
+        marks["before"] = _rss()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            marks["gpu_before"] = torch.cuda.memory_allocated()
+
+    built = build(cfg, strategy, before_model=start_measuring)  # the run's own build, in the run's order
+    model, optimizer, objective = built.model, built.optimizer, built.objective
+    before, gpu_before, live = marks["before"], marks.get("gpu_before"), marks["live"]
+    batch = {key: value.to(accelerator.device) for key, value in next(iter(built.train_loader)).items()}
     model.train()
     accumulation = cfg.trainer.gradient_accumulation_steps
     shards, seconds, result = {}, [], {}
@@ -547,11 +539,11 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         start = time.perf_counter()
         for micro in range(accumulation):
             last = micro == accumulation - 1
-            with micro_step(accelerator, model, last):
-                summed, count = token_loss_sum(model, batch)  # the loop's own loss
-                accelerator.backward(summed / count)
+            with micro_step(strategy, model, last):
+                summed = objective.batch_loss(model, batch).summed  # the loop's own loss
+                accelerator.backward(summed / objective.count(batch))
                 if last:
-                    clip_grad_norm(accelerator, model, cfg.trainer.max_grad_norm or math.inf)
+                    strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm or math.inf)
                     if step == steps - 1:
                         shards["gradients"] = _storage_bytes(local_shard(p.grad) for p in model.parameters()
                                                              if p.grad is not None)
@@ -569,12 +561,12 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _peak_rss(),
               "cpu_training_bytes": result.pop("training_bytes"), **result, "glibc_live_tracking": live,
               "shard_bytes": shards, "step_seconds": seconds[steps:], "tokens_per_step": accumulation
-              * cfg.data.batch_size * cfg.data.seq_len * accelerator.num_processes}
-    if accelerator.num_processes > 1:  # every process's measurement, on every process
-        gathered = [None] * accelerator.num_processes
+              * cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size}
+    if strategy.world_size > 1:  # every process's measurement, on every process
+        gathered = [None] * strategy.world_size
         torch.distributed.all_gather_object(gathered, result)
         result = {"per_process": gathered}
-    end_distributed(accelerator)
+    end_distributed(strategy)
     return result
 
 

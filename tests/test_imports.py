@@ -1,0 +1,79 @@
+"""trainloop's modules import one another without a circle (issue 24): every `import` and
+`from ... import` statement counts, function-local ones included, because a circle hidden in a
+function is still two modules that each need the other. A package's own __init__ may gather its
+submodules; a submodule names its siblings by their module path, not through the package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "trainloop"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """trainloop module -> the trainloop modules its statements import (anywhere in the file)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module if node.level == 0 else None
+                assert base is not None, f"{path}: relative import; name the module in full"
+                # `from trainloop import dcp` imports the module trainloop.dcp; `from x import f` imports x
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (a list of modules that ends where it starts), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_is_read_whole():
+    graph = import_graph()
+    assert "trainloop.run" in graph and "trainloop.config" in graph["trainloop.run"]
+    assert "trainloop.errors" in graph["trainloop.config"]  # a top-level import
+    assert "trainloop.deepspeed" in graph["trainloop.accelerator"]  # a function-local one
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_module_of_trainloop_imports_itself_through_others():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_errors_imports_nothing_from_trainloop():
+    assert import_graph()["trainloop.errors"] == set()

@@ -1,0 +1,74 @@
+"""Every row of the objective table keeps the contract the loop relies on (issue 24): a batch's
+summed loss and unit count add up over any split of the batch into micro-batches, so that one
+division by the step's units gives the same step however the batch is cut; its evaluation is the
+summed loss per unit; and it is the loss the run trains on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import compose, read_metrics, train
+from trainloop.objectives import OBJECTIVES, build_objective
+
+# The config each objective needs on top of the smoke preset (a new row adds its own).
+NEEDS = {"causal_lm": []}
+
+
+def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
+    """A batch of 4 training blocks from the run's own data, and the run's model."""
+    from trainloop.data import build_tokenizer
+    from trainloop.mixture import build_training_data
+    from trainloop.model import build_model, build_model_config
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    train_set, _, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
+    items = [train_set[i] for i in range(4)]
+    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    torch.manual_seed(0)
+    return batch, build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+
+
+def test_every_objective_has_its_config_and_its_test_needs():
+    from trainloop.config import CONFIG_DIR
+
+    assert set(OBJECTIVES) == set(NEEDS) == {p.stem for p in (CONFIG_DIR / "objective").glob("*.yaml")}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_the_loss_and_its_units_add_up_over_micro_batches(name):
+    cfg = compose("+preset=smoke", f"objective={name}", *NEEDS[name])
+    batch, model = batch_for(cfg, name)
+    objective = build_objective(cfg, "cpu")
+    whole = objective.batch_loss(model, batch).summed
+    halves = [{key: value[part] for key, value in batch.items()} for part in (slice(0, 2), slice(2, 4))]
+    assert objective.count(batch) == sum(objective.count(h) for h in halves) > 0
+    assert torch.allclose(whole, sum(objective.batch_loss(model, h).summed for h in halves), rtol=1e-5)
+    whole.backward()  # a loss the optimizer can follow
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_evaluation_is_the_summed_loss_per_unit(name):
+    from accelerate import Accelerator
+
+    from conftest import reset_accelerate
+    from trainloop.parallel import build_strategy
+
+    cfg = compose("+preset=smoke", f"objective={name}", *NEEDS[name])
+    batch, model = batch_for(cfg, name)
+    objective = build_objective(cfg, "cpu")
+    reset_accelerate()
+    got = objective.evaluate(build_strategy(cfg, Accelerator(cpu=True)), model, [batch], max_batches=None)
+    with torch.no_grad():
+        summed, count = objective.eval_sums(model, batch)
+    assert got["eval_loss"] == pytest.approx((summed / count).item(), rel=1e-6)
+    assert model.training  # evaluate() hands the model back in training mode
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_a_run_trains_on_the_objective(name, tmp_path):
+    lines = [r for r in read_metrics(train(tmp_path / "run", f"objective={name}", *NEEDS[name],
+                                           "trainer.max_steps=6")) if "loss" in r]
+    assert lines and all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
+    assert lines[-1]["loss"] < lines[0]["loss"]

@@ -1,0 +1,46 @@
+"""The strategy table (issue 24): each row is chosen by the config users already write, answers
+the data-parallel size everything above it reads, and states its own config problems. The rows'
+training behaviour is tested where each strategy is (test_distributed, test_deepspeed_config,
+test_fsdp, test_resume); a new row adds its config here."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import compose, reset_accelerate
+from trainloop.config import validate
+from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
+
+# A config that chooses each row (a new row adds its own).
+CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"]}
+
+
+def test_every_strategy_is_chosen_by_a_config():
+    assert set(STRATEGIES) == set(CHOOSE)
+    for name, overrides in CHOOSE.items():
+        cfg = compose(*overrides)
+        validate(cfg)
+        assert chosen(cfg) == name
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_one_process_is_one_data_parallel_rank(name):
+    from accelerate import Accelerator
+
+    reset_accelerate()
+    strategy = build_strategy(compose(*CHOOSE[name]), Accelerator(cpu=True))
+    assert isinstance(strategy, STRATEGIES[name])
+    assert (strategy.world_size, strategy.dp_size, strategy.dp_rank) == (1, 1, 0)
+    assert not strategy.builds_on_meta()  # the one process builds the weights itself
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["+preset=fsdp", "deepspeed=zero2"], "a run shards with FSDP2 or with DeepSpeed ZeRO, not both"),
+    (["+preset=fsdp", "precision=fp16"], "fsdp=full_shard with precision=fp16"),
+    (["+preset=zero3", "compile=inductor"], "compile.backend with DeepSpeed is not supported"),
+    (["deepspeed.offload_optimizer=cpu"], "needs DeepSpeed: choose deepspeed=zero1, zero2 or zero3"),
+])
+def test_each_strategy_states_its_own_problems(overrides, says):
+    found = problems(compose(*overrides))
+    assert any(says in p for p in found), found
+    assert problems(compose()) == []

@@ -1,0 +1,130 @@
+"""The one build: tokenizer, data, model, adapter, compile, sharding, optimizer and scheduler, in
+the one order that works, for the run, the planner's measurement and the benchmarks alike.
+
+The order matters: the adapter wraps the model before compile, compile comes before sharding
+(torchtitan's order: the compiled blocks are sharded), the optimizer is built on the sharded
+parameters, and accelerate prepares what the strategy leaves to it. What differs between callers
+is given, not branched on: a run's checkpointer checks the data against its checkpoint, a
+benchmark hands in blocks it tokenized once, the planner measures from `before_model` on.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+log = logging.getLogger("trainloop")
+
+
+@dataclass
+class Built:
+    """Everything a run trains with, built from the config."""
+
+    strategy: Any  # trainloop.parallel.Strategy
+    objective: Any  # trainloop.objectives.Objective
+    tokenizer: Any
+    model_config: Any
+    samples: Any  # trainloop.samples.Samples, or None without eval.prompts
+    train_set: Any
+    valid_set: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    valid_loader: Any
+    flops_per_token: float
+    batch_search: Any = None  # trainloop.batch_size.BatchSearch with trainer.auto_batch_size
+
+
+def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, blocks=None,
+          before_model: Callable[[], None] | None = None) -> Built:
+    """Build a run from `cfg` on `strategy` (trainloop.parallel.build_strategy).
+
+    run_dir: the data is built once per node there (not inside a collective); without it, here.
+    checkpointer: checks the data against the checkpoint being resumed (`resume_from`), which
+    also fixes an auto batch size. blocks: (train, valid) datasets already built (a benchmark's),
+    instead of building them from cfg.data. before_model: called just before the model is built.
+    """
+    import torch
+    from accelerate.utils import set_seed
+
+    from trainloop.adapter import apply_adapter, check_targets
+    from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
+    from trainloop.compile import compile_model
+    from trainloop.data import build_dataloaders, carry_chat_template, check_batch_fits, trained_chat_template
+    from trainloop.errors import ConfigError
+    from trainloop.flops import flops_per_token, trained_matmul_params
+    from trainloop.mixture import build_training_data
+    from trainloop.model import build_model, build_model_config, context_length, special_token_ids
+    from trainloop.node_turns import build_once_per_node
+    from trainloop.objectives import build_objective
+    from trainloop.optim import build_optimizer, build_scheduler
+    from trainloop.order import GlobalOrder
+    from trainloop.samples import Samples
+    from trainloop.tokenizer import build_tokenizer
+
+    accelerator = strategy.accelerator
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    carry_chat_template(tokenizer, trained_chat_template(cfg.data, tokenizer))  # final/ is prompted as trained
+    model_config = build_model_config(cfg.model, len(tokenizer), special_token_ids(tokenizer))
+    if cfg.data.seq_len > context_length(model_config):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
+                          f"{context_length(model_config)} tokens; lower data.seq_len")
+    check_targets(cfg.adapter, model_config)
+    samples = Samples.for_config(cfg, tokenizer, context_length(model_config))  # its prompts checked before compute
+    if blocks is not None:
+        train_set, valid_set = blocks
+    elif run_dir is not None:  # not inside a collective: tokenizing a large corpus outlasts trainer.collective_timeout_s
+        train_set, valid_set, data_print = build_once_per_node(
+            strategy, run_dir, partial(build_training_data, cfg.data, tokenizer, cfg.trainer.seed))
+        if checkpointer is not None:
+            checkpointer.check_data(data_print)
+    else:
+        train_set, valid_set, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
+
+    if before_model is not None:
+        before_model()
+    set_seed(cfg.trainer.seed)
+    shapes_only = strategy.builds_on_meta()  # its weights come from the main process when sharded
+    with torch.device("meta") if shapes_only else nullcontext():
+        model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
+        if cfg.adapter.name != "none":
+            model = apply_adapter(cfg, model)
+    flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
+                            trained_matmul_params=trained_matmul_params(model) if cfg.adapter.name != "none" else None)
+    objective = build_objective(cfg, strategy.device)
+    on_cuda = strategy.device.type == "cuda"
+    make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
+                             cpu_offload=strategy.optimizer_offloaded())
+    batch_search = None
+    if cfg.trainer.auto_batch_size:  # the run takes the settled batch from here on, and records it
+        batch_search = settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer, resume_from)
+        cfg.data.batch_size = batch_search.batch_size
+        cfg.trainer.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = batch_search.accumulation
+    advice = batch_size_advice({"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
+                                "hidden size": model_config.hidden_size, "vocab size": model_config.vocab_size},
+                               tensor_core_multiple(cfg.precision.name, strategy.device))
+    if advice and accelerator.is_main_process:  # the same advice for every rank: said once
+        log.warning(advice)
+
+    check_batch_fits(cfg, strategy.dp_size, len(train_set))
+    accumulation = cfg.trainer.gradient_accumulation_steps
+    train_set.whole_batches(cfg.data.batch_size * accumulation * strategy.dp_size)  # a mixture's epochs meet
+    order = GlobalOrder(len(train_set), cfg.trainer.seed, cfg.data.batch_size, accumulation, strategy.dp_size,
+                        strategy.dp_rank, shuffle=not train_set.orders_itself)  # a mixture's schedule is its order
+    train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
+                                                   pin_memory=cfg.data.pin_memory and on_cuda, order=order)
+    compile_model(cfg.compile, model)  # in place: parameter names keep no `_orig_mod.` prefix
+    model = strategy.shard(model)  # compiled blocks, then sharded; before the optimizer
+    optimizer = make_optimizer()
+    # Stepped by the loop once per optimizer step; accelerate would step a prepared one once per
+    # process, changing the schedule with the world size.
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+    # The training loader is already this rank's share of the global order: accelerate must not shard it again.
+    model, optimizer, valid_loader = strategy.prepare(model, optimizer, valid_loader)
+    accelerator.register_for_checkpointing(scheduler)
+    return Built(strategy, objective, tokenizer, model_config, samples, train_set, valid_set, model, optimizer,
+                 scheduler, train_loader, valid_loader, flops, batch_search)

@@ -1,0 +1,60 @@
+"""What an objective answers: the loss of a batch, what it is normalised by, its metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchLoss:
+    """One training forward's loss. `summed` is summed over the batch's units (target tokens,
+    pairs...); the loop divides it by the step's units over every micro-batch and data-parallel
+    rank (Objective.count), so each unit weighs the same however units fall into micro-batches.
+    `penalty` is added as it is, once per forward (a mixture's router loss)."""
+
+    summed: torch.Tensor
+    penalty: torch.Tensor | None = None
+
+
+class Objective:
+    """A training objective: a row of trainloop.objectives.OBJECTIVES, chosen by `objective=NAME`.
+
+    - count(batch): the units a batch's loss is summed over, read before any forward, so that a
+      step's total (one reduce over its micro-batches and ranks) normalises every micro-batch.
+    - batch_loss(model, batch): the BatchLoss of one training forward.
+    - window(strategy): values for the train log line since the last one, over every rank.
+    - eval_sums(model, batch): (summed loss, units) of an evaluation forward; evaluate() adds them
+      up over the validation batches and ranks into the eval line's values.
+    """
+
+    name = ""
+
+    def count(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def batch_loss(self, model, batch: dict) -> BatchLoss:
+        raise NotImplementedError
+
+    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch_loss(model, batch).summed, self.count(batch)
+
+    def window(self, strategy) -> dict:
+        return {}
+
+    @torch.no_grad()
+    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
+        """Loss per unit over the validation split (all ranks), identical on every rank."""
+        model.eval()
+        total = torch.zeros(2, device=strategy.device, dtype=torch.float64)
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            summed, count = self.eval_sums(model, batch)
+            total += torch.stack([summed.double(), count.double()])
+        model.train()
+        total = strategy.reduce_sum(total)
+        eval_loss = (total[0] / total[1].clamp(min=1)).item()
+        return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}

@@ -1,0 +1,121 @@
+"""What a strategy answers: how the processes share the model, and every question that follows."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+def running(accelerator, model=None) -> str:
+    """The strategy this run really uses, read back from accelerate and the model: none, ddp,
+    zero1, zero2, zero3 or fsdp2. FSDP2 is applied by trainloop, not by accelerate (which reports
+    MULTI_CPU/MULTI_GPU or NO for it), so only the model can tell it: pass it."""
+    from accelerate.utils import DistributedType
+
+    from trainloop.parallel.tensors import is_fsdp2
+
+    if model is not None and is_fsdp2(model):
+        return "fsdp2"
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    if accelerator.distributed_type == DistributedType.NO:
+        return "none"
+    return "ddp"  # MULTI_CPU, MULTI_GPU and the other multi-device types: DistributedDataParallel
+
+
+class Strategy:
+    """How the model, its gradients and its optimizer state are spread over the processes: a row
+    of trainloop.parallel.STRATEGIES, chosen from the config (deepspeed=, fsdp=).
+
+    The data-parallel size and rank are what the rest of trainloop reads for the global sample
+    order, the loss normalisation, tokens per step, the batch-size search and the checkpoint
+    fingerprint: today every process is a data-parallel rank; a strategy that splits layers
+    over processes (tensor parallelism) answers fewer. The build calls, in this order:
+    `builds_on_meta` (before the model is built), `shard` (after compile, before the optimizer),
+    `prepare` (the optimizer and the validation loader, and the model unless sharded here).
+    """
+
+    name = ""
+    saves_async = False  # checkpoint.async_save: only DCP writes in the background
+
+    def __init__(self, cfg, accelerator):
+        self.cfg, self.accelerator = cfg, accelerator
+
+    # -- who is who ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def dp_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def dp_rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def device(self):
+        return self.accelerator.device
+
+    def reduce_sum(self, tensor):
+        """`tensor` summed over the data-parallel ranks (itself on one process): losses, units, tokens."""
+        return self.sum_over_all(tensor)
+
+    def sum_over_all(self, tensor):
+        """`tensor` summed over every process: what all of them must agree on (stop, skip)."""
+        return self.accelerator.reduce(tensor, reduction="sum") if self.world_size > 1 else tensor
+
+    # -- the build -------------------------------------------------------------------------------
+    def builds_on_meta(self) -> bool:
+        """Whether this process builds the model's shapes only, its weights coming from another."""
+        return False
+
+    def optimizer_offloaded(self) -> bool:
+        """The optimizer state is kept and stepped in CPU memory by the strategy's own optimizer."""
+        return False
+
+    def shard(self, model):
+        return model
+
+    def prepare(self, model, optimizer, valid_loader):
+        return self.accelerator.prepare(model, optimizer, valid_loader)
+
+    # -- each step -------------------------------------------------------------------------------
+    def clip_grad_norm(self, model, max_norm: float):
+        """Clip the gradients to `max_norm` (inf: only measure) and return their global L2 norm."""
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+    @contextmanager
+    def gradient_sync(self, model, enabled: bool):
+        """Reduce this micro-batch's gradients over the ranks, or only accumulate them locally
+        (every micro-batch of a step but the last)."""
+        if enabled:
+            yield
+        else:
+            with self.accelerator.no_sync(model):
+                yield
+
+    # -- state -----------------------------------------------------------------------------------
+    def save_state(self, directory, model, adapter_only: bool) -> None:
+        raise NotImplementedError
+
+    def load_state(self, path, model, adapter_only: bool) -> None:
+        raise NotImplementedError
+
+    def full_state_dict(self, model) -> dict:
+        """The full weights, on the main process ({} elsewhere). Every rank must call it."""
+        return self.accelerator.get_state_dict(model)
+
+    def describe(self, model) -> str:
+        """What really runs, read back from accelerate (and the engine or the model), for the log."""
+        raise NotImplementedError
+
+    def where(self) -> str:
+        acc = self.accelerator
+        return f"{acc.num_processes} process(es), {acc.device}, backend {acc.state.backend}"
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        """Combinations this strategy cannot run (each with what to choose instead); [] when it is
+        not chosen, unless the keys it alone reads are set."""
+        return []

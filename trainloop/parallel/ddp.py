@@ -1,0 +1,61 @@
+"""Data parallel (and one process): every rank holds the whole model and optimizer; accelerate
+wraps the model in DistributedDataParallel, which all-reduces the gradients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainloop.errors import CheckpointError
+from trainloop.parallel.base import Strategy
+
+
+def keep_trainable(models, weights, output_dir) -> None:
+    """accelerate's save-state hook: drop the frozen parameters from the weights it saves."""
+    for model, state in zip(models, weights):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k not in trainable]:
+            del state[key]
+
+
+def expect_trainable(path: Path, model) -> None:
+    """The checkpoint holds exactly this model's trainable parameters: the adapter loads with
+    strict=False (the frozen base is absent by design), so a mismatch is caught here instead."""
+    from safetensors import safe_open
+
+    file = path / "model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} is not an adapter checkpoint")
+    with safe_open(file, framework="pt") as f:
+        saved = set(f.keys())
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if saved != trainable:
+        raise CheckpointError(
+            f"{file} holds {len(saved)} tensors, but this run trains {len(trainable)} "
+            f"(missing {sorted(trainable - saved)[:3]}, unexpected {sorted(saved - trainable)[:3]}): "
+            "it was saved with another adapter config; start a new run in a new hydra.run.dir")
+
+
+class DataParallel(Strategy):
+    name = "ddp"
+
+    def save_state(self, directory, model, adapter_only: bool) -> None:
+        acc = self.accelerator
+        if not adapter_only:
+            acc.save_state(str(directory))
+            return
+        handle = acc.register_save_state_pre_hook(keep_trainable)
+        try:
+            acc.save_state(str(directory))
+        finally:
+            handle.remove()
+
+    def load_state(self, path, model, adapter_only: bool) -> None:
+        acc = self.accelerator
+        if not adapter_only:
+            acc.load_state(str(path))
+            return
+        expect_trainable(Path(path), acc._models[0])
+        acc.load_state(str(path), strict=False)  # the frozen base is not in the file
+
+    def describe(self, model) -> str:
+        return f"{self.accelerator.distributed_type} ({self.where()})"

@@ -1,0 +1,113 @@
+"""PyTorch FSDP2 (fsdp=full_shard), applied by trainloop (trainloop/fsdp.py): parameters, gradients
+and optimizer state are DTensors sharded over the ranks; checkpoints in DCP format (trainloop/dcp.py)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from trainloop.parallel.base import Strategy, running
+from trainloop.parallel.tensors import is_dtensor
+
+
+class FSDP2(Strategy):
+    name = "fsdp2"
+    saves_async = True
+
+    def builds_on_meta(self) -> bool:
+        """Several processes: only the main process draws the random weights (model=tiny) or loads
+        the pretrained ones (model=hf); the others build the model's shapes on the meta device (no
+        memory) and receive their shards from it in shard(). An N-process node holds one whole
+        copy in host memory, not N."""
+        return self.world_size > 1 and not self.accelerator.is_main_process
+
+    def shard(self, model):
+        from trainloop.fsdp import shard_model
+
+        return shard_model(self.cfg, model, self.device)
+
+    def prepare(self, model, optimizer, valid_loader):
+        # sharded by trainloop: accelerate must not wrap the model in DDP too
+        optimizer, valid_loader = self.accelerator.prepare(optimizer, valid_loader)
+        return model, optimizer, valid_loader
+
+    def clip_grad_norm(self, model, max_norm: float):
+        """The gradients are DTensor shards: the norm is summed over every shard (the same on every
+        rank) and returned as a plain tensor the guard can read; accelerate's clip would ask torch
+        for a norm that is itself a DTensor."""
+        import torch
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if is_dtensor(norm):  # a partial norm per shard; offloaded shards sit on the CPU, the mesh on the device
+            norm = norm.to(self.device).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    @contextmanager
+    def gradient_sync(self, model, enabled: bool):
+        # accelerate's no_sync knows only the models it wrapped; FSDP2's switch is on the model itself
+        model.set_requires_gradient_sync(enabled)
+        yield
+
+    def save_state(self, directory, model, adapter_only: bool) -> None:
+        from trainloop import dcp
+
+        dcp.save(directory, model, self.accelerator._optimizers[0], adapter_only)
+        dcp.save_rank_states(self.accelerator, directory)
+
+    def load_state(self, path, model, adapter_only: bool) -> None:
+        from trainloop import dcp
+
+        dcp.load(path, model, self.accelerator._optimizers[0], adapter_only)
+        dcp.load_rank_states(self.accelerator, path)
+
+    def full_state_dict(self, model) -> dict:
+        """Rank 0 gathers every DTensor, one at a time, onto the CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a tied weight is gathered once per name, as two tensors: keep it under its first name,
+        # as the other strategies do, or the export writes lm_head.weight beside the embedding
+        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        aliases -= {name for name, _ in model.named_parameters()}
+        return {k: v for k, v in state.items() if k not in aliases} if self.accelerator.is_main_process else {}
+
+    def describe(self, model) -> str:
+        import torch.distributed as dist
+
+        from trainloop.fsdp import describe_sharding
+
+        acc = self.accelerator
+        if running(acc, model) != "fsdp2":
+            raise RuntimeError(f"fsdp={self.cfg.fsdp.name} but the model is not sharded ({acc.distributed_type}): "
+                               "FSDP2 was not applied")
+        backend = dist.get_backend()  # accelerate names none for one process: the group FSDP2 uses
+        return f"{describe_sharding(model)} ({acc.num_processes} process(es), {acc.device}, backend {backend})"
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        """Combinations FSDP2 cannot run, each with what to choose instead."""
+        from trainloop.optim import OPTIMIZERS
+
+        if cfg.fsdp.name == "none":
+            return []
+        problems = []
+        name = cfg.fsdp.name
+        if cfg.precision.name == "fp16":
+            problems.append(f"fsdp={name} with precision=fp16: trainloop's FSDP2 computes in bf16 or fp32 (fp16 "
+                            "would need a loss scaler that unscales sharded gradients); use precision=bf16")
+        if cfg.model.quantization != "none":
+            problems.append(f"fsdp={name} with model.quantization={cfg.model.quantization}: FSDP2 shards each "
+                            "parameter on dim 0 as a DTensor, and bitsandbytes' packed 4/8-bit weights are not "
+                            "tensors it can split and gather; use model.quantization=none (LoRA on the full base "
+                            "works under FSDP2), or QLoRA with fsdp=none")
+        opt = OPTIMIZERS.get(cfg.optimizer.name)
+        if opt and not opt.fsdp2:
+            library = f" ({opt.library})" if opt.library else ""
+            problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under fsdp={name}: "
+                            f"{opt.not_fsdp2_because}; use optimizer=adamw or sgd, or fsdp=none")
+        if cfg.trainer.auto_batch_size:
+            problems.append(f"trainer.auto_batch_size with fsdp={name}: the search measures trial steps of the "
+                            "whole model on one process, before it is sharded, so it would not measure what a "
+                            "sharded step needs; set data.batch_size yourself, or fsdp=none")
+        return problems

@@ -1,0 +1,107 @@
+"""DeepSpeed ZeRO (deepspeed=zero1, zero2, zero3): optimizer state, then gradients, then parameters
+partitioned over the ranks; accelerate builds the engine from trainloop.deepspeed's config."""
+
+from __future__ import annotations
+
+from trainloop.parallel.base import Strategy, running
+
+
+class DeepSpeedZeRO(Strategy):
+    name = "zero"
+
+    def optimizer_offloaded(self) -> bool:
+        return self.cfg.deepspeed.offload_optimizer != "none"
+
+    def save_state(self, directory, model, adapter_only: bool) -> None:
+        if adapter_only:
+            self.accelerator.save_state(str(directory), exclude_frozen_parameters=True)
+        else:
+            self.accelerator.save_state(str(directory))
+
+    def load_state(self, path, model, adapter_only: bool) -> None:
+        from trainloop.deepspeed import restore_cpu_adam_step_count
+
+        if adapter_only:
+            self.accelerator.load_state(str(path), load_module_strict=False)
+        else:
+            self.accelerator.load_state(str(path))
+        restore_cpu_adam_step_count(self.accelerator._optimizers[0])  # bitwise resume under optimizer offload
+
+    def full_state_dict(self, model) -> dict:
+        """Under ZeRO-3 each rank holds a shard of every parameter, and accelerate's get_state_dict
+        can return an empty dict on the main process (seen with accelerate 1.15 and DeepSpeed
+        0.19 on 2 ranks) unless 16-bit gathering is on; so the parameters are gathered one at a
+        time with DeepSpeed, which holds one whole tensor at once."""
+        acc = self.accelerator
+        if self.cfg.deepspeed.stage != 3:
+            return acc.get_state_dict(model)
+        import deepspeed
+
+        unwrapped = acc.unwrap_model(model)
+        state = {}
+        for name, param in unwrapped.named_parameters():  # a tied weight comes once, under its first name
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if acc.is_main_process:
+                    state[name] = param.detach().cpu().clone()
+        if acc.is_main_process:  # buffers are not partitioned: take them as they are
+            aliases = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
+            state.update({k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items() if k not in aliases})
+        return state
+
+    def describe(self, model) -> str:
+        """A DeepSpeed config that did not take (a launcher that started one process per replica, a
+        plugin that was dropped) is an error here, not a quiet run without ZeRO."""
+        kind = self.accelerator.distributed_type
+        if not running(self.accelerator, model).startswith("zero"):
+            raise RuntimeError(f"deepspeed.stage={self.cfg.deepspeed.stage} but accelerate runs {kind}: DeepSpeed "
+                               "was not engaged")
+        stage = model.zero_optimization_stage()
+        if stage != self.cfg.deepspeed.stage:
+            raise RuntimeError(f"DeepSpeed runs ZeRO stage {stage} but deepspeed.stage={self.cfg.deepspeed.stage}")
+        devices = {part: getattr(section, "device", "none") for part, section in
+                   (("optimizer", model.zero_offload_optimizer()), ("parameter", model.zero_offload_param()))}
+        devices = {part: str(getattr(device, "value", device)) for part, device in devices.items()}  # enum or str
+        offload = [f"{part} offload to {device}" for part, device in devices.items() if device != "none"]
+        return f"DeepSpeed ZeRO-{stage} engaged{' with ' + ' and '.join(offload) if offload else ''} " \
+               f"({kind}, {self.where()})"
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        from trainloop.optim import OPTIMIZERS
+
+        ds, opt, problems = cfg.deepspeed, OPTIMIZERS.get(cfg.optimizer.name), []
+        if opt and ds.stage == 3 and not opt.zero3:
+            library = f" ({opt.library})" if opt.library else ""
+            problems.append(f"optimizer={cfg.optimizer.name}{library} cannot run under deepspeed stage 3: "
+                            f"{opt.not_zero3_because}; use optimizer=adamw, or deepspeed={'zero2' if opt.zero else 'none'}")
+        elif opt and ds.stage and not opt.zero:
+            problems.append(f"optimizer={cfg.optimizer.name} cannot run under deepspeed=zero{ds.stage}: "
+                            f"{opt.not_zero_because}; use optimizer=adamw, or deepspeed=none")
+        if opt and ds.stage and ds.offload_optimizer != "none" and not opt.cpu_offload:
+            problems.append(
+                f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "
+                "the offloaded optimizer is DeepSpeed's CPU Adam; use optimizer=adamw"
+            )
+        if ds.zero3_init and ds.stage != 3:
+            problems.append(f"deepspeed.zero3_init=true needs deepspeed stage 3 (deepspeed.stage is {ds.stage})")
+        if ds.offload_param != "none" and ds.stage != 3:
+            problems.append(
+                f"deepspeed.offload_param={ds.offload_param} needs deepspeed stage 3 "
+                f"(deepspeed.stage is {ds.stage})"
+            )
+        if ds.offload_optimizer != "none" and ds.stage == 0:
+            problems.append(
+                f"deepspeed.offload_optimizer={ds.offload_optimizer} needs DeepSpeed: "
+                "choose deepspeed=zero1, zero2 or zero3"
+            )
+        if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
+            problems.append("deepspeed offload to nvme needs deepspeed.nvme_path=DIR on a fast local disk")
+        if cfg.trainer.auto_batch_size and ds.stage:
+            problems.append("trainer.auto_batch_size with DeepSpeed: ZeRO fixes the micro-batch in its engine; "
+                            "set data.batch_size yourself, or deepspeed=none")
+        if ds.stage and cfg.compile.backend != "none":
+            problems.append(
+                "compile.backend with DeepSpeed is not supported by trainloop yet: "
+                "set compile=none, or deepspeed=none"
+            )
+        return problems
