@@ -207,9 +207,9 @@ def test_missing_deepspeed_is_a_config_error(monkeypatch):
 
 def test_world_size_that_leaves_a_rank_without_a_batch_is_refused():
     cfg = compose("data.batch_size=4")
-    check_batch_fits(cfg, world_size=2, train_blocks=8)
+    check_batch_fits(cfg, dp_size=2, train_blocks=8)
     with pytest.raises(ConfigError, match=r"data.batch_size=4 x 3 processes needs 12 training blocks"):
-        check_batch_fits(cfg, world_size=3, train_blocks=8)
+        check_batch_fits(cfg, dp_size=3, train_blocks=8)
 
 
 def test_nvme_without_libaio_names_what_to_install(tmp_path, monkeypatch):
