@@ -36,6 +36,7 @@ class Strategy:
 
     name = ""
     saves_async = False  # checkpoint.async_save: only DCP writes in the background
+    autocast = True  # bf16/fp16 by autocast over fp32 parameters (the others compute on 16-bit copies)
 
     def __init__(self, cfg, accelerator):
         self.cfg, self.accelerator = cfg, accelerator
@@ -113,6 +114,13 @@ class Strategy:
     def where(self) -> str:
         acc = self.accelerator
         return f"{acc.num_processes} process(es), {acc.device}, backend {acc.state.backend}"
+
+    @staticmethod
+    def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
+        """The planner's model-state lines for one process (trainloop.tools.plan): parameters,
+        gradients, optimizer states and this strategy's own buffers, as trainloop.parallel.memory
+        Lines appended to `plan`. `shape`: trainloop.tools.plan.ModelShape; `dev`: gpu or cpu."""
+        raise NotImplementedError
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -59,3 +59,32 @@ class DataParallel(Strategy):
 
     def describe(self, model) -> str:
         return f"{self.accelerator.distributed_type} ({self.where()})"
+
+    @staticmethod
+    def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
+        """Every rank holds the whole model in fp32, its gradients and optimizer state; DDP adds its
+        gradient buckets."""
+        from trainloop.optim import planned_state_bytes, planned_step_temporaries
+        from trainloop.parallel.memory import QUANTIZED_BYTES, Line
+
+        add, opt = plan.lines.append, cfg.optimizer
+        n, t, t_shapes = shape.num_params, shape.num_trainable, shape.trainable_shapes
+        grads_held = cfg.trainer.gradient_accumulation_steps > 1  # kept between micro-batches
+        q = shape.quantized_params
+        if q:
+            q_bytes = QUANTIZED_BYTES[cfg.model.quantization]
+            add(Line("quantized base weights", round(q_bytes * q), dev,
+                     note=f"model.quantization={cfg.model.quantization}, {q_bytes:.3f} B/param, frozen"))
+        adapters = t if shape.trainable is not None else 0  # adapters come on top of the base
+        add(Line("parameters", 4 * (n - q + adapters), dev,
+                 note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
+        add(Line("gradients", 4 * t, dev, None if grads_held else "optimizer step",
+                 note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
+        states = planned_state_bytes(opt, t_shapes, shape.hidden_matrix)
+        add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / t:.2f} B/param"))
+        add(Line("optimizer step temporaries",
+                 planned_step_temporaries(opt, plan.device == "cuda", t_shapes, shape.hidden_matrix),
+                 dev, "optimizer step", exact=False))
+        if world_size > 1:
+            add(Line("DDP gradient buckets", 4 * t, dev, exact=False,
+                     note="DDP's flat all-reduce copies of the gradients"))

@@ -12,6 +12,7 @@ from trainloop.parallel.tensors import is_dtensor
 class FSDP2(Strategy):
     name = "fsdp2"
     saves_async = True
+    autocast = False  # MixedPrecisionPolicy: blocks compute on bf16 copies of the fp32 shards
 
     def builds_on_meta(self) -> bool:
         """Several processes: only the main process draws the random weights (model=tiny) or loads
@@ -83,6 +84,61 @@ class FSDP2(Strategy):
                                "FSDP2 was not applied")
         backend = dist.get_backend()  # accelerate names none for one process: the group FSDP2 uses
         return f"{describe_sharding(model)} ({acc.num_processes} process(es), {acc.device}, backend {backend})"
+
+    @staticmethod
+    def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
+        """FSDP2 (fully_shard on every block, then the root): every parameter is split along its first
+        dimension, each process storing ceil(rows / N) rows in fp32 (the sharded parameters are the
+        master weights; MixedPrecisionPolicy casts a block's parameters to bf16 when it is gathered);
+        the gradient and the optimizer state of a shard are shaped like it. Those are exact; the
+        transients of the block being computed are estimates:
+        - forward/backward: the root's parameters (embeddings, final norm, output head) stay gathered
+          from the forward to the end of the backward; each block's are gathered just before it runs
+          (the current block and the next one prefetched: two at once), or, with
+          reshard_after_forward=false, kept from its forward until its backward (the whole model at the
+          start of the backward); in the backward a block's unsharded gradients and the flat fp32
+          reduce-scatter input they are copied into, and the root's unsharded gradients;
+        - fsdp.offload=cpu: the shards, their gradients and optimizer state live in CPU memory and
+          the optimizer steps there; the device holds the gathered working set only.
+        """
+        import math
+
+        from trainloop.optim import planned_state_bytes, planned_step_temporaries
+        from trainloop.parallel.memory import Line
+
+        opt, n = cfg.optimizer, world_size
+        pb = 2 if half else 4  # the gathered (compute) copies: MixedPrecisionPolicy's param_dtype
+        local = lambda shapes: [(math.ceil(s[0] / n), *s[1:]) if s else s for s in shapes]  # noqa: E731
+        sharded, trainable = local(shape.shapes), local(shape.trainable_shapes)
+        home = "cpu" if cfg.fsdp.offload == "cpu" else dev
+        shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
+        add = plan.lines.append
+        grads_held = cfg.trainer.gradient_accumulation_steps > 1
+        add(Line("parameters", 4 * sum(math.prod(s) for s in sharded), home, note=f"fp32 shards, {shard_note}"))
+        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, None if grads_held else "optimizer step",
+                 note=f"fp32 shards (reduce-scattered), {shard_note}" + ("" if grads_held else ", freed by zero_grad")))
+        states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
+        t = max(1, sum(math.prod(s) for s in trainable))
+        add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
+        add(Line("optimizer step temporaries", planned_step_temporaries(opt, plan.device == "cuda", trainable,
+                                                                      shape.hidden_matrix),
+                 home, "optimizer step", exact=False))
+        block = shape.largest_layer_params
+        root = max(0, shape.num_params - shape.num_layers * block)  # embeddings, final norm, output head
+        if cfg.fsdp.reshard_after_forward:
+            gathered, note = root + min(2, shape.num_layers) * block, "the root + 2 blocks (current, prefetched)"
+        else:
+            gathered = shape.num_params
+            note = "fsdp.reshard_after_forward=false: every block stays gathered until its backward"
+        add(Line("gathered parameters", pb * gathered, dev, "forward/backward", exact=False,
+                 note=f"{pb} B/param, " + note))
+        if shape.trainable is not None:  # an adapter: only its own small weights have gradients
+            root, block = 0, shape.num_trainable // max(1, shape.num_layers)
+        add(Line("unsharded gradients", pb * (root + block) + 4 * block, dev, "forward/backward", exact=False,
+                 note=f"the root's and one block's ({pb} B/param) + its fp32 reduce-scatter input"))
+        if half:
+            plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
+                              "gradients reduced in fp32")
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -8,6 +8,7 @@ from trainloop.parallel.base import Strategy, running
 
 class DeepSpeedZeRO(Strategy):
     name = "zero"
+    autocast = False  # DeepSpeed holds the model in the training precision
 
     def optimizer_offloaded(self) -> bool:
         return self.cfg.deepspeed.offload_optimizer != "none"
@@ -64,6 +65,43 @@ class DeepSpeedZeRO(Strategy):
         offload = [f"{part} offload to {device}" for part, device in devices.items() if device != "none"]
         return f"DeepSpeed ZeRO-{stage} engaged{' with ' + ' and '.join(offload) if offload else ''} " \
                f"({kind}, {self.where()})"
+
+    @staticmethod
+    def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
+        """Stage 1 partitions the optimizer states (fp32 master + the optimizer's, K bytes per
+        parameter) over the ranks, stage 2 also the gradients, stage 3 also the parameters; offload
+        moves them to CPU or NVMe; the reduce buckets and ZeRO-3's gathered layer are estimates."""
+        import math
+
+        from trainloop.optim import planned_state_bytes
+        from trainloop.parallel.memory import Line
+
+        add, opt, ds = plan.lines.append, cfg.optimizer, cfg.deepspeed
+        stage, n, t = ds.stage, shape.num_params, shape.num_trainable
+        pb = 2 if half else 4  # DeepSpeed holds the model in the training precision
+        flat = [(t,)]  # ZeRO hands the optimizer one flat partition: nothing is factored
+        k = 4 + planned_state_bytes(opt, flat) / t  # fp32 master + states
+        part = lambda elements, on: math.ceil(elements / world_size) if on else elements  # noqa: E731
+        p_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_param]
+        o_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_optimizer]
+        g_where = dev if ds.offload_optimizer == "none" else "cpu"  # ZeRO-Offload: gradients go to the CPU
+        add(Line("parameters", pb * part(n, stage >= 3), p_where,
+                 note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage 3)" if stage >= 3 else "")))
+        add(Line("gradients", pb * part(t, stage >= 2), g_where,
+                 note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage {stage})" if stage >= 2 else "")))
+        add(Line("optimizer states", round(k * part(t, True)), o_where,
+                 note=f"K={k:g} B/param (fp32 master + {opt.name}), 1/{world_size} per rank"))
+        bucket = min(ds.reduce_bucket_size, t) * pb
+        if stage < 3:
+            copies = 2 if ds.overlap_comm and ds.contiguous_gradients else 1
+            add(Line("reduce buckets", copies * bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
+        else:
+            small = sum(math.prod(s) for s in shape.shapes if math.prod(s) < ds.stage3_param_persistence_threshold)
+            gathered = shape.largest_layer_params + min(ds.stage3_prefetch_bucket_size, n)
+            add(Line("reduce bucket", bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
+            add(Line("gathered parameters", pb * (gathered + small), dev, "forward/backward", exact=False,
+                     note="one layer + the prefetch bucket + persistent small parameters"))
+            add(Line("gathered parameters", pb * gathered, dev, "optimizer step", exact=False))
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -12,7 +12,8 @@ the bytes each process needs on the GPU, in CPU RAM and on NVMe:
   stage 2 also the gradients, stage 3 also the parameters; offload moves them to CPU or NVMe;
   under FSDP2 (fsdp=full_shard) each process's fp32 shards of the parameters, their gradients and
   optimizer state (exact: rows split over the world size), the gathered block(s) and unsharded
-  gradients of the block being computed, and with fsdp.offload=cpu the shards in CPU memory;
+  gradients of the block being computed, and with fsdp.offload=cpu the shards in CPU memory
+  (each strategy states its own lines: memory_lines in trainloop/parallel/);
 - activations for the micro-batch and sequence length, per layer of the transformer's shape,
   with and without gradient checkpointing (coefficients of Hugging Face's Llama and GPT-2
   code, checked against saved-tensor measurements in tests/test_plan.py);
@@ -30,10 +31,12 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from trainloop.config import CONFIG_DIR, ConfigError, compose_config
-from trainloop.optim import hidden_matrices, planned_state_bytes, planned_step_temporaries
+from trainloop.optim import hidden_matrices
+from trainloop.parallel import STRATEGIES, chosen
+from trainloop.parallel.memory import Line, MemoryPlan
 
 GIB = 1024**3
 
@@ -137,11 +140,6 @@ def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, int]:
     return trainable, quantized if cfg.model.quantization != "none" else 0
 
 
-# bitsandbytes' storage per quantized weight: NF4 with double-quantized block scales (64-blocks,
-# fp8 absmax, fp32 per 256 blocks), LLM.int8 with one fp32 scale per row (counted as per weight here)
-QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
-
-
 def _is_matmul(module) -> bool:
     import torch
 
@@ -156,45 +154,6 @@ def _is_experts(module) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Model states: parameters, gradients, optimizer states (their sizes: trainloop/optim.py's table)
-
-
-@dataclass
-class Line:
-    what: str
-    bytes: int
-    where: str  # gpu, cpu or nvme
-    phase: str | None = None  # None: held all along; else counted only in that phase of a step
-    exact: bool = True
-    note: str = ""
-
-
-@dataclass
-class MemoryPlan:
-    label: str
-    world_size: int
-    procs_per_node: int
-    device: str  # cuda or cpu: where "the device" is for this run
-    num_params: int
-    lines: list[Line] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def held(self, where: str) -> int:
-        return sum(x.bytes for x in self.lines if x.where == where and x.phase is None)
-
-    def phase(self, where: str, phase: str) -> int:
-        return sum(x.bytes for x in self.lines if x.where == where and x.phase == phase)
-
-    def peak(self, where: str) -> int:
-        """Per process: what is held all along plus the larger of the two phases of a step."""
-        return self.held(where) + max(self.phase(where, "forward/backward"), self.phase(where, "optimizer step"))
-
-    def get(self, what: str) -> int:
-        return sum(x.bytes for x in self.lines if x.what == what)
-
-    def to_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "lines"},
-                "lines": [asdict(x) for x in self.lines],
-                "peak": {w: self.peak(w) for w in ("gpu", "cpu", "nvme")}}
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
@@ -235,68 +194,20 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
 
 def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_node: int | None = None,
                 label: str = "config") -> MemoryPlan:
-    """Per-process bytes on GPU, CPU and NVMe for this config, world size and device."""
-    ds, opt = cfg.deepspeed, cfg.optimizer
-    stage, n = ds.stage, shape.num_params
+    """Per-process bytes on GPU, CPU and NVMe for this config, world size and device: the strategy's
+    model states (trainloop.parallel's memory_lines), then the activations."""
+    n, t = shape.num_params, shape.num_trainable  # all, and those with gradients and optimizer state
     dev = "gpu" if device == "cuda" else "cpu"
     plan = MemoryPlan(label, world_size, procs_per_node or world_size, device, n)
     half = cfg.precision.name in ("bf16", "fp16")
     add = plan.lines.append
-
-    t, t_shapes = shape.num_trainable, shape.trainable_shapes  # what has gradients and optimizer state
     if shape.trainable is not None:
         plan.notes.append(f"adapter={cfg.adapter.name}: {t / 1e6:,.2f}M parameters train, "
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
-    if cfg.fsdp.name != "none":
-        _fsdp_states(plan, cfg, shape, world_size, dev, half)
-    elif stage == 0:
-        grads_held = cfg.trainer.gradient_accumulation_steps > 1  # kept between micro-batches
-        q = shape.quantized_params
-        if q:
-            q_bytes = QUANTIZED_BYTES[cfg.model.quantization]
-            add(Line("quantized base weights", round(q_bytes * q), dev,
-                     note=f"model.quantization={cfg.model.quantization}, {q_bytes:.3f} B/param, frozen"))
-        adapters = t if shape.trainable is not None else 0  # adapters come on top of the base
-        add(Line("parameters", 4 * (n - q + adapters), dev,
-                 note="fp32" + (" (autocast computes in 16-bit)" if half else "")))
-        add(Line("gradients", 4 * t, dev, None if grads_held else "optimizer step",
-                 note="fp32" + ("" if grads_held else ", freed by zero_grad after each step")))
-        states = planned_state_bytes(opt, t_shapes, shape.hidden_matrix)
-        add(Line("optimizer states", states, dev, note=f"{opt.name}, {states / t:.2f} B/param"))
-        add(Line("optimizer step temporaries",
-                 planned_step_temporaries(opt, device == "cuda", t_shapes, shape.hidden_matrix),
-                 dev, "optimizer step", exact=False))
-        if world_size > 1:
-            add(Line("DDP gradient buckets", 4 * t, dev, exact=False,
-                     note="DDP's flat all-reduce copies of the gradients"))
-    else:
-        pb = 2 if half else 4  # DeepSpeed holds the model in the training precision
-        flat = [(t,)]  # ZeRO hands the optimizer one flat partition: nothing is factored
-        k = 4 + planned_state_bytes(opt, flat) / t  # fp32 master + states
-        part = lambda elements, on: math.ceil(elements / world_size) if on else elements  # noqa: E731
-        p_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_param]
-        o_where = {"none": dev, "cpu": "cpu", "nvme": "nvme"}[ds.offload_optimizer]
-        g_where = dev if ds.offload_optimizer == "none" else "cpu"  # ZeRO-Offload: gradients go to the CPU
-        add(Line("parameters", pb * part(n, stage >= 3), p_where,
-                 note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage 3)" if stage >= 3 else "")))
-        add(Line("gradients", pb * part(t, stage >= 2), g_where,
-                 note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage {stage})" if stage >= 2 else "")))
-        add(Line("optimizer states", round(k * part(t, True)), o_where,
-                 note=f"K={k:g} B/param (fp32 master + {opt.name}), 1/{world_size} per rank"))
-        bucket = min(ds.reduce_bucket_size, t) * pb
-        if stage < 3:
-            copies = 2 if ds.overlap_comm and ds.contiguous_gradients else 1
-            add(Line("reduce buckets", copies * bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
-        else:
-            small = sum(math.prod(s) for s in shape.shapes if math.prod(s) < ds.stage3_param_persistence_threshold)
-            gathered = shape.largest_layer_params + min(ds.stage3_prefetch_bucket_size, n)
-            add(Line("reduce bucket", bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
-            add(Line("gathered parameters", pb * (gathered + small), dev, "forward/backward", exact=False,
-                     note="one layer + the prefetch bucket + persistent small parameters"))
-            add(Line("gathered parameters", pb * gathered, dev, "optimizer step", exact=False))
+    row = STRATEGIES[chosen(cfg)]
+    row.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
 
-    # FSDP2 computes on bf16 copies of the parameters (its MixedPrecisionPolicy), not under autocast
-    autocast = half and stage == 0 and cfg.fsdp.name == "none"
+    autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
     saved, recompute = activation_bytes(
         shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation)
@@ -317,56 +228,6 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
-
-
-def _fsdp_states(plan: MemoryPlan, cfg, shape: ModelShape, world_size: int, dev: str, half: bool) -> None:
-    """FSDP2 (fully_shard on every block, then the root): every parameter is split along its first
-    dimension, each process storing ceil(rows / N) rows in fp32 (the sharded parameters are the
-    master weights; MixedPrecisionPolicy casts a block's parameters to bf16 when it is gathered);
-    the gradient and the optimizer state of a shard are shaped like it. Those are exact; the
-    transients of the block being computed are estimates:
-    - forward/backward: the root's parameters (embeddings, final norm, output head) stay gathered
-      from the forward to the end of the backward; each block's are gathered just before it runs
-      (the current block and the next one prefetched: two at once), or, with
-      reshard_after_forward=false, kept from its forward until its backward (the whole model at the
-      start of the backward); in the backward a block's unsharded gradients and the flat fp32
-      reduce-scatter input they are copied into, and the root's unsharded gradients;
-    - fsdp.offload=cpu: the shards, their gradients and optimizer state live in CPU memory and
-      the optimizer steps there; the device holds the gathered working set only.
-    """
-    opt, n = cfg.optimizer, world_size
-    pb = 2 if half else 4  # the gathered (compute) copies: MixedPrecisionPolicy's param_dtype
-    local = lambda shapes: [(math.ceil(s[0] / n), *s[1:]) if s else s for s in shapes]  # noqa: E731
-    sharded, trainable = local(shape.shapes), local(shape.trainable_shapes)
-    home = "cpu" if cfg.fsdp.offload == "cpu" else dev
-    shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
-    add = plan.lines.append
-    grads_held = cfg.trainer.gradient_accumulation_steps > 1
-    add(Line("parameters", 4 * sum(math.prod(s) for s in sharded), home, note=f"fp32 shards, {shard_note}"))
-    add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, None if grads_held else "optimizer step",
-             note=f"fp32 shards (reduce-scattered), {shard_note}" + ("" if grads_held else ", freed by zero_grad")))
-    states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
-    t = max(1, sum(math.prod(s) for s in trainable))
-    add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
-    add(Line("optimizer step temporaries", planned_step_temporaries(opt, plan.device == "cuda", trainable,
-                                                                  shape.hidden_matrix),
-             home, "optimizer step", exact=False))
-    block = shape.largest_layer_params
-    root = max(0, shape.num_params - shape.num_layers * block)  # embeddings, final norm, output head
-    if cfg.fsdp.reshard_after_forward:
-        gathered, note = root + min(2, shape.num_layers) * block, "the root + 2 blocks (current, prefetched)"
-    else:
-        gathered = shape.num_params
-        note = "fsdp.reshard_after_forward=false: every block stays gathered until its backward"
-    add(Line("gathered parameters", pb * gathered, dev, "forward/backward", exact=False,
-             note=f"{pb} B/param, " + note))
-    if shape.trainable is not None:  # an adapter: only its own small weights have gradients
-        root, block = 0, shape.num_trainable // max(1, shape.num_layers)
-    add(Line("unsharded gradients", pb * (root + block) + 4 * block, dev, "forward/backward", exact=False,
-             note=f"the root's and one block's ({pb} B/param) + its fp32 reduce-scatter input"))
-    if half:
-        plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
-                          "gradients reduced in fp32")
 
 
 # ---------------------------------------------------------------------------------------------
