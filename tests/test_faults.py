@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, compose, family, launch, read_metrics, train
+from test_rundir import alive as running  # a zombie is not running
 from trainloop.checkpoint import COMPLETE, STATE_FILE, why_unloadable
 from trainloop.config import ConfigError
 
@@ -240,13 +241,6 @@ def processes_marked(marker: str) -> list[int]:
         except OSError:  # it exited meanwhile, or is not ours to read
             pass
     return found
-
-
-def running(pid: int) -> bool:
-    try:  # an orphan's zombie (no init to reap it in a container) is not running
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_kill_9_of_a_run_with_loader_workers_leaves_no_process(tmp_path):
