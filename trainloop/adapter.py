@@ -103,3 +103,27 @@ def wrap_lora(model, cfg: AdapterConfig):
 
 def trainable_names(model) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def problems(cfg) -> list[str]:
+    """Adapters and quantized weights: the combinations that cannot work, each with its reason."""
+    a, q, stage = cfg.adapter, cfg.model.quantization, cfg.deepspeed.stage
+    problems = []
+    if a.name == "lora" and not 0.0 <= a.dropout < 1.0:
+        problems.append(f"adapter.dropout={a.dropout} must be in [0, 1)")
+    if a.name == "lora" and a.target_modules is not None and not a.target_modules:
+        problems.append("adapter.target_modules=[] adapts nothing: name modules, or null for every linear layer")
+    if q == "none":
+        return problems
+    if cfg.model.name != "hf":
+        problems.append(f"model.quantization={q} quantizes pretrained weights: use model=hf with "
+                        f"model.name_or_path=DIR (model={cfg.model.name} starts from random weights)")
+    if a.name != "lora":
+        problems.append(f"model.quantization={q} freezes the base weights, so only an adapter can train: "
+                        "add adapter=lora (or +preset=qlora)")
+    if stage:
+        problems.append(f"model.quantization={q} under DeepSpeed ZeRO-{stage}: DeepSpeed cannot partition or "
+                        "flatten bitsandbytes' packed weights; use DDP (torchrun) or one process, or model.quantization=none")
+    if q == "8bit" and cfg.precision.name == "fp16":
+        problems.append("model.quantization=8bit with precision=fp16: use precision=bf16 or fp32")
+    return problems

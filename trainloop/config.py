@@ -241,30 +241,6 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
-def adapter_problems(cfg: Any) -> list[str]:
-    """Adapters and quantized weights: the combinations that cannot work, each with its reason."""
-    a, q, stage = cfg.adapter, cfg.model.quantization, cfg.deepspeed.stage
-    problems = []
-    if a.name == "lora" and not 0.0 <= a.dropout < 1.0:
-        problems.append(f"adapter.dropout={a.dropout} must be in [0, 1)")
-    if a.name == "lora" and a.target_modules is not None and not a.target_modules:
-        problems.append("adapter.target_modules=[] adapts nothing: name modules, or null for every linear layer")
-    if q == "none":
-        return problems
-    if cfg.model.name != "hf":
-        problems.append(f"model.quantization={q} quantizes pretrained weights: use model=hf with "
-                        f"model.name_or_path=DIR (model={cfg.model.name} starts from random weights)")
-    if a.name != "lora":
-        problems.append(f"model.quantization={q} freezes the base weights, so only an adapter can train: "
-                        "add adapter=lora (or +preset=qlora)")
-    if stage:
-        problems.append(f"model.quantization={q} under DeepSpeed ZeRO-{stage}: DeepSpeed cannot partition or "
-                        "flatten bitsandbytes' packed weights; use DDP (torchrun) or one process, or model.quantization=none")
-    if q == "8bit" and cfg.precision.name == "fp16":
-        problems.append("model.quantization=8bit with precision=fp16: use precision=bf16 or fp32")
-    return problems
-
-
 def profile_problems(cfg: Any) -> list[str]:
     """logging.profile_steps: [START, END], optimizer steps counted from 1, within the run."""
     window = cfg.logging.profile_steps
@@ -282,9 +258,12 @@ def profile_problems(cfg: Any) -> list[str]:
 
 
 def validate(cfg: Any) -> None:
-    """Check what the types cannot: choices, ranges and combinations. Raises ConfigError."""
-    from trainloop import parallel
-    from trainloop import formats
+    """Check what the types cannot: choices, ranges and combinations. Raises ConfigError.
+
+    Each module states its own checks (model, adapter, data formats, strategies, trackers: their
+    problems(cfg)); the compile and profiler keys are checked here because those modules import
+    torch when loaded, and validating a config must stay quick."""
+    from trainloop import adapter, formats, model, parallel
     from trainloop.trackers import tracker_problems
 
     problems = []
@@ -299,21 +278,8 @@ def validate(cfg: Any) -> None:
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 
-    m = cfg.model
-    if m.name == "tiny" and m.hidden_size % m.num_heads:
-        problems.append(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
-        )
-    if m.name == "hf" and not m.name_or_path:
-        problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
-    if not 0.0 <= m.dropout < 1.0:
-        problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
-    if m.experts_per_token > m.num_experts:
-        problems.append(f"model.experts_per_token={m.experts_per_token} is more than model.num_experts="
-                        f"{m.num_experts}: a token cannot be routed to more experts than there are")
-    if m.router_aux_loss_coef < 0:
-        problems.append(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be 0 or more")
-    problems += adapter_problems(cfg)
+    problems += model.problems(cfg)
+    problems += adapter.problems(cfg)
     problems += formats.problems(cfg)
 
     problems += parallel.problems(cfg)

@@ -168,3 +168,23 @@ def expect_tied_aliases(model) -> None:
     logger = logging.getLogger("accelerate.utils.other")
     if TIED_ALIAS_WARNINGS not in logger.filters:
         logger.addFilter(TIED_ALIAS_WARNINGS)
+
+
+def problems(cfg) -> list[str]:
+    """The model section's checks (config.validate collects them)."""
+    problems = []
+    m = cfg.model
+    if m.name == "tiny" and m.hidden_size % m.num_heads:
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
+        )
+    if m.name == "hf" and not m.name_or_path:
+        problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
+    if not 0.0 <= m.dropout < 1.0:
+        problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.experts_per_token > m.num_experts:
+        problems.append(f"model.experts_per_token={m.experts_per_token} is more than model.num_experts="
+                        f"{m.num_experts}: a token cannot be routed to more experts than there are")
+    if m.router_aux_loss_coef < 0:
+        problems.append(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be 0 or more")
+    return problems
