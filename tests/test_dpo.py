@@ -268,3 +268,15 @@ def test_a_short_lora_run_learns_the_rule_of_the_held_out_pairs(tmp_path):
     assert held_out["rewards/accuracy"] >= 0.95 and held_out["rewards/margin"] > 0
     assert held_out["eval_loss"] < first["loss"]
     assert "eval_ppl" not in held_out
+
+
+def test_a_stopped_run_resumes_to_the_same_losses(tmp_path):
+    """Stopped after step 2 (saved) and resumed in its run dir: the data fingerprint matches and
+    steps 3 and 4 give bitwise the losses and rewards of a run that was not stopped."""
+    straight = train(tmp_path / "straight", *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2")
+    stopped = tmp_path / "stopped"
+    train(stopped, *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.stop_at_step=2")
+    train(stopped, *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2")
+    assert [step for step, key, _ in dpo_losses(stopped) if key == "loss"] == [1, 2, 3, 4]  # resumed, not restarted
+    after = [line for line in dpo_losses(stopped) if line[0] > 2]
+    assert after == [line for line in dpo_losses(straight) if line[0] > 2] and len(after) >= 6
