@@ -70,6 +70,10 @@ class Preference(DataFormat):
     masked = True
     pairs = True
 
+    def reads(self) -> tuple[str, ...]:
+        """Not data.sources: a mixture of preference sets is not in this slice."""
+        return tuple(key for key in super().reads() if key != "data.sources")
+
     def problems(self, cfg) -> list[str]:
         d, problems = cfg.data, []
         if d.sources:
