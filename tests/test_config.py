@@ -20,6 +20,8 @@ NEEDS = {  # options whose required keys the user must give
     ("data", "chat"): ["data.path=/some/chats.jsonl"],
     ("data", "prompt_completion"): ["data.path=/some/pairs.jsonl"],
     ("data", "prepared"): ["data.path=/some/prepared"],
+    ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
+    ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
 }
 
 

@@ -75,6 +75,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
             for key in part:
                 f.write(json.dumps({"prompt": key[:4], "completion": topics[key][:150],
                                     "question": topics[key][:30], "answer": key}) + "\n")
+    for name, part in (("preference_a", keys[:15]), ("preference_b", keys[15:])):  # conversations: the template shows
+        with (root / f"{name}.jsonl").open("w") as f:
+            for key in part:
+                turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+                f.write(json.dumps({"prompt": turn("user", key[:4]), "chosen": turn("assistant", topics[key][:20]),
+                                    "rejected": turn("assistant", key), "question": turn("user", topics[key][:9]),
+                                    "better": turn("assistant", key[::-1]),
+                                    "worse": turn("assistant", topics[key][-20:])}) + "\n")
     (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                      "{% if add_generation_prompt %}assistant: {% endif %}")
     for name in ("corpus_a", "corpus_b"):  # the same corpora, prepared (data=prepared)
@@ -84,16 +92,19 @@ def files(tmp_path_factory) -> dict[str, Path]:
             "corpus_a": root / "corpus_a.jsonl", "corpus_b": root / "corpus_b.jsonl", "model_a": root / "model_a",
             "model_b": root / "model_b", "bpe": root / "bpe", "ds.json": root / "ds.json",
             "chat_a": root / "chat_a.jsonl", "chat_b": root / "chat_b.jsonl", "pairs_a": root / "pairs_a.jsonl",
-            "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja"}
+            "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja",
+            "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl"}
 
 
 # The corpus each data option reads (a, the base) and its probe for data.path (b).
-CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs", "prepared": "prepared"}
+CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs", "prepared": "prepared",
+          "preference": "preference"}
+PAIRED = {"preference": ["objective=dpo", "adapter=lora"]}  # what trains on the option's pairs
 
 
 def probes(files, data_option: str = "files") -> dict[str, object]:
     """A value for each key of each group, unlike its default (for data keys: the data option's)."""
-    fine_tuning = data_option in ("chat", "prompt_completion")
+    fine_tuning = data_option in ("chat", "prompt_completion", "preference")
     return {
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
@@ -106,6 +117,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "data.sources": f"[{{path: {files[CORPUS.get(data_option, 'corpus') + '_b']}, weight: 1}}]",
         "data.messages_field": "other", "data.chat_template": files["chat.jinja"],
         "data.prompt_field": "question", "data.completion_field": "answer",
+        "data.chosen_field": "better", "data.rejected_field": "worse",
         "data.train_on": "all" if fine_tuning else "assistant", "data.packing": "stream",
         "data.overlong": "split" if fine_tuning else "truncate", "data.tokenizer": files["bpe"],
         "data.seq_len": 32, "data.batch_size": 2, "data.validation_fraction": 0.2, "data.num_workers": 1,
@@ -122,6 +134,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
+        "objective.beta": 0.5, "objective.loss_type": "ipo", "objective.label_smoothing": 0.1,
     }
 
 
@@ -193,7 +206,29 @@ def built(group: str, cfg):
         return compiled, compile_options(cfg.compile) if compiled else None
     if group == "fsdp":  # the settings FSDP2 applied, read back from a model it sharded
         return sharded_settings(cfg)
+    if group == "objective":  # its loss on one batch, of a model whose adapters moved off the reference
+        return objective_loss(cfg)
     return None  # precision: what it changes is applied by the Accelerator
+
+
+def objective_loss(cfg) -> float:
+    from trainloop.adapter import apply_adapter
+    from trainloop.model import build_model, build_model_config
+    from trainloop.objectives import OBJECTIVES, build_objective
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+    if cfg.adapter.name != "none":
+        model = apply_adapter(cfg, model)
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.data.normal_(0, 0.2)
+    ids = torch.randint(0, 257, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(16) < 4, -100)
+    batch = ({"chosen_input_ids": ids[:2], "chosen_labels": labels[:2], "rejected_input_ids": ids[2:],
+              "rejected_labels": labels[2:]} if OBJECTIVES[cfg.objective.name].pairs else {"input_ids": ids, "labels": labels})
+    with torch.no_grad():
+        return build_objective(cfg, "cpu").batch_loss(model, batch).summed.item()
 
 
 def sharded_settings(cfg):
@@ -240,7 +275,8 @@ def test_every_key_is_probed(files):
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, files):
     if group == "data":  # model=hf here would make the model's own tokenizer the data's
-        base = [f"data={option}", *([f"data.path={files[CORPUS[option] + '_a']}"] if option in CORPUS else [])]
+        base = [f"data={option}", *([f"data.path={files[CORPUS[option] + '_a']}"] if option in CORPUS else []),
+                *PAIRED.get(option, [])]
     elif group == "model":
         base = [f"model={option}", *([f"model.name_or_path={files['model_a']}"] if option == "hf" else [])]
     else:

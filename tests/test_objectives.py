@@ -8,15 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pathlib import Path
+
 from conftest import compose, read_metrics, train
 from trainloop.objectives import OBJECTIVES, build_objective
 
 # The config each objective needs on top of the smoke preset (a new row adds its own).
-NEEDS = {"causal_lm": []}
+PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
+NEEDS = {"causal_lm": [],
+         "dpo": ["data=preference", f"data.path={PAIRS}", "adapter=lora", "optimizer.lr=1e-2"]}
 
 
 def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
-    """A batch of 4 training blocks from the run's own data, and the run's model."""
+    """A batch of 4 training blocks from the run's own data, and the run's model (with its adapter)."""
+    from trainloop.adapter import apply_adapter
     from trainloop.data import build_tokenizer
     from trainloop.mixture import build_training_data
     from trainloop.model import build_model, build_model_config
@@ -26,7 +31,8 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     items = [train_set[i] for i in range(4)]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     torch.manual_seed(0)
-    return batch, build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    return batch, apply_adapter(cfg, model) if cfg.adapter.name != "none" else model
 
 
 def test_every_objective_has_its_config_and_its_test_needs():

@@ -143,11 +143,13 @@ _READ_ONLY_BY = {
 
 def read_only_by() -> dict[str, tuple]:
     """_READ_ONLY_BY and, from trainloop/optim.py's table, the optimizer keys not every optimizer reads;
-    from trainloop/formats' table, the data keys not every data format reads."""
+    from trainloop/formats' table, the data keys not every data format reads; from trainloop/objectives',
+    the objective keys."""
     from trainloop.formats import read_only_by as data_read_only_by
+    from trainloop.objectives import read_only_by as objective_read_only_by
     from trainloop.optim import OFFLOAD_READS, OPTIMIZERS
 
-    table = {**_READ_ONLY_BY, **data_read_only_by()}
+    table = {**_READ_ONLY_BY, **data_read_only_by(), **objective_read_only_by()}
     for key in (f.name for f in fields(OptimizerConfig) if f.name != "name"):
         readers = tuple(name for name, spec in OPTIMIZERS.items() if key in spec.reads)
         if len(readers) == len(OPTIMIZERS) and key in OFFLOAD_READS:
@@ -260,10 +262,10 @@ def profile_problems(cfg: Any) -> list[str]:
 def validate(cfg: Any) -> None:
     """Check what the types cannot: choices, ranges and combinations. Raises ConfigError.
 
-    Each module states its own checks (model, adapter, data formats, strategies, trackers: their
-    problems(cfg)); the compile and profiler keys are checked here because those modules import
-    torch when loaded, and validating a config must stay quick."""
-    from trainloop import adapter, formats, model, parallel
+    Each module states its own checks (model, adapter, data formats, objectives, strategies,
+    trackers: their problems(cfg)); the compile and profiler keys are checked here because those
+    modules import torch when loaded, and validating a config must stay quick."""
+    from trainloop import adapter, formats, model, objectives, parallel
     from trainloop.trackers import tracker_problems
 
     problems = []
@@ -281,6 +283,8 @@ def validate(cfg: Any) -> None:
     problems += model.problems(cfg)
     problems += adapter.problems(cfg)
     problems += formats.problems(cfg)
+    fmt = formats.FORMATS.get(cfg.data.name)
+    problems += objectives.problems(cfg, data_pairs=fmt is not None and fmt.pairs)
 
     problems += parallel.problems(cfg)
     c = cfg.compile

@@ -65,6 +65,8 @@ class Metrics:
         self.write({"step": step, **values})
         if self.bar is not None:
             mfu = {"mfu": f"{values['mfu']:.1%}"} if values.get("mfu") is not None else {}
+            if "rewards/accuracy" in values:  # a preference objective's (objective=dpo)
+                mfu["acc"] = f"{values['rewards/accuracy']:.2f}"
             self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
                                  tok_s=f"{values['tokens_per_s']:,.0f}", **mfu, refresh=False)
         elif self.enabled:
@@ -76,10 +78,12 @@ class Metrics:
         if self.enabled:
             (self.bar.write if self.bar is not None else log.info)(text)
 
-    def eval(self, step: int, eval_loss: float, eval_ppl: float, **more: float) -> None:
-        """The objective's evaluation (trainloop.objectives): its loss, perplexity and any other values."""
-        self.write({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl, **more})
-        self.say(f"step {step}: eval_loss {eval_loss:.4f}  eval_ppl {eval_ppl:.2f}"
+    def eval(self, step: int, eval_loss: float, eval_ppl: float | None = None, **more: float) -> None:
+        """The objective's evaluation (trainloop.objectives): its loss, perplexity (a token objective's)
+        and any other values."""
+        ppl = {} if eval_ppl is None else {"eval_ppl": eval_ppl}
+        self.write({"step": step, "eval_loss": eval_loss, **ppl, **more})
+        self.say(f"step {step}: eval_loss {eval_loss:.4f}" + "".join(f"  {key} {value:.2f}" for key, value in ppl.items())
                  + "".join(f"  {key} {value:.4g}" for key, value in more.items()))
 
     def samples(self, step: int, samples: list[dict]) -> None:

@@ -62,9 +62,11 @@ class DataConfig:
     sources: Optional[list[SourceConfig]] = None
     text_field: str = "text"  # the column that holds the text (data=files)
     messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
-    chat_template: Optional[str] = None  # data=chat: a Jinja template file; None: the tokenizer's, else built-in
-    prompt_field: str = "prompt"  # data=prompt_completion: the column holding the prompt
+    chat_template: Optional[str] = None  # data=chat and preference: a Jinja template file; None: the tokenizer's, else built-in
+    prompt_field: str = "prompt"  # data=prompt_completion and preference: the column holding the prompt
     completion_field: str = "completion"  # data=prompt_completion: the column holding the completion
+    chosen_field: str = "chosen"  # data=preference: the column holding the preferred completion (text or messages)
+    rejected_field: str = "rejected"  # data=preference: the column holding the other completion (text or messages)
     train_on: str = "all"  # tokens with a loss: all; assistant (chat's default); completion (prompt_completion's)
     # documents: rows packed into seq_len blocks, attention and position ids kept inside each row;
     # stream: rows end to end, cut every seq_len tokens; none: one padded row per block
@@ -184,7 +186,10 @@ class CompileConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss)
+    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo)
+    beta: float = 0.1  # dpo only: how far the policy may move from the reference (the rewards are beta x log-ratios)
+    loss_type: str = "sigmoid"  # dpo only: sigmoid (the DPO paper's), ipo, hinge or robust, as TRL 1.16 defines them
+    label_smoothing: float = 0.0  # dpo with loss_type=robust only: the assumed share of flipped labels, in [0, 0.5)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from trainloop.formats.base import TOKENIZING, DataFormat
 from trainloop.formats.chat import Chat
+from trainloop.formats.preference import Preference
 from trainloop.formats.prepared import Prepared
 from trainloop.formats.prompt_completion import PromptCompletion
 from trainloop.formats.text import Files, Pydoc
@@ -20,6 +21,7 @@ FORMATS: dict[str, DataFormat] = {
     "files": Files(),
     "chat": Chat(),
     "prompt_completion": PromptCompletion(),
+    "preference": Preference(),
     "prepared": Prepared(),
 }
 

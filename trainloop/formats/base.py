@@ -23,6 +23,7 @@ class DataFormat:
     - train_on: the data.train_on values it serves; the first is its default (its YAML sets it).
     - masked: whether its labels hide some tokens, so its tokens carry a target mask (and shards a mask.npy).
     - loads_rows: whether it reads rows and tokenizes them itself (data=prepared reads tokens).
+    - pairs: whether its items are preference pairs (for objective=dpo) rather than token blocks.
     - path: what data.path holds for it, in a message; "" where it reads no data.path.
 
     How it builds (the run's data, `python -m trainloop.prepare`): rows(cfg) reads the fields;
@@ -37,6 +38,7 @@ class DataFormat:
     train_on: tuple[str, ...] = ("all",)
     masked = False
     loads_rows = True
+    pairs = False  # its items are preference pairs (objective=dpo), not blocks of target tokens
     path = "a file, directory or glob of your data"
 
     def reads(self) -> tuple[str, ...]:

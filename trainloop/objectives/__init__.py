@@ -10,14 +10,40 @@ from __future__ import annotations
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
+from trainloop.objectives.dpo import DPO
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "causal_lm": CausalLM,
+    "dpo": DPO,
 }
 
-__all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective"]
+__all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "problems", "read_only_by"]
 
 
 def build_objective(cfg, device) -> Objective:
     """The objective the config names (`objective.name`, one of OBJECTIVES: trainloop.config checks it)."""
     return OBJECTIVES[cfg.objective.name](cfg, device)
+
+
+def read_only_by() -> dict[str, tuple]:
+    """config.read_only_by's rows for the objective.* keys: KEY -> (does this config read it?, who reads it)."""
+    table = {}
+    for key in dict.fromkeys(key for objective in OBJECTIVES.values() for key in objective.reads):
+        readers = tuple(name for name, objective in OBJECTIVES.items() if key in objective.reads)
+        table[key] = (lambda c, readers=readers: c.objective.name in readers, "objective=" + " or ".join(readers))
+    return table
+
+
+def problems(cfg, data_pairs: bool) -> list[str]:
+    """The chosen objective's own checks, and whether the data (its format's `pairs`) is what it trains on."""
+    objective = OBJECTIVES.get(cfg.objective.name)
+    if objective is None:  # refused with the other choices
+        return []
+    problems = objective.problems(cfg)
+    if objective.pairs and not data_pairs:
+        problems.append(f"objective={objective.name} trains on preference pairs, and data={cfg.data.name} holds "
+                        "none: set data=preference")
+    if data_pairs and not objective.pairs:
+        problems.append(f"data={cfg.data.name} holds preference pairs, which objective={objective.name} does not "
+                        "train on: set objective=dpo")
+    return problems

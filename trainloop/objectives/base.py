@@ -31,6 +31,13 @@ class Objective:
     """
 
     name = ""
+    pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
+    reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        """Its own config checks (the whole config), each naming the key and what to choose."""
+        return []
 
     def count(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

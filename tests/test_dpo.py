@@ -1,0 +1,282 @@
+"""Preference tuning, the first slice of issue 25: data=preference reads TRL's three row forms by
+documented rules; objective=dpo's loss and rewards are TRL 1.16's on the same batch (TRL's own
+code runs); a step's loss is the mean over the pairs of the global batch, however the pairs fall
+into micro-batches and processes; and a short LoRA run learns a rule the held-out pairs follow.
+
+Real parts only: the composed config, `datasets` reading jsonl and parquet, the built-in byte-level
+tokenizer, a tiny transformers Llama with peft's LoRA, TRL's DPOTrainer, torchrun over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, compose, launch, read_metrics, train
+from test_distributed import free_port
+from test_finetune_data import write_rows
+from trainloop.config import ConfigError, check_command_line, validate
+
+DPO = ["data=preference", "objective=dpo", "adapter=lora"]
+PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
+
+
+def sums(n: int = 12) -> list[dict]:
+    return [{"prompt": f"{a}+{b}=", "chosen": f"{a + b}", "rejected": f"{a + b + 1}{a}"}
+            for a in range(n) for b in range(2)][:n]
+
+
+def as_conversation(row: dict) -> dict:
+    return {"prompt": [{"role": "user", "content": row["prompt"]}],
+            "chosen": [{"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "assistant", "content": row["rejected"]}]}
+
+
+def as_implicit(row: dict) -> dict:
+    conversation = as_conversation(row)
+    return {side: conversation["prompt"] + conversation[side] for side in ("chosen", "rejected")}
+
+
+def build(path: Path, *overrides: str):
+    from trainloop.data import build_datasets, byte_level_tokenizer
+
+    cfg = compose("+preset=smoke", *DPO, f"data.path={path}", *overrides)
+    validate(cfg)
+    return build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
+
+
+def completion(tokenizer, item: dict, side: str) -> str:
+    ids, labels = item[f"{side}_input_ids"], item[f"{side}_labels"]
+    return tokenizer.decode(ids[labels != -100])
+
+
+# --- the format -------------------------------------------------------------------------------
+
+def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
+    import pandas
+
+    from trainloop.data import byte_level_tokenizer
+
+    tokenizer, rows = byte_level_tokenizer(), sums()
+    plain = write_rows(tmp_path / "plain.jsonl", rows)
+    conversational = write_rows(tmp_path / "conversational.jsonl", [as_conversation(r) for r in rows])
+    implicit = write_rows(tmp_path / "implicit.jsonl", [as_implicit(r) for r in rows])
+    pandas.DataFrame([as_conversation(r) for r in rows]).to_parquet(tmp_path / "conversational.parquet")
+    train, valid = build(plain)
+    assert len(train) + len(valid) == len(rows)
+    item = train[0]
+    assert item["chosen_input_ids"].shape == item["rejected_labels"].shape == (64,)  # padded to data.seq_len
+    start = int((item["chosen_labels"] != -100).nonzero()[0])
+    row = next(r for r in rows if tokenizer.decode(item["chosen_input_ids"][:start]) == r["prompt"])  # no loss on it
+    assert completion(tokenizer, item, "chosen") == row["chosen"] + tokenizer.eos_token  # plain ones end with EOS
+    assert completion(tokenizer, item, "rejected") == row["rejected"] + tokenizer.eos_token
+    built = {name: build(path) for name, path in [("conversational", conversational), ("implicit", implicit),
+                                                   ("parquet", tmp_path / "conversational.parquet")]}
+    for name, (t, v) in built.items():
+        assert len(t) + len(v) == len(rows), name
+        for key in item:  # the implicit prompt is the shared turns: the same tokens as the explicit one
+            assert torch.equal(t.tensors[key], built["conversational"][0].tensors[key]), (name, key)
+    conversation = built["conversational"][0][0]  # rendered with the (built-in) chat template
+    text = tokenizer.decode(conversation["chosen_input_ids"])
+    row = next(r for r in rows if text.startswith(f"<|user|>\n{r['prompt']}{tokenizer.eos_token}\n<|assistant|>\n"))
+    assert completion(tokenizer, conversation, "chosen") == f"{row['chosen']}{tokenizer.eos_token}\n"
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"prompt": "1+1=", "chosen": "2"}, r"data.rejected_field='rejected' is missing or empty"),
+    ({"prompt": "1+1=", "chosen": None, "rejected": "3"}, r"data.chosen_field='chosen' is missing or empty"),
+    ({"chosen": "2", "rejected": "3"}, r"a plain-text pair needs its prompt"),
+    ({"prompt": "1+1=", "chosen": [{"role": "assistant", "content": "2"}], "rejected": "3"},
+     r"mixes text and conversations"),
+    ({"prompt": [{"role": "user", "content": "1+1="}], "chosen": [{"role": "assistant", "content": "2"}],
+      "rejected": [{"role": "assistant", "content": "3"}, {"role": "user", "content": "sure?"}]},
+     r"rejected's last turn is the user's, not the assistant's"),
+])
+def test_a_bad_row_is_refused_naming_its_file_and_line(tmp_path, row, says):
+    path = write_rows(tmp_path / "pairs.jsonl", [*sums(5), row, *sums(5)])
+    with pytest.raises(ConfigError, match=rf"^{path}:6: .*{says}.*; fix or remove that row$"):
+        build(path)
+
+
+def test_identical_pairs_and_overlong_prompts_are_skipped_and_counted(tmp_path, caplog):
+    from trainloop.data import byte_level_tokenizer
+
+    rows = [*sums(10), {"prompt": "1+1=", "chosen": "2", "rejected": "2"},
+            {"prompt": "x" * 80, "chosen": "2", "rejected": "3"}, {"prompt": "long:", "chosen": "y" * 90, "rejected": "z"}]
+    path = write_rows(tmp_path / "pairs.jsonl", rows)
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        train, valid = build(path)
+    assert len(train) + len(valid) == 11  # 13 rows: one identical pair, one prompt longer than data.seq_len
+    assert "skipped 1 of 13 (1 with chosen identical to rejected)" in caplog.text
+    assert "1 with their completions truncated, 1 skipped as their prompt alone fills data.seq_len" in caplog.text
+    tokenizer = byte_level_tokenizer()
+    long = next(item for item in (train[i] for i in range(len(train))) if "long:" in tokenizer.decode(item["chosen_input_ids"]))
+    assert tokenizer.decode(long["chosen_input_ids"]).startswith("long:")  # the prompt kept
+    assert completion(tokenizer, long, "chosen") == "y" * (64 - len("long:"))  # the completion truncated to fit
+    with pytest.raises(ConfigError, match=r"^data.seq_len=4: the prompt of every one of the 12 pairs fills it"):
+        build(path, "data.seq_len=4")
+    with pytest.raises(ConfigError, match=r"is a pair to learn from: each has chosen identical to rejected$"):
+        build(write_rows(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "b"}] * 3))
+
+
+def test_the_data_fingerprint_sees_the_pairs(tmp_path):
+    from trainloop.data import byte_level_tokenizer, data_fingerprint
+
+    tokenizer = byte_level_tokenizer()
+    one = data_fingerprint(tokenizer, *build(write_rows(tmp_path / "a.jsonl", sums())))
+    rows = sums()
+    rows[3]["rejected"] += "0"
+    other = data_fingerprint(tokenizer, *build(write_rows(tmp_path / "b.jsonl", rows)))
+    assert one["data content"] != other["data content"] and "blocks of 64 tokens" in one["data content"]
+
+
+# --- the config -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data=preference", "objective=dpo"], "objective=dpo needs adapter=lora for now"),
+    (["data=chat", "objective=dpo", "adapter=lora"], "objective=dpo trains on preference pairs, and data=chat holds "
+                                                     "none: set data=preference"),
+    (["data=preference"], "data=preference holds preference pairs, which objective=causal_lm does not train on"),
+    ([*DPO, "objective.label_smoothing=0.1"], "objective.label_smoothing=0.1 is read only by objective.loss_type=robust"),
+    ([*DPO, "objective.loss_type=kto"], "objective.loss_type=kto is not one of: sigmoid, ipo, hinge, robust"),
+    ([*DPO, "data.packing=documents"], "data.packing=documents: data=preference makes one item of each pair"),
+])
+def test_what_cannot_work_is_refused_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=rf"\n  {says}"):
+        validate(compose(*overrides, "data.path=/some/pairs.jsonl"))
+
+
+def test_the_objective_keys_are_read_only_by_dpo():
+    cfg = compose("objective.beta=0.5")
+    with pytest.raises(ConfigError, match="objective.beta=0.5 has no effect unless objective=dpo"):
+        check_command_line(cfg, ["objective.beta=0.5"])
+    check_command_line(compose(*DPO, "objective.beta=0.5"), ["objective.beta=0.5"])
+
+
+# --- the loss ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
+def test_the_loss_and_rewards_are_trls_on_the_same_batch(tmp_path, loss_type):
+    """TRL's DPOTrainer (LoRA, reference = adapters disabled) tokenizes the rows and computes its
+    loss with its own _compute_loss; objective=dpo computes on the same model and batch."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    from trainloop.adapter import lora_config
+    from trainloop.data import byte_level_tokenizer
+    from trainloop.model import build_model, build_model_config
+    from trainloop.objectives import build_objective
+
+    smoothing = ["objective.label_smoothing=0.2"] if loss_type == "robust" else []
+    path = write_rows(tmp_path / "pairs.jsonl", sums(6))
+    cfg = compose("+preset=smoke", *DPO, f"data.path={path}", f"objective.loss_type={loss_type}", *smoothing)
+    validate(cfg)
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    base = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], beta=cfg.objective.beta, loss_type=[loss_type],
+                     label_smoothing=cfg.objective.label_smoothing, use_cpu=True, max_length=None)
+    trainer = DPOTrainer(model=base, args=args, train_dataset=datasets.Dataset.from_list(sums(6)),
+                         processing_class=tokenizer, peft_config=lora_config(cfg.adapter))
+    torch.manual_seed(1)
+    for name, parameter in trainer.model.named_parameters():  # a policy away from its reference
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.2)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(6)])
+    with torch.no_grad():
+        trl_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+
+    # the same pairs as data=preference tokenizes them
+    ours_set, _ = build(path, "data.validation_fraction=0.01")
+    trl_pairs = {tuple(row["prompt_ids"] + row[f"{side}_ids"]) for row in trainer.train_dataset
+                 for side in ("chosen", "rejected")}
+    for side in ("chosen", "rejected"):
+        for ids, labels in zip(ours_set.tensors[f"{side}_input_ids"], ours_set.tensors[f"{side}_labels"]):
+            assert tuple(ids[:int((labels != -100).nonzero()[-1]) + 1].tolist()) in trl_pairs
+    ids, labels = batch["input_ids"], batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    ours = {"chosen_input_ids": ids[:6], "rejected_input_ids": ids[6:], "chosen_labels": labels[:6],
+            "rejected_labels": labels[6:]}
+    objective = build_objective(cfg, "cpu")
+    with torch.no_grad():
+        loss = objective.batch_loss(trainer.model, ours).summed / objective.count(ours)
+    means, trl = objective.means(objective.sums), trainer._metrics["train"]
+    assert loss.item() == pytest.approx(trl_loss.item(), abs=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "logps/chosen", "logps/rejected"):
+        assert means[key] == pytest.approx(trl[key.replace("margin", "margins")][-1], abs=1e-5), key
+    assert means["rewards/accuracy"] == pytest.approx(trl["rewards/accuracies"][-1])
+    assert abs(means["rewards/margin"]) > 1e-3  # the policy really differs from its reference
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+STEP = [*DPO, f"data.path={PAIRS}", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=null",
+        "data.validation_fraction=0.16", "optimizer=sgd", "optimizer.lr=0.5"]
+# 8 validation pairs: whole batches on 1 and 2 processes alike
+
+
+def dpo_losses(run_dir: Path) -> list[tuple[int, str, float]]:
+    keys = ("loss", "eval_loss", "rewards/chosen", "logps/rejected")
+    return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r]
+
+
+def assert_same_losses(got: Path, want: Path) -> None:
+    a, b = dpo_losses(got), dpo_losses(want)
+    assert [(s, k) for s, k, _ in a] == [(s, k) for s, k, _ in b] and len(a) >= 8
+    for (step, key, x), (_, _, y) in zip(a, b):
+        assert x == pytest.approx(y, rel=1e-6, abs=1e-6), (step, key, a, b)
+    assert len({x for _, key, x in a if key == "loss"}) > 1  # the policy moved
+
+
+def test_accumulation_gives_the_step_of_the_whole_batch(tmp_path):
+    whole = train(tmp_path / "batch4", *STEP, "data.batch_size=4")
+    accumulated = train(tmp_path / "accum4", *STEP, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
+    assert_same_losses(accumulated, whole)
+
+
+def test_two_processes_give_the_step_of_one(tmp_path):
+    whole = train(tmp_path / "one", *STEP, "data.batch_size=4")
+    run_dir = tmp_path / "two"
+    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            "-m", "trainloop", *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
+    assert_same_losses(run_dir, whole)
+
+
+# --- it learns --------------------------------------------------------------------------------
+
+def test_a_short_lora_run_learns_the_rule_of_the_held_out_pairs(tmp_path):
+    """Chosen answers end with '!', rejected ones with '.': from a random tiny model, DPO with LoRA
+    raises the held-out pairs' reward accuracy from 0 (the policy is its reference: every reward
+    ties) to at least 0.95."""
+    words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(96)]
+    path = write_rows(tmp_path / "rule.jsonl", [{"prompt": f"Echo: {t}\n", "chosen": t + "!", "rejected": t + "."}
+                                                for t in texts])
+    run_dir = train(tmp_path / "run", *DPO, f"data.path={path}", "trainer.max_steps=4", "trainer.eval_every=4",
+                    "trainer.eval_batches=null", "data.batch_size=8", "data.validation_fraction=0.25",
+                    "optimizer.lr=1e-2", "scheduler=constant")
+    lines = read_metrics(run_dir)
+    first = next(r for r in lines if "loss" in r)
+    assert first["rewards/margin"] == 0.0 and first["rewards/accuracy"] == 0.0
+    held_out = [r for r in lines if "eval_loss" in r][-1]
+    assert held_out["rewards/accuracy"] >= 0.95 and held_out["rewards/margin"] > 0
+    assert held_out["eval_loss"] < first["loss"]
+    assert "eval_ppl" not in held_out
+
+
+def test_a_stopped_run_resumes_to_the_same_losses(tmp_path):
+    """Stopped after step 2 (saved) and resumed in its run dir: the data fingerprint matches and
+    steps 3 and 4 give bitwise the losses and rewards of a run that was not stopped."""
+    straight = train(tmp_path / "straight", *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2")
+    stopped = tmp_path / "stopped"
+    train(stopped, *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.stop_at_step=2")
+    train(stopped, *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2")
+    assert [step for step, key, _ in dpo_losses(stopped) if key == "loss"] == [1, 2, 3, 4]  # resumed, not restarted
+    after = [line for line in dpo_losses(stopped) if line[0] > 2]
+    assert after == [line for line in dpo_losses(straight) if line[0] > 2] and len(after) >= 6
