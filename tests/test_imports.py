@@ -77,3 +77,15 @@ def test_no_module_of_trainloop_imports_itself_through_others():
 
 def test_errors_imports_nothing_from_trainloop():
     assert import_graph()["trainloop.errors"] == set()
+
+
+def test_checking_a_config_loads_neither_torch_nor_numpy():
+    """A refused config is said in a fraction of a second: composing and validating reads the tables
+    (optimizers, data formats, objectives, strategies) without loading what they build with."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom trainloop.config import compose_config\ncompose_config(['+preset=smoke'])\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'datasets') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

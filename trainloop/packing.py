@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from trainloop.tokenizer import IGNORE
+
 log = logging.getLogger("trainloop")
 
-IGNORE = -100  # the label torch's cross-entropy skips: no loss on this token
 
 
 class TrainingSet(Dataset):
@@ -72,6 +73,18 @@ class PackedBlocks(TrainingSet):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {key: tensor[i] for key, tensor in self.tensors.items()}
+
+
+class PairBlocks(PackedBlocks):
+    """data=preference's pairs (trainloop.formats.preference) as [pairs, seq_len] tensors: chosen_input_ids, chosen_labels,
+    rejected_input_ids, rejected_labels; padded on the right, so causal attention needs no mask."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["chosen_input_ids"]
 
 
 def materialize(blocks) -> PackedBlocks:

@@ -11,6 +11,8 @@ import json
 
 from trainloop.errors import ConfigError
 
+IGNORE = -100  # the label torch's cross-entropy skips: no loss on this token
+
 EOS = "<|endoftext|>"
 
 

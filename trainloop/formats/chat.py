@@ -13,8 +13,8 @@ from pathlib import Path
 from trainloop.errors import ConfigError
 from trainloop.formats.base import DataFormat, ragged_table
 from trainloop.formats.rows import json_kind, root_cause, row_place
-from trainloop.packing import IGNORE
 from trainloop.schema import DataConfig
+from trainloop.tokenizer import IGNORE
 
 log = logging.getLogger("trainloop")
 

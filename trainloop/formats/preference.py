@@ -21,30 +21,16 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-import torch
-
 from trainloop.errors import ConfigError
 from trainloop.formats.base import DataFormat, ragged_table
 from trainloop.formats.chat import chat_template, message_problem
 from trainloop.formats.rows import json_kind, read_rows
-from trainloop.packing import IGNORE, PackedBlocks, split_documents
 from trainloop.schema import DataConfig
+from trainloop.tokenizer import IGNORE
 
 log = logging.getLogger("trainloop")
 
 SIDES = ("chosen", "rejected")
-
-
-class PairBlocks(PackedBlocks):
-    """Preference pairs as [pairs, seq_len] tensors: chosen_input_ids, chosen_labels,
-    rejected_input_ids, rejected_labels; padded on the right, so causal attention needs no mask."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    @property
-    def blocks(self) -> torch.Tensor:
-        return self.tensors["chosen_input_ids"]
 
 
 def shared_turns(chosen: list, rejected: list) -> int:
@@ -159,6 +145,9 @@ class Preference(DataFormat):
     def build(self, cfg: DataConfig, tokenizer, seed: int):
         """One item per pair, prompt + completion padded to data.seq_len; whole pairs held out for
         validation (data.validation_fraction, drawn from the seed)."""
+        import torch
+
+        from trainloop.packing import PairBlocks, split_documents
         from trainloop.tokenizer import pad_id
 
         tokens = self.tokenize(cfg, tokenizer, self.load(cfg, tokenizer))

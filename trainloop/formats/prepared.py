@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from trainloop.errors import ConfigError
 from trainloop.formats.base import TOKENIZING, DataFormat
-from trainloop.packing import Documents, Part, PlannedBlocks, plan_blocks
 from trainloop.schema import DataConfig
 from trainloop.tokenizer import pad_id, tokenizer_record
+
+if TYPE_CHECKING:  # the table is read by config checks, which must not load numpy and torch
+    from trainloop.packing import PlannedBlocks
 
 log = logging.getLogger("trainloop")
 
@@ -46,6 +47,10 @@ def check_tokenizer(path: str, manifest: dict, tokenizer) -> None:
 
 def open_prepared(data_cfg, tokenizer) -> tuple[PlannedBlocks, PlannedBlocks]:
     """Train and validation blocks over memory-mapped shards: only the plan is in memory."""
+    import numpy as np
+
+    from trainloop.packing import Documents, Part, plan_blocks
+
     folder = Path(data_cfg.path).expanduser()
     manifest = read_manifest(data_cfg.path)
     check_tokenizer(data_cfg.path, manifest, tokenizer)

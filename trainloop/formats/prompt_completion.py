@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from trainloop.errors import ConfigError
 from trainloop.formats.base import DataFormat, ragged_table
-from trainloop.packing import IGNORE
 from trainloop.schema import DataConfig
+from trainloop.tokenizer import IGNORE
 
 
 class PromptCompletion(DataFormat):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the table is read by config checks, which must not load torch: it is imported where used
+    import torch
 
 
 @dataclass
@@ -51,16 +53,18 @@ class Objective:
     def window(self, strategy) -> dict:
         return {}
 
-    @torch.no_grad()
     def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
         """Loss per unit over the validation split (all ranks), identical on every rank."""
+        import torch
+
         model.eval()
         total = torch.zeros(2, device=strategy.device, dtype=torch.float64)
-        for i, batch in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
-            summed, count = self.eval_sums(model, batch)
-            total += torch.stack([summed.double(), count.double()])
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                summed, count = self.eval_sums(model, batch)
+                total += torch.stack([summed.double(), count.double()])
         model.train()
         total = strategy.reduce_sum(total)
         eval_loss = (total[0] / total[1].clamp(min=1)).item()

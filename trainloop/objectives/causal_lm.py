@@ -3,12 +3,13 @@ mixture of experts (model.arch=mixtral), the router's load-balancing loss."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.router import RouterLoad
+from trainloop.tokenizer import IGNORE
 
-IGNORE = -100  # labels with no loss (trainloop.packing.IGNORE; not imported: packing pulls in numpy)
+if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
+    import torch
 
 
 def model_inputs(batch: dict) -> dict:
@@ -20,6 +21,8 @@ def model_inputs(batch: dict) -> dict:
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over the target tokens, in fp32: position t predicts labels[t + 1]."""
+    import torch
+
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                              ignore_index=IGNORE, reduction="sum")
 
@@ -32,6 +35,8 @@ class CausalLM(Objective):
     name = "causal_lm"
 
     def __init__(self, cfg, device):
+        from trainloop.router import RouterLoad
+
         self.router = RouterLoad.for_model(cfg.model, device)
 
     def count(self, batch: dict) -> torch.Tensor:

@@ -10,12 +10,13 @@ units are its pairs, so a step's loss is the mean over the pairs of the global b
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.tokenizer import IGNORE
 
-IGNORE = -100  # labels with no loss (trainloop.packing.IGNORE)
+if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
+    import torch
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
 # The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
@@ -26,6 +27,9 @@ SUMS = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy
 def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's summed log-probability of its completion tokens, chosen rows first then
     rejected, from one forward of both; and each one's completion tokens."""
+    import torch
+    import torch.nn.functional as F
+
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
     logits = model(input_ids=ids, use_cache=False).logits
@@ -45,6 +49,8 @@ class DPO(Objective):
     reads = ("objective.beta", "objective.loss_type", "objective.label_smoothing")
 
     def __init__(self, cfg, device):
+        import torch
+
         o = cfg.objective
         self.beta, self.loss_type, self.label_smoothing = o.beta, o.loss_type, o.label_smoothing
         self.device = torch.device(device)
@@ -73,10 +79,15 @@ class DPO(Objective):
         return problems
 
     def count(self, batch: dict) -> torch.Tensor:
+        import torch
+
         return torch.tensor(batch["chosen_input_ids"].shape[0], device=batch["chosen_input_ids"].device)
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pair's loss, and SUMS over the batch's pairs (detached)."""
+        import torch
+        import torch.nn.functional as F
+
         with torch.no_grad(), reference_model(model).disable_adapter():
             reference, _ = completion_logps(reference_model(model), batch)
         logps, tokens = completion_logps(model, batch)
@@ -115,18 +126,21 @@ class DPO(Objective):
         return {key: total[i].item() / pairs for i, key in enumerate(SUMS) if i > 1}
 
     def window(self, strategy) -> dict:
-        total, self.sums = strategy.reduce_sum(self.sums), torch.zeros_like(self.sums)
+        total = strategy.reduce_sum(self.sums)
+        self.sums = self.sums.new_zeros(self.sums.shape)
         return self.means(total)
 
-    @torch.no_grad()
     def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
         """The DPO loss per pair over the validation split (all ranks), and its rewards and log-probabilities."""
+        import torch
+
         model.eval()
         total = torch.zeros(len(SUMS), dtype=torch.float64, device=strategy.device)
-        for i, batch in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
-            total += self.pair_losses(model, batch)[1].to(total.device)
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                total += self.pair_losses(model, batch)[1].to(total.device)
         model.train()
         total = strategy.reduce_sum(total)
         return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}
