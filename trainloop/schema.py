@@ -190,6 +190,9 @@ class ObjectiveConfig:
     beta: float = 0.1  # dpo only: how far the policy may move from the reference (the rewards are beta x log-ratios)
     loss_type: str = "sigmoid"  # dpo only: sigmoid (the DPO paper's), ipo, hinge or robust, as TRL 1.16 defines them
     label_smoothing: float = 0.0  # dpo with loss_type=robust only: the assumed share of flipped labels, in [0, 0.5)
+    # dpo only: the reference's log-probabilities of every pair computed in one pass before training (kept in
+    # RUN_DIR/reference_logps.pt for a resume), and a full fine-tune's frozen reference copy freed after it
+    precompute_reference: bool = False
 
 
 @dataclass

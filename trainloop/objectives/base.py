@@ -30,6 +30,10 @@ class Objective:
     - window(strategy): values for the train log line since the last one, over every rank.
     - eval_sums(model, batch): (summed loss, units) of an evaluation forward; evaluate() adds them
       up over the validation batches and ranks into the eval line's values.
+
+    The build (trainloop.build) asks two more things of it: `frozen_copy(model)`, before compile
+    and sharding (a model the objective keeps unchanged, e.g. DPO's reference; None: none), and,
+    once everything is built, `start(...)` with that copy prepared by the strategy.
     """
 
     name = ""
@@ -40,6 +44,14 @@ class Objective:
     def problems(cfg) -> list[str]:
         """Its own config checks (the whole config), each naming the key and what to choose."""
         return []
+
+    def frozen_copy(self, model):
+        """A copy of the model as built (before compile and sharding) that the objective keeps
+        frozen, or None. The strategy shards it like the policy (Strategy.prepare_frozen)."""
+        return None
+
+    def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
+        """Called once the run is built, before any step: `frozen` is frozen_copy's, prepared."""
 
     def count(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError
