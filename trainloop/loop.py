@@ -91,8 +91,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples, from
     eval.prompts) generates at every evaluation."""
     tc, accelerator = cfg.trainer, strategy.accelerator
-    sequences = 2 if objective.pairs else 1  # a preference pair is two: chosen and rejected
-    tokens_per_batch = cfg.data.batch_size * sequences * cfg.data.seq_len * strategy.dp_size
+    tokens_per_batch = cfg.data.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
     max_norm = tc.max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard

@@ -39,11 +39,17 @@ class Objective:
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
+    sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
 
     @staticmethod
     def problems(cfg) -> list[str]:
         """Its own config checks (the whole config), each naming the key and what to choose."""
         return []
+
+    @staticmethod
+    def memory_lines(plan, cfg) -> None:
+        """The planner's lines for what the objective itself holds (trainloop.tools.plan), added
+        after the strategy's model-state lines, which it may read (e.g. to hold a copy like them)."""
 
     def frozen_copy(self, model):
         """A copy of the model as built (before compile and sharding) that the objective keeps

@@ -80,6 +80,7 @@ def correct(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> tor
 class DPO(Objective):
     name = "dpo"
     pairs = True
+    sequences = 2  # chosen and rejected, in one forward
     reads = ("objective.beta", "objective.loss_type", "objective.label_smoothing", "objective.precompute_reference")
 
     def __init__(self, cfg, device):
@@ -110,6 +111,27 @@ class DPO(Objective):
         if cfg.trainer.auto_batch_size:
             problems.append("objective=dpo does not search a batch size yet: set trainer.auto_batch_size=false")
         return problems
+
+    @staticmethod
+    def memory_lines(plan, cfg) -> None:
+        """A full fine-tune's reference copy: the policy's parameters once more, held as the strategy
+        holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision; with
+        objective.precompute_reference only during the pass before training."""
+        from trainloop.parallel.memory import Line
+
+        if cfg.adapter.name != "none":
+            plan.notes.append("objective=dpo with an adapter: the reference is the model with its adapters disabled, "
+                              "no copy")
+            return
+        held = [x for x in plan.lines if x.what == "parameters"]
+        copy = sum(x.bytes for x in held)
+        if cfg.objective.precompute_reference:
+            plan.notes.append(f"objective.precompute_reference: the reference copy ({copy / 2**30:.2f} GiB) is held "
+                              "only during the pass before training, then freed")
+            return
+        for x in held:
+            plan.lines.append(Line("reference model", x.bytes, x.where, exact=x.exact,
+                                   note="objective=dpo: a frozen copy of the parameters, held like them"))
 
     # -- the reference -----------------------------------------------------------------------------
     def frozen_copy(self, model):

@@ -34,6 +34,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from trainloop.config import CONFIG_DIR, ConfigError, compose_config
+from trainloop.objectives import OBJECTIVES
 from trainloop.optim import hidden_matrices
 from trainloop.parallel import STRATEGIES, chosen
 from trainloop.parallel.memory import Line, MemoryPlan
@@ -206,24 +207,27 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
     row = STRATEGIES[chosen(cfg)]
     row.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
+    objective = OBJECTIVES[cfg.objective.name]
+    objective.memory_lines(plan, cfg)  # what the objective holds itself: DPO's reference copy
+    batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
 
     autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
     saved, recompute = activation_bytes(
-        shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=autocast,
+        shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation)
     add(Line("activations", saved, dev, "forward/backward", exact=False,
-             note=f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
+             note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
                   + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")))
     if recompute:
         add(Line("recomputed layer", recompute, dev, "forward/backward", exact=False,
                  note="one layer's activations, rebuilt during the backward pass"))
     if not cfg.model.gradient_checkpointing:
         without = saved
-        with_gc = sum(activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast,
+        with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
                                        True, cfg.model.attn_implementation))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
-        without = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast,
+        without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
                                    False, cfg.model.attn_implementation)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
