@@ -134,7 +134,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
-        "objective.beta": 0.5, "objective.loss_type": "ipo", "objective.label_smoothing": 0.1,
+        "objective.beta": 0.5, "objective.loss_type": "ipo", "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
     }
 
 
