@@ -64,6 +64,9 @@ class SimPO(Objective):
         if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
             problems.append("objective=simpo does not add a mixture's router loss (model.router_aux_loss_coef): "
                             "use model.arch=llama or gpt2")
+        if cfg.trainer.auto_batch_size:  # the search's trial forwards go through batch_loss, into the window's sums
+            problems.append("objective=simpo does not search a batch size yet (its trial steps would count in the "
+                            "first log line's rewards): set trainer.auto_batch_size=false")
         return problems
 
     def count(self, batch: dict) -> torch.Tensor:
