@@ -148,6 +148,7 @@ def test_the_data_fingerprint_sees_the_pairs(tmp_path):
     (["data=preference"], "data=preference holds preference pairs, which objective=causal_lm does not train on"),
     ([*DPO, "objective.label_smoothing=0.1"], "objective.label_smoothing=0.1 is read only by objective.loss_type=robust"),
     ([*DPO, "objective.loss_type=kto"], "objective.loss_type=kto is not one of: sigmoid, ipo, hinge, robust"),
+    ([*DPO, "model.arch=mixtral"], "objective=dpo does not add a mixture's router loss"),
     ([*DPO, "data.packing=documents"], "data.packing=documents: data=preference makes one item of each pair"),
 ])
 def test_what_cannot_work_is_refused_naming_the_key(overrides, says):

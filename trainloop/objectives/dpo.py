@@ -108,6 +108,9 @@ class DPO(Objective):
             problems.append("deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a "
                             "copy of the model as built, and zero.Init builds it already partitioned; set "
                             "deepspeed.zero3_init=false (the copy is then partitioned like the policy), or adapter=lora")
+        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
+            problems.append("objective=dpo does not add a mixture's router loss (model.router_aux_loss_coef): "
+                            "use model.arch=llama or gpt2")
         if cfg.trainer.auto_batch_size:
             problems.append("objective=dpo does not search a batch size yet: set trainer.auto_batch_size=false")
         return problems
