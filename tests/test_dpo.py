@@ -282,8 +282,9 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
     """Chosen answers end with '!', rejected ones with '.'. A tiny model first fine-tuned on both
     endings alike (SFT: it echoes, with no preference), then DPO with LoRA on it: the held-out
     pairs' reward accuracy goes from 0.5 at the first step (the policy is its reference: every
-    reward ties, a tie counts half) to at least 0.95. objective.precompute_reference=true (the
-    reference's log-probs computed before training) gives the same losses within 1e-6."""
+    reward ties, a tie counts half) to at least 0.95; final/ loads merged in transformers and its
+    adapter on the SFT model in peft. objective.precompute_reference=true (the reference's log-probs
+    computed before training) gives the same losses within 1e-6."""
     words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
     rng = random.Random(0)
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(96)]
@@ -304,6 +305,10 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
     assert held_out["rewards/accuracy"] >= 0.95 and held_out["rewards/margin"] > 0
     assert held_out["eval_loss"] < first["loss"]
     assert "eval_ppl" not in held_out
+    from test_adapter import logits_agree  # final/ loads in transformers, final/adapter on the SFT model in peft
+
+    name, worst = logits_agree(run_dir / "final", base)
+    assert name == "LlamaForCausalLM" and worst < 1e-4, worst
     precomputed = train(tmp_path / "precomputed", *dpo, "objective.precompute_reference=true")
     assert (precomputed / "reference_logps.pt").is_file()
     assert_same_losses(precomputed, run_dir, tolerance=1e-6)
