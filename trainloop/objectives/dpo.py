@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.tokenizer import IGNORE
+from trainloop.objectives.pairs import PairObjective, completion_logps, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -28,25 +27,6 @@ log = logging.getLogger("trainloop")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 PRECOMPUTED = "reference_logps"  # the data's column of precomputed reference log-probs: [pairs, 2] (chosen, rejected)
 CACHE = "reference_logps.pt"  # in the run dir
-
-# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
-SUMS = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
-        "logps/chosen", "logps/rejected")
-
-
-def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's summed log-probability of its completion tokens, chosen rows first then
-    rejected, from one forward of both; and each one's completion tokens."""
-    import torch
-    import torch.nn.functional as F
-
-    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    logits = model(input_ids=ids, use_cache=False).logits
-    per_token = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                 ignore_index=IGNORE, reduction="none").view(ids.shape[0], -1)
-    return per_token.sum(1), (labels != IGNORE).sum(1)
-
 
 def reference_model(model):
     """The peft model under a data-parallel wrapper (DDP's .module), whose adapters can be disabled."""
@@ -71,25 +51,15 @@ def held(frozen) -> str:
     return "whole on each rank"
 
 
-def correct(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
-    """The pairs whose chosen reward is the higher, a tie counted as half (a coin flip): at step 0
-    the policy is its reference, every reward 0, and accuracy 0.5 (TRL counts ties as misses: 0)."""
-    return (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
-
-
-class DPO(Objective):
+class DPO(PairObjective):
     name = "dpo"
-    pairs = True
-    sequences = 2  # chosen and rejected, in one forward
     reads = ("objective.beta", "objective.loss_type", "objective.label_smoothing", "objective.precompute_reference")
 
     def __init__(self, cfg, device):
-        import torch
-
+        super().__init__(cfg, device)
         o = cfg.objective
         self.beta, self.loss_type, self.label_smoothing = o.beta, o.loss_type, o.label_smoothing
-        self.cfg, self.device = cfg, torch.device(device)
-        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)  # since the last train line
+        self.cfg = cfg
         self.frozen = None  # a full fine-tune's reference copy, until its log-probs are precomputed
 
     @staticmethod
@@ -242,13 +212,8 @@ class DPO(Objective):
             finally:
                 model.train(training)
 
-    def count(self, batch: dict) -> torch.Tensor:
-        import torch
-
-        return torch.tensor(batch["chosen_input_ids"].shape[0], device=batch["chosen_input_ids"].device)
-
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each pair's loss, and SUMS over the batch's pairs (detached)."""
+        """Each pair's loss, and SUMS over the batch's pairs."""
         import torch
         import torch.nn.functional as F
 
@@ -267,43 +232,5 @@ class DPO(Objective):
         else:  # robust
             s = self.label_smoothing
             losses = (-(1 - s) * F.logsigmoid(self.beta * delta) + s * F.logsigmoid(-self.beta * delta)) / (1 - 2 * s)
-        chosen_rewards, rejected_rewards = (self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach())
-        chosen_logps, rejected_logps = logps.detach().chunk(2)
-        sums = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
-                            chosen_rewards.sum(), rejected_rewards.sum(), correct(chosen_rewards, rejected_rewards),
-                            (chosen_rewards - rejected_rewards).sum(), chosen_logps.sum(), rejected_logps.sum()])
-        return losses, sums.double()
-
-    def batch_loss(self, model, batch: dict) -> BatchLoss:
-        losses, sums = self.pair_losses(model, batch)
-        self.sums += sums.to(self.sums.device)
-        return BatchLoss(losses.sum())
-
-    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, _ = self.pair_losses(model, batch)
-        return losses.sum(), self.count(batch)
-
-    @staticmethod
-    def means(total: torch.Tensor) -> dict:
-        pairs = max(total[1].item(), 1.0)
-        return {key: total[i].item() / pairs for i, key in enumerate(SUMS) if i > 1}
-
-    def window(self, strategy) -> dict:
-        total = strategy.reduce_sum(self.sums)
-        self.sums = self.sums.new_zeros(self.sums.shape)
-        return self.means(total)
-
-    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
-        """The DPO loss per pair over the validation split (all ranks), and its rewards and log-probabilities."""
-        import torch
-
-        model.eval()
-        total = torch.zeros(len(SUMS), dtype=torch.float64, device=strategy.device)
-        with torch.no_grad():
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                total += self.pair_losses(model, batch)[1].to(total.device)
-        model.train()
-        total = strategy.reduce_sum(total)
-        return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}
+        chosen_logps, rejected_logps = logps.chunk(2)
+        return losses, sums(losses, self.beta * chosen_ratio, self.beta * rejected_ratio, chosen_logps, rejected_logps)

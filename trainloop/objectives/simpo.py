@@ -17,16 +17,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.objectives.dpo import completion_logps
+from trainloop.objectives.pairs import PairObjective, completion_logps, sums
 from trainloop.tokenizer import IGNORE
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
-
-# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
-SUMS = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
-        "logps/chosen", "logps/rejected")
 
 
 def mean_completion_logps(model, batch: dict) -> torch.Tensor:
@@ -39,17 +34,14 @@ def mean_completion_logps(model, batch: dict) -> torch.Tensor:
     return summed / (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
 
 
-class SimPO(Objective):
+class SimPO(PairObjective):
     name = "simpo"
-    pairs = True
     reads = ("objective.beta", "objective.gamma", "objective.label_smoothing")
 
     def __init__(self, cfg, device):
-        import torch
-
+        super().__init__(cfg, device)
         o = cfg.objective
         self.beta, self.gamma, self.label_smoothing = o.beta, o.gamma, o.label_smoothing
-        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=torch.device(device))  # since the last train line
 
     @staticmethod
     def problems(cfg) -> list[str]:
@@ -69,14 +61,8 @@ class SimPO(Objective):
                             "first log line's rewards): set trainer.auto_batch_size=false")
         return problems
 
-    def count(self, batch: dict) -> torch.Tensor:
-        import torch
-
-        return torch.tensor(batch["chosen_input_ids"].shape[0], device=batch["chosen_input_ids"].device)
-
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each pair's loss, and SUMS over the batch's pairs (detached)."""
-        import torch
+        """Each pair's loss, and SUMS over the batch's pairs."""
         import torch.nn.functional as F
 
         chosen, rejected = mean_completion_logps(model, batch).chunk(2)
@@ -84,44 +70,4 @@ class SimPO(Objective):
         s = self.label_smoothing
         losses = -(1 - s) * F.logsigmoid(logits) - s * F.logsigmoid(-logits)
         chosen, rejected = chosen.detach(), rejected.detach()
-        chosen_rewards, rejected_rewards = self.beta * chosen, self.beta * rejected
-        # a tie is a coin flip: half right
-        accuracy = (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
-        sums = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
-                            chosen_rewards.sum(), rejected_rewards.sum(), accuracy,
-                            (chosen_rewards - rejected_rewards).sum(), chosen.sum(), rejected.sum()])
-        return losses, sums.double()
-
-    def batch_loss(self, model, batch: dict) -> BatchLoss:
-        losses, sums = self.pair_losses(model, batch)
-        self.sums += sums.to(self.sums.device)
-        return BatchLoss(losses.sum())
-
-    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, _ = self.pair_losses(model, batch)
-        return losses.sum(), self.count(batch)
-
-    @staticmethod
-    def means(total: torch.Tensor) -> dict:
-        pairs = max(total[1].item(), 1.0)
-        return {key: total[i].item() / pairs for i, key in enumerate(SUMS) if i > 1}
-
-    def window(self, strategy) -> dict:
-        total = strategy.reduce_sum(self.sums)
-        self.sums = self.sums.new_zeros(self.sums.shape)
-        return self.means(total)
-
-    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
-        """The SimPO loss per pair over the validation split (all ranks), and its rewards and log-probabilities."""
-        import torch
-
-        model.eval()
-        total = torch.zeros(len(SUMS), dtype=torch.float64, device=strategy.device)
-        with torch.no_grad():
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                total += self.pair_losses(model, batch)[1].to(total.device)
-        model.train()
-        total = strategy.reduce_sum(total)
-        return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}
+        return losses, sums(losses, self.beta * chosen, self.beta * rejected, chosen, rejected)
