@@ -215,9 +215,14 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     saved, recompute = activation_bytes(
         shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation)
-    add(Line("activations", saved, dev, "forward/backward", exact=False,
+    offloaded = cfg.trainer.activation_offload and dev == "gpu"  # on the CPU they are in host memory already
+    add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
              note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
-                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")))
+                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")
+                  + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
+    if offloaded:
+        add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
+                 note="about a block's worth on the device while it is copied out or back"))
     if recompute:
         add(Line("recomputed layer", recompute, dev, "forward/backward", exact=False,
                  note="one layer's activations, rebuilt during the backward pass"))
@@ -370,6 +375,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
     from trainloop.loop import micro_step
+    from trainloop.offload import ActivationOffload
     from trainloop.parallel import build_strategy, local_shard
     from trainloop.run import end_distributed
 
@@ -393,6 +399,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     before, gpu_before, live = marks["before"], marks.get("gpu_before"), marks["live"]
     batch = {key: value.to(accelerator.device) for key, value in next(iter(built.train_loader)).items()}
     model.train()
+    offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
     accumulation = cfg.trainer.gradient_accumulation_steps
     shards, seconds, result = {}, [], {}
     for step in range(steps + timed_steps):
@@ -404,7 +411,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         start = time.perf_counter()
         for micro in range(accumulation):
             last = micro == accumulation - 1
-            with micro_step(strategy, model, last):
+            with micro_step(strategy, model, last), offload():
                 summed = objective.batch_loss(model, batch).summed  # the loop's own loss
                 accelerator.backward(summed / objective.count(batch))
                 if last:
