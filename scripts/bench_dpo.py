@@ -1,14 +1,15 @@
 """objective=dpo against TRL's DPOTrainer: step time and peak memory, measured in one invocation.
 
-    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute] [--json OUT]
+    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute] [--repeats 1] [--json OUT]
     python scripts/bench_dpo.py --quick      # tiny sizes, a few seconds of training: the CI smoke test
 
 Both sides train the same model, saved once to a local directory (a tiny transformers Llama and
 trainloop's byte-level tokenizer, loaded from there by both), on the same preference pairs (each
 prompt + completion exactly data.seq_len tokens, so TRL's padding to the longest in the batch and
-trainloop's padding to data.seq_len give the same [2 x batch, seq_len] forward), with the same batch,
-beta, loss (sigmoid), optimizer (fused AdamW, one weight-decay rule), cosine schedule, clipping, fp32
-and no gradient checkpointing (TRL's own defaults are bf16 and gradient checkpointing: set off here).
+trainloop's padding to data.seq_len give the same [2 x batch, seq_len] forward), with the same
+batch, beta, loss (sigmoid), optimizer (fused AdamW, weight decay on the matrices only), cosine
+schedule, clipping, fp32 and no gradient checkpointing (TRL's own defaults are bf16 and gradient
+checkpointing: set off here). TRL's arguments are read from the composed trainloop config.
 One row per way to hold the reference:
   lora        adapter=lora                     / a peft LoraConfig of the same r, alpha and targets
                                                  (trainloop.adapter.lora_config): adapters disabled
@@ -23,10 +24,11 @@ has its own address space and peak memory, and the ~6 s of imports are paid once
     training loop does between fetching the batch and the next fetch: forward of the policy and
     of the reference, loss, backward, clipping, optimizer and scheduler step, zero_grad (TRL:
     from the Trainer's on_step_begin to its on_step_end callback, after it has collated the
-    batch; trainloop: the loop's own micro-step, objective and clipping, after the batch is
-    fetched). Tokenization and start-up are not timed. On CPU every run gets --threads compute
-    threads (default 1) and the step time is the process's CPU time, which other jobs on a
-    shared machine hardly change; wall-clock is printed beside it. On a GPU, wall-clock.
+    batch; trainloop: the loop's own micro-step, objective, clipping and finite-check guard,
+    after the batch is fetched; neither logs inside the timed steps). Tokenization and start-up
+    are not timed. On CPU every run gets --threads compute threads (default 1) and the step
+    time is the process's CPU time, which other jobs on a shared machine change less than its
+    wall-clock time (printed beside it). On a GPU, wall-clock.
   - peak memory: on CPU, the peak resident set over the warm-up steps (VmHWM, reset through
     /proc/self/clear_refs when training starts) minus the resident set just before the model
     is built (VmRSS), with glibc told to give every allocation of 64 KiB or more its own mapping
@@ -189,8 +191,10 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
     from trainloop.config import compose_config
+    from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, batches_forever, micro_step, step_batches, step_units
     from trainloop.parallel import build_strategy
+    from trainloop.preemption import Preemption
     from trainloop.tokenizer import IGNORE
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh Accelerator for each run
@@ -202,7 +206,8 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     model, optimizer, scheduler, objective = built.model, built.optimizer, built.scheduler, built.objective
     labels = torch.cat([built.train_set.tensors["chosen_labels"], built.train_set.tensors["rejected_labels"]])
     last_target = (labels != IGNORE).int().cumsum(1).argmax(1)  # the first position of the highest count
-    batches = batches_forever(accelerator, built.train_loader, TrainState())
+    state, guard = TrainState(), StepGuard(cfg, strategy, None, Preemption())
+    batches = batches_forever(accelerator, built.train_loader, state)
     scale = accelerator.gradient_accumulation_steps * strategy.dp_size
     model.train()
     meter.training_starts()
@@ -217,11 +222,13 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
                 summed = objective.batch_loss(model, batch).summed
                 accelerator.backward(summed * (scale / count))
                 step_loss += summed.detach() / count
-                if accelerator.sync_gradients:
-                    strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm)
-                    optimizer.step()
+                if accelerator.sync_gradients:  # the loop's: clip, the guard's finite check (one sync), step
+                    grad_norm = strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm)
+                    if guard.check(state, step_loss, grad_norm).update:
+                        optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        state.step += 1
         losses.append(step_loss.item())  # the loop's loss, on the host: waits for the device
         meter.end_step()
     return {**meter.result(), "loss_first": losses[0], "loss_last": losses[-1],
@@ -354,28 +361,49 @@ def _child(log_path: str, conn, fn, args) -> None:
         result = {"failed": f"{type(err).__name__}: {err}".replace("\n", " ")[:400]}
     sys.stdout.flush()
     sys.stderr.flush()
-    result["process_cpu_s"] = time.process_time()
     conn.send(result)
     conn.close()
 
 
-def in_child(ctx, work: Path, name: str, fn, *args) -> dict:
+def start_server_quietly(log_path: Path) -> None:
+    """Start the fork server with its output (the libraries' import-time warnings) in a log file."""
+    from multiprocessing import forkserver
+
+    saved, log = os.dup(2), os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 2)  # the server inherits this descriptor as its stderr
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log)
+
+
+def in_child(ctx, log_path: Path, fn, *args) -> dict:
+    """fn(*args) in a fresh process forked from the server; its result, or why it failed."""
     receive, send = ctx.Pipe(duplex=False)
-    log_path = work / f"{name}.log"
-    process = ctx.Process(target=_child, args=(str(log_path), send, fn, args), name=name)
-    t0 = time.time()
+    process = ctx.Process(target=_child, args=(str(log_path), send, fn, args))
+    began = time.time()
     process.start()
     send.close()
     try:
         result = receive.recv()
     except EOFError:  # killed (out of memory?) before it could answer
-        result = None
-    process.join()
-    print(f"DEBUG {name} {time.time() - t0:.1f} s cpu {result and result.get('process_cpu_s')}", file=sys.stderr)
-    if result is None:
         tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
         result = {"failed": f"exit {process.exitcode}" + (f": {tail[0][:300]}" if tail else "")}
-    return result
+    process.join()
+    return {**result, "run_s": time.time() - began}
+
+
+MEDIANS = ("step_s", "wall_step_s", "cpu_step_s", "training_bytes", "building_bytes")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One side of one row over its repeats: the medians, the first run's other fields, every run."""
+    failed = [r["failed"] for r in runs if "failed" in r]
+    if failed:
+        return {"failed": failed[0], "runs": runs}
+    return {**runs[0], **{key: statistics.median(r[key] for r in runs) for key in MEDIANS}, "runs": runs}
 
 
 def fmt_step(r: dict) -> str:
@@ -413,6 +441,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="untimed steps first, at least 2: the memory peak is "
                         "taken over them (default 3; --quick 2)")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="which references")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side of each row, in alternating "
+                        "order; the table shows their medians (default 1)")
     parser.add_argument("--quick", action="store_true", help="a 2-block, 64-wide model on 64-token pairs, "
                         "batch 4: checks the benchmark runs, in seconds; its figures mean little")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per run on CPU (default 1)")
@@ -423,8 +453,8 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else 2 if args.quick else 3
     if warmup < 2:
         parser.error("--warmup must be at least 2: the second step is the first with optimizer state in memory")
-    if steps < 1:
-        parser.error("--steps must be at least 1")
+    if steps < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("--steps, --repeats and --threads must be at least 1")
 
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
@@ -432,31 +462,35 @@ def main() -> None:
         # before the server starts: it and every run forked from it read these at import
         os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads),
                           MKL_NUM_THREADS=str(args.threads), HF_DATASETS_CACHE=str(work / "datasets"),
-                          HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+                          HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",
+                          # an import that asks whether there is a GPU must not start CUDA in the server
+                          PYTORCH_NVML_BASED_CUDA_CHECK="1")
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-        setup = in_child(ctx, work, "prepare", prepare, tmp, size)
+        start_server_quietly(work / "server.log")
+        setup = in_child(ctx, work / "prepare.log", prepare, tmp, size)
         if "failed" in setup:
-            sys.exit(f"writing the model and the pairs failed: {setup['failed']} (log: {work / 'prepare.log'})")
+            sys.exit(f"writing the model and the pairs failed: {setup['failed']}")
         base = ["model=hf", f"model.name_or_path={work / 'model'}", f"data.path={work / 'pairs.jsonl'}",
                 *SIZES[size]["data"], *COMMON]
-        results = {}
-        for n, row in enumerate(args.rows):
-            overrides = [*base, *ROWS[row][1]]
-            results[row] = {}
-            for side in SIDES if n % 2 == 0 else reversed(SIDES):  # alternate who goes first: drift cancels
-                name = f"{row}-{side}"
-                if side == "trainloop":
-                    r = in_child(ctx, work, name, run_trainloop, overrides, steps, warmup, str(work / "model-1block"))
-                else:
-                    r = in_child(ctx, work, name, run_trl, overrides, steps, warmup, str(work / "model-1block"),
-                                 str(work / "pairs.jsonl"), str(work / name))
-                results[row][side] = r
-                print(f"{name:22s} " + (f"failed: {r['failed']}" if "failed" in r else
-                      f"step {r['step_s'] * 1000:7,.0f} ms {r['time_kind']} (wall {r['wall_step_s'] * 1000:,.0f} ms), "
-                      f"peak {r['training_bytes'] / 2**20:7.1f} MiB, {r['trained_params']:,} trained parameters"),
-                      file=sys.stderr, flush=True)
-            results[row] = {side: results[row][side] for side in SIDES}
+        warm_model, runs, turn = str(work / "model-1block"), {}, 0
+        for repeat in range(args.repeats):
+            for row in args.rows:
+                overrides = [*base, *ROWS[row][1]]
+                for side in SIDES if turn % 2 == 0 else reversed(SIDES):  # who goes first alternates: drift cancels
+                    name = f"{row}-{side}-{repeat + 1}"
+                    if side == "trainloop":
+                        r = in_child(ctx, work / f"{name}.log", run_trainloop, overrides, steps, warmup, warm_model)
+                    else:
+                        r = in_child(ctx, work / f"{name}.log", run_trl, overrides, steps, warmup, warm_model,
+                                     str(work / "pairs.jsonl"), str(work / name))
+                    runs.setdefault(row, {}).setdefault(side, []).append(r)
+                    print(f"{name:24s} " + (f"failed: {r['failed']}" if "failed" in r else
+                          f"step {r['step_s'] * 1000:7,.0f} ms {r['time_kind']} (wall {r['wall_step_s'] * 1000:,.0f} "
+                          f"ms), peak {r['training_bytes'] / 2**20:7.1f} MiB, {r['trained_params']:,} trained "
+                          f"parameters; {r['run_s']:.0f} s"), file=sys.stderr, flush=True)
+                turn += 1
+    results = {row: {side: summarize(sides[side]) for side in SIDES} for row, sides in runs.items()}
     print_report(results, setup, args, size, steps, warmup, began)
 
 
@@ -475,27 +509,29 @@ def print_report(results: dict, setup: dict, args, size: str, steps: int, warmup
     lengths = {(side, r["tokens_per_sequence"]["min"], r["tokens_per_sequence"]["max"])
                for sides in results.values() for side, r in sides.items() if "failed" not in r}
     same = {(lo, hi) for _, lo, hi in lengths} == {(setup["seq_len"], setup["seq_len"])}
+    trained = {row: {side: r["trained_params"] for side, r in sides.items() if "failed" not in r}
+               for row, sides in results.items()}
     print()
     print(f"trainloop bench_dpo: {device}, {versions()}, {time.strftime('%Y-%m-%d')}; "
           f"{'--quick, ' if args.quick else ''}a {setup['params']:,}-parameter Llama, batch {setup['batch_size']} "
           f"pairs x 2 x {setup['seq_len']} tokens, beta 0.1, sigmoid, fp32, fused AdamW; median of {steps} timed "
-          f"steps after {warmup} warm-up; {time.time() - began:.0f} s in all, load average at the end "
-          f"{os.getloadavg()[0]:.1f}")
+          f"steps after {warmup} warm-up" + (f", median of {args.repeats} runs" if args.repeats > 1 else "") +
+          f"; {time.time() - began:.0f} s in all, load average at the end {os.getloadavg()[0]:.1f}")
     if ran:
-        print(f"step = {ran[0]['time_kind']} of the optimizer step; peak = {ran[0]['memory_kind']}, above the "
+        print(f"step = {ran[0]['time_kind']} of one optimizer step; peak = {ran[0]['memory_kind']}, above the "
               f"resident set before the model, over the warm-up steps (building: over the build)")
-    print("sequences: " + ("every one " + str(setup["seq_len"]) + " tokens on both sides (no padding)" if same else
-                           "NOT the same length on both sides: " + ", ".join(f"{s} {lo}..{hi}" for s, lo, hi in sorted(lengths))))
-    trained = {row: {side: r["trained_params"] for side, r in sides.items() if "failed" not in r}
-               for row, sides in results.items()}
+    print("sequences: " + (f"every one {setup['seq_len']} tokens on both sides (no padding)" if same else
+                           "NOT the same length on both sides: " +
+                           ", ".join(f"{s} {lo}..{hi}" for s, lo, hi in sorted(lengths))))
     print("trained parameters: " + ", ".join(
         f"{row} {next(iter(n.values())):,} on both sides" if len(set(n.values())) == 1 else
-        f"{row} NOT the same: " + ", ".join(f"{side} {v:,}" for side, v in n.items()) for row, n in trained.items() if n))
+        f"{row} NOT the same: " + ", ".join(f"{side} {v:,}" for side, v in n.items())
+        for row, n in trained.items() if n))
     print()
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"size": size, "steps": steps, "warmup": warmup, "threads": args.threads,
-                                         "setup": setup, "results": results}, indent=2))
+                                         "repeats": args.repeats, "setup": setup, "results": results}, indent=2))
     if any("failed" in r for sides in results.values() for r in sides.values()):
         sys.exit(1)
 
