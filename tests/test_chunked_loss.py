@@ -1,0 +1,188 @@
+"""trainer.loss_chunk_tokens (issue 28, item 1): the loss taken N tokens at a time equals the loss
+through the full logits, and so do its gradients, within 1e-6 in fp32 (relative: a tensor's
+largest difference over its largest value): text and chat data (masked tokens), tied and untied
+output layers, LoRA, the per-token log-probabilities DPO scores with, evaluation, and FSDP2 on 2
+processes. The output layer is left as it was, and what cannot work is refused by name.
+
+Real parts only: the composed config, the run's data and model builders, FSDP2 under torchrun.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose, launch
+from test_finetune_data import conversation, write_rows
+from test_objectives import batch_for
+from trainloop.config import ConfigError, validate
+from trainloop.objectives import build_objective
+
+TOLERANCE = 1e-6
+CHUNK = 24  # 4 rows x 63 targets: 11 chunks, the last one short
+
+
+def loss_and_grads(objective, model, batch) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    summed = objective.batch_loss(model, batch).summed
+    summed.backward()
+    return summed.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def worst_difference(got: dict, want: dict) -> float:
+    assert set(got) == set(want) and want
+    return max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-30)).item() for k in want)
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> list[str]:
+    path = write_rows(tmp_path_factory.mktemp("chat") / "chat.jsonl", [{"messages": conversation(i)} for i in range(80)])
+    return ["data=chat", f"data.path={path}"]
+
+
+@functools.cache
+def batch_and_model(*overrides: str):
+    """batch_for's batch and model, built once per process (the data takes the time)."""
+    return batch_for(compose("+preset=smoke", *overrides), "causal_lm")
+
+
+def full_and_chunked(*overrides: str, untied: bool = False):
+    """(the objective with the full logits, the chunked one, the model, a batch of 4 blocks)."""
+    cfg = compose("+preset=smoke", *overrides)
+    batch, model = batch_and_model(*overrides)
+    if untied:  # its own output weight, drawn from the same seed as the rest
+        from trainloop.model import build_model
+
+        config = copy.deepcopy(model.config)
+        config.tie_word_embeddings = False
+        torch.manual_seed(0)
+        model = build_model(cfg.model, config)
+        assert model.lm_head.weight is not model.get_input_embeddings().weight
+    full = build_objective(cfg, "cpu")
+    cfg.trainer.loss_chunk_tokens = CHUNK
+    validate(cfg)
+    return full, build_objective(cfg, "cpu"), model, batch
+
+
+@pytest.mark.parametrize("case", ["tied", "untied", "chat", "lora"])
+def test_the_chunked_loss_and_its_gradients_equal_the_full_logits(case, chat_data):
+    overrides = {"chat": chat_data, "lora": ["adapter=lora"]}.get(case, [])
+    full, chunked, model, batch = full_and_chunked(*overrides, untied=case == "untied")
+    if case == "chat":  # the prompts' tokens carry no loss: dropped before the output layer
+        assert 0 < (batch["labels"][:, 1:] != -100).sum() < batch["labels"][:, 1:].numel()
+    want_loss, want = loss_and_grads(full, model, batch)
+    got_loss, got = loss_and_grads(chunked, model, batch)
+    assert abs(got_loss - want_loss) / want_loss < TOLERANCE, (got_loss, want_loss)
+    if case == "lora":  # only the adapters train; the output layer is frozen and gets no gradient
+        assert all("lora_" in name for name in want)
+    assert worst_difference(got, want) < TOLERANCE
+    with torch.no_grad():  # evaluation: the same sum, no gradient prepared
+        assert chunked.eval_sums(model, batch)[0].item() == pytest.approx(want_loss.item(), rel=TOLERANCE)
+
+
+def test_per_token_log_probabilities_and_their_gradients_equal_the_full_logits(chat_data):
+    """What DPO sums per completion: each token's log-probability, 0 where the label is masked."""
+    from trainloop.chunked_loss import token_logps
+    from trainloop.objectives.causal_lm import model_inputs
+
+    _, _, model, batch = full_and_chunked(*chat_data)
+    weights = torch.randn(batch["labels"].shape[0], batch["labels"].shape[1] - 1, generator=torch.Generator().manual_seed(0))
+    results = []
+    for chunk in (0, CHUNK):
+        model.zero_grad(set_to_none=True)
+        logps = token_logps(model, model_inputs(batch), batch["labels"], chunk)
+        (logps * weights).sum().backward()  # a different upstream gradient for every token
+        results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    assert (got[batch["labels"][:, 1:] == -100] == 0).all()
+    assert (got - want).abs().max() / want.abs().max() < TOLERANCE
+    assert worst_difference(got_grads, want_grads) < TOLERANCE
+
+
+def test_the_output_layer_is_left_as_it_was():
+    from trainloop.chunked_loss import computing_in_output_layer, output_layer
+
+    full, chunked, model, batch = full_and_chunked()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    chunked.batch_loss(model, batch).summed.backward()
+    head = output_layer(model)
+    assert "forward" not in vars(head) and head(torch.zeros(1, 64)).shape == (1, model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="inside"), computing_in_output_layer(head, lambda *a: 0):
+        raise RuntimeError("inside")
+    assert "forward" not in vars(head)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_what_cannot_work_is_refused_by_name():
+    from trainloop.adapter import apply_adapter
+    from trainloop.model import build_model
+
+    from test_objectives import NEEDS
+
+    for overrides, says in [(["trainer.loss_chunk_tokens=-1"], "must be 0"),
+                            (["trainer.loss_chunk_tokens=16", "compile=inductor"], "compile.regional=true"),
+                            (["trainer.loss_chunk_tokens=16", "objective=dpo", *NEEDS["dpo"]], "causal_lm only")]:
+        with pytest.raises(ConfigError, match=says):
+            validate(compose("+preset=smoke", *overrides))
+    validate(compose("+preset=smoke", "trainer.loss_chunk_tokens=16", "compile=inductor", "compile.regional=true"))
+    # an output layer LoRA adapts is no plain Linear: said at the first forward, naming the key
+    cfg = compose("+preset=smoke", "adapter=lora", "adapter.target_modules=[q_proj,lm_head]",
+                  "trainer.loss_chunk_tokens=16")
+    batch, model = batch_and_model()
+    model = apply_adapter(cfg, build_model(cfg.model, copy.deepcopy(model.config)))  # not the shared one
+    with pytest.raises(ConfigError, match="trainer.loss_chunk_tokens"):
+        build_objective(cfg, "cpu").batch_loss(model, batch)
+
+
+def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
+    """Each rank's loss and the gathered gradients (the output weight's too, a DTensor shard that
+    the root's forward gathers) equal the full logits' on the same sharded model, on chat rows."""
+    from test_distributed import free_port
+
+    out = tmp_path / "fsdp.json"
+    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            __file__, str(out), *chat_data], cwd=Path(__file__).parent, timeout=300)
+    found = json.loads(out.read_text())
+    assert found["world_size"] == 2 and found["sharded_head"]
+    print(found)
+    assert found["loss"] < TOLERANCE and found["grads"] < TOLERANCE, found
+
+
+def fsdp_worker(out: str, *overrides: str) -> None:
+    """Under torchrun: the run's own build with fsdp=full_shard; one batch through both losses."""
+    from torch.distributed.tensor import DTensor
+
+    from trainloop.accelerator import build_accelerator
+    from trainloop.build import build
+    from trainloop.chunked_loss import output_layer
+    from trainloop.parallel import build_strategy
+    from trainloop.run import end_distributed
+
+    cfg = compose("+preset=[smoke,fsdp]", f"trainer.loss_chunk_tokens={CHUNK}", *overrides)
+    validate(cfg)
+    strategy = build_strategy(cfg, build_accelerator(cfg))
+    built = build(cfg, strategy)
+    model, chunked = built.model, built.objective
+    batch = {k: v.to(strategy.device) for k, v in next(iter(built.train_loader)).items()}
+    cfg.trainer.loss_chunk_tokens = 0
+    results = []
+    for objective in (build_objective(cfg, strategy.device), chunked):
+        loss, grads = loss_and_grads(objective, model, batch)
+        results.append((strategy.reduce_sum(loss), {k: v.full_tensor() for k, v in grads.items()}))
+    (want_loss, want), (got_loss, got) = results
+    found = {"world_size": strategy.world_size, "sharded_head": isinstance(output_layer(model).weight, DTensor),
+             "loss": (abs(got_loss - want_loss) / want_loss).item(), "grads": worst_difference(got, want)}
+    if strategy.accelerator.is_main_process:
+        Path(out).write_text(json.dumps(found))
+    end_distributed(strategy)
+
+
+if __name__ == "__main__":
+    fsdp_worker(*sys.argv[1:])
