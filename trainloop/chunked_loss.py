@@ -177,6 +177,7 @@ class SummedNLL(torch.autograd.Function):
                     grad_hidden[start:start + chunk] = torch.mm(grad, w)
                 if need_weight:
                     _accumulate(grad_weight, grad.t(), h)
+                del grad  # before the next chunk's logits: two chunks' logits are never held at once
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
@@ -240,6 +241,7 @@ class TokenLogps(torch.autograd.Function):
                     grad_hidden[start:end] = torch.mm(grad, w)
                 if need_weight:
                     _accumulate(grad_weight, grad.t(), h)
+                del grad, logits  # before the next chunk's logits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
