@@ -1,8 +1,8 @@
 """trainer.loss_chunk_tokens (issue 28, item 1): the loss taken N tokens at a time equals the loss
 through the full logits, and so do its gradients, within 1e-6 in fp32 (relative: a tensor's
 largest difference over its largest value): text and chat data (masked tokens), tied and untied
-output layers, LoRA, the per-token log-probabilities DPO scores with, evaluation, and FSDP2 on 2
-processes. The output layer is left as it was, and what cannot work is refused by name.
+output layers, LoRA, GPT-2 and Mixtral (its router's penalty), the per-token log-probabilities DPO
+scores with, evaluation, and FSDP2 on 2 processes. The output layer is left as it was, and what cannot work is refused by name.
 
 Real parts only: the composed config, the run's data and model builders, FSDP2 under torchrun.
 """
@@ -70,9 +70,10 @@ def full_and_chunked(*overrides: str, untied: bool = False):
     return full, build_objective(cfg, "cpu"), model, batch
 
 
-@pytest.mark.parametrize("case", ["tied", "untied", "chat", "lora"])
+@pytest.mark.parametrize("case", ["tied", "untied", "chat", "lora", "gpt2", "mixtral"])
 def test_the_chunked_loss_and_its_gradients_equal_the_full_logits(case, chat_data):
-    overrides = {"chat": chat_data, "lora": ["adapter=lora"]}.get(case, [])
+    overrides = {"chat": chat_data, "lora": ["adapter=lora"], "gpt2": ["model.arch=gpt2"],
+                 "mixtral": ["model.arch=mixtral"]}.get(case, [])
     full, chunked, model, batch = full_and_chunked(*overrides, untied=case == "untied")
     if case == "chat":  # the prompts' tokens carry no loss: dropped before the output layer
         assert 0 < (batch["labels"][:, 1:] != -100).sum() < batch["labels"][:, 1:].numel()
@@ -82,6 +83,9 @@ def test_the_chunked_loss_and_its_gradients_equal_the_full_logits(case, chat_dat
     if case == "lora":  # only the adapters train; the output layer is frozen and gets no gradient
         assert all("lora_" in name for name in want)
     assert worst_difference(got, want) < TOLERANCE
+    if case == "mixtral":  # the router's penalty comes from the same forward
+        assert chunked.batch_loss(model, batch).penalty.item() == pytest.approx(
+            full.batch_loss(model, batch).penalty.item(), rel=TOLERANCE)
     with torch.no_grad():  # evaluation: the same sum, no gradient prepared
         assert chunked.eval_sums(model, batch)[0].item() == pytest.approx(want_loss.item(), rel=TOLERANCE)
 
