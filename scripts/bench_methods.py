@@ -409,7 +409,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}")
     print(f"speed = {first['speed_kind']} (median step); memory = {first['memory_kind']}")
     if any(m.reference for m in methods):
-        print("a row with a reference (the chunked loss's: the full loss at its vocabulary) has its ratios against "
+        print("a row with a reference (the chunked loss's: the full loss at its vocabulary, both 1 x 2,048 tokens) has its ratios against "
               "that row, not the baseline")
     print(f"baseline first and last: {first['speed']:,.0f} and {last['speed']:,.0f} "
           f"({abs(first['speed'] - last['speed']) / reference['speed']:.0%} apart), "
