@@ -9,7 +9,6 @@ Real parts only: the composed config, the run's data and model builders, FSDP2 u
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import sys
@@ -18,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, launch
+from conftest import compose, launch, read_metrics, train
 from test_finetune_data import conversation, write_rows
-from test_objectives import batch_for
 from trainloop.config import ConfigError, validate
 from trainloop.objectives import build_objective
 
@@ -47,23 +45,36 @@ def chat_data(tmp_path_factory) -> list[str]:
 
 
 @functools.cache
-def batch_and_model(*overrides: str):
-    """batch_for's batch and model, built once per process (the data takes the time)."""
-    return batch_for(compose("+preset=smoke", *overrides), "causal_lm")
+def batch_of(*data_overrides: str) -> tuple[dict, int]:
+    """4 training blocks of the run's own data and the tokenizer's size, built once per process."""
+    from trainloop.data import build_tokenizer
+    from trainloop.mixture import build_training_data
+
+    cfg = compose("+preset=smoke", *data_overrides)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    train_set, _, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
+    items = [train_set[i] for i in range(4)]
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}, len(tokenizer)
 
 
-def full_and_chunked(*overrides: str, untied: bool = False):
+def model_for(cfg, vocab: int, untied: bool = False):
+    """The run's model (with its adapter), from a fixed seed; untied: its own output weight."""
+    from trainloop.adapter import apply_adapter
+    from trainloop.model import build_model, build_model_config
+
+    config = build_model_config(cfg.model, vocab)
+    config.tie_word_embeddings = not untied
+    torch.manual_seed(0)
+    model = build_model(cfg.model, config)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) != untied
+    return apply_adapter(cfg, model) if cfg.adapter.name != "none" else model
+
+
+def full_and_chunked(*overrides: str, data: tuple[str, ...] = (), untied: bool = False):
     """(the objective with the full logits, the chunked one, the model, a batch of 4 blocks)."""
-    cfg = compose("+preset=smoke", *overrides)
-    batch, model = batch_and_model(*overrides)
-    if untied:  # its own output weight, drawn from the same seed as the rest
-        from trainloop.model import build_model
-
-        config = copy.deepcopy(model.config)
-        config.tie_word_embeddings = False
-        torch.manual_seed(0)
-        model = build_model(cfg.model, config)
-        assert model.lm_head.weight is not model.get_input_embeddings().weight
+    cfg = compose("+preset=smoke", *data, *overrides)
+    batch, vocab = batch_of(*data)
+    model = model_for(cfg, vocab, untied)
     full = build_objective(cfg, "cpu")
     cfg.trainer.loss_chunk_tokens = CHUNK
     validate(cfg)
@@ -72,9 +83,9 @@ def full_and_chunked(*overrides: str, untied: bool = False):
 
 @pytest.mark.parametrize("case", ["tied", "untied", "chat", "lora", "gpt2", "mixtral"])
 def test_the_chunked_loss_and_its_gradients_equal_the_full_logits(case, chat_data):
-    overrides = {"chat": chat_data, "lora": ["adapter=lora"], "gpt2": ["model.arch=gpt2"],
-                 "mixtral": ["model.arch=mixtral"]}.get(case, [])
-    full, chunked, model, batch = full_and_chunked(*overrides, untied=case == "untied")
+    overrides = {"lora": ["adapter=lora"], "gpt2": ["model.arch=gpt2"], "mixtral": ["model.arch=mixtral"]}
+    full, chunked, model, batch = full_and_chunked(*overrides.get(case, []), data=chat_data if case == "chat" else (),
+                                                   untied=case == "untied")
     if case == "chat":  # the prompts' tokens carry no loss: dropped before the output layer
         assert 0 < (batch["labels"][:, 1:] != -100).sum() < batch["labels"][:, 1:].numel()
     want_loss, want = loss_and_grads(full, model, batch)
@@ -95,7 +106,7 @@ def test_per_token_log_probabilities_and_their_gradients_equal_the_full_logits(c
     from trainloop.chunked_loss import token_logps
     from trainloop.objectives.causal_lm import model_inputs
 
-    _, _, model, batch = full_and_chunked(*chat_data)
+    _, _, model, batch = full_and_chunked(data=chat_data)
     weights = torch.randn(batch["labels"].shape[0], batch["labels"].shape[1] - 1, generator=torch.Generator().manual_seed(0))
     results = []
     for chunk in (0, CHUNK):
@@ -124,25 +135,42 @@ def test_the_output_layer_is_left_as_it_was():
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_a_run_trains_with_it_and_exports_the_plain_model(tmp_path, chat_data):
+    """The loop's own steps with chunks (chat rows), and final/ a model whose forward gives logits again."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = train(tmp_path / "run", *chat_data, f"trainer.loss_chunk_tokens={CHUNK}")
+    losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert type(final.lm_head) is torch.nn.Linear and "forward" not in vars(final.lm_head)
+    assert final(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, final.config.vocab_size)
+
+
 def test_what_cannot_work_is_refused_by_name():
     from trainloop.adapter import apply_adapter
     from trainloop.model import build_model
 
     from test_objectives import NEEDS
+    from trainloop.objectives import OBJECTIVES
 
-    for overrides, says in [(["trainer.loss_chunk_tokens=-1"], "must be 0"),
-                            (["trainer.loss_chunk_tokens=16", "compile=inductor"], "compile.regional=true"),
-                            (["trainer.loss_chunk_tokens=16", "objective=dpo", *NEEDS["dpo"]], "causal_lm only")]:
+    refused = [(["trainer.loss_chunk_tokens=-1"], "must be 0"),
+               (["trainer.loss_chunk_tokens=16", "compile=inductor"], "compile.regional=true")]
+    # an objective reads the key once it scores tokens through trainloop.chunked_loss (its row says so)
+    refused += [(["trainer.loss_chunk_tokens=16", f"objective={name}", *NEEDS[name]], "only for now")
+                for name, row in OBJECTIVES.items() if not row.chunks_loss]
+    for overrides, says in refused:
         with pytest.raises(ConfigError, match=says):
             validate(compose("+preset=smoke", *overrides))
+    for name in (name for name, row in OBJECTIVES.items() if row.chunks_loss):
+        validate(compose("+preset=smoke", "trainer.loss_chunk_tokens=16", f"objective={name}", *NEEDS[name]))
     validate(compose("+preset=smoke", "trainer.loss_chunk_tokens=16", "compile=inductor", "compile.regional=true"))
     # an output layer LoRA adapts is no plain Linear: said at the first forward, naming the key
     cfg = compose("+preset=smoke", "adapter=lora", "adapter.target_modules=[q_proj,lm_head]",
                   "trainer.loss_chunk_tokens=16")
-    batch, model = batch_and_model()
-    model = apply_adapter(cfg, build_model(cfg.model, copy.deepcopy(model.config)))  # not the shared one
+    batch, vocab = batch_of()
     with pytest.raises(ConfigError, match="trainer.loss_chunk_tokens"):
-        build_objective(cfg, "cpu").batch_loss(model, batch)
+        build_objective(cfg, "cpu").batch_loss(model_for(cfg, vocab), batch)
 
 
 def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
