@@ -175,7 +175,8 @@ def test_what_cannot_work_is_refused_by_name():
 
 def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
     """Each rank's loss and the gathered gradients (the output weight's too, a DTensor shard that
-    the root's forward gathers) equal the full logits' on the same sharded model, on chat rows."""
+    the root's forward gathers) equal the full logits' on the same sharded model, on chat rows; so
+    do DPO's per-token log-probabilities and their gradients (a backward that recomputes)."""
     from test_distributed import free_port
 
     out = tmp_path / "fsdp.json"
@@ -184,7 +185,7 @@ def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
     found = json.loads(out.read_text())
     assert found["world_size"] == 2 and found["sharded_head"]
     print(found)
-    assert found["loss"] < TOLERANCE and found["grads"] < TOLERANCE, found
+    assert all(found[key] < TOLERANCE for key in ("loss", "grads", "logps", "logps_grads")), found
 
 
 def fsdp_worker(out: str, *overrides: str) -> None:
@@ -193,7 +194,8 @@ def fsdp_worker(out: str, *overrides: str) -> None:
 
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
-    from trainloop.chunked_loss import output_layer
+    from trainloop.chunked_loss import output_layer, token_logps
+    from trainloop.objectives.causal_lm import model_inputs
     from trainloop.parallel import build_strategy
     from trainloop.run import end_distributed
 
@@ -209,8 +211,19 @@ def fsdp_worker(out: str, *overrides: str) -> None:
         loss, grads = loss_and_grads(objective, model, batch)
         results.append((strategy.reduce_sum(loss), {k: v.full_tensor() for k, v in grads.items()}))
     (want_loss, want), (got_loss, got) = results
+    weights = torch.randn(batch["labels"].shape[0], batch["labels"].shape[1] - 1,
+                          generator=torch.Generator().manual_seed(strategy.dp_rank))
+    logps = []  # DPO's per-token log-probabilities: their backward recomputes from the gathered weight
+    for chunk in (0, CHUNK):
+        model.zero_grad(set_to_none=True)
+        per_token = token_logps(model, model_inputs(batch), batch["labels"], chunk)
+        (per_token * weights).sum().backward()
+        logps.append((per_token.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+    (want_logps, want_grads), (got_logps, got_grads) = logps
     found = {"world_size": strategy.world_size, "sharded_head": isinstance(output_layer(model).weight, DTensor),
-             "loss": (abs(got_loss - want_loss) / want_loss).item(), "grads": worst_difference(got, want)}
+             "loss": (abs(got_loss - want_loss) / want_loss).item(), "grads": worst_difference(got, want),
+             "logps": ((got_logps - want_logps).abs().max() / want_logps.abs().max()).item(),
+             "logps_grads": worst_difference(got_grads, want_grads)}
     if strategy.accelerator.is_main_process:
         Path(out).write_text(json.dumps(found))
     end_distributed(strategy)
