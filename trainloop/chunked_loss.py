@@ -24,6 +24,11 @@ Two autograd functions, for two kinds of caller:
 - TokenLogps (per-token log-probabilities, DPO's): their upstream gradients differ token by
   token, so the backward recomputes each chunk's logits from the saved hidden states and the
   log-sum-exp (four matmuls).
+Both hold one chunk's fp32 logits and one temporary as large at a time. torch.utils.checkpoint
+per chunk would hold the recomputed chunk's log-softmax and its gradients too, and is slower:
+the output layer and loss of 2,048 tokens at vocabulary 128,256 and width 256 took, in CPU-seconds
+of one thread, 5.1 with the full logits, 4.7 SummedNLL, 6.4 TokenLogps, 8.3 checkpoint per chunk
+of 256 (measured 2026-11-25 on the shared 2-core Xeon).
 """
 
 from __future__ import annotations
