@@ -22,6 +22,7 @@ NEEDS = {  # options whose required keys the user must give
     ("data", "prepared"): ["data.path=/some/prepared"],
     ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
     ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
+    ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
 }
 
 

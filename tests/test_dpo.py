@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SMALL, compose, launch, read_metrics, train
+from conftest import SMALL, clean_env, compose, launch, read_metrics, train
 from test_distributed import free_port
 from test_finetune_data import write_rows
 from trainloop.config import ConfigError, check_command_line, validate
@@ -138,12 +141,14 @@ def test_the_data_fingerprint_sees_the_pairs(tmp_path):
 # --- the config -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, says", [
-    (["data=preference", "objective=dpo"], "objective=dpo needs adapter=lora for now"),
+    (["data=preference", "objective=dpo", "+preset=zero3", "deepspeed.zero3_init=true"],
+     "deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a copy of the model"),
     (["data=chat", "objective=dpo", "adapter=lora"], "objective=dpo trains on preference pairs, and data=chat holds "
                                                      "none: set data=preference"),
     (["data=preference"], "data=preference holds preference pairs, which objective=causal_lm does not train on"),
     ([*DPO, "objective.label_smoothing=0.1"], "objective.label_smoothing=0.1 is read only by objective.loss_type=robust"),
     ([*DPO, "objective.loss_type=kto"], "objective.loss_type=kto is not one of: sigmoid, ipo, hinge, robust"),
+    ([*DPO, "model.arch=mixtral"], "objective=dpo does not add a mixture's router loss"),
     ([*DPO, "data.packing=documents"], "data.packing=documents: data=preference makes one item of each pair"),
 ])
 def test_what_cannot_work_is_refused_naming_the_key(overrides, says):
@@ -224,11 +229,11 @@ def dpo_losses(run_dir: Path) -> list[tuple[int, str, float]]:
     return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r]
 
 
-def assert_same_losses(got: Path, want: Path) -> None:
+def assert_same_losses(got: Path, want: Path, tolerance: float = 1e-6) -> None:
     a, b = dpo_losses(got), dpo_losses(want)
     assert [(s, k) for s, k, _ in a] == [(s, k) for s, k, _ in b] and len(a) >= 8
     for (step, key, x), (_, _, y) in zip(a, b):
-        assert x == pytest.approx(y, rel=1e-6, abs=1e-6), (step, key, a, b)
+        assert x == pytest.approx(y, rel=tolerance, abs=tolerance), (step, key, a, b)
     assert len({x for _, key, x in a if key == "loss"}) > 1  # the policy moved
 
 
@@ -247,36 +252,96 @@ def test_two_processes_give_the_step_of_one(tmp_path):
     assert_same_losses(run_dir, whole)
 
 
+FULL = [*(o for o in STEP if o != "adapter=lora"), "adapter=none"]  # a full fine-tune: a frozen reference copy
+
+
+def test_a_full_fine_tune_under_zero3_and_fsdp2_gives_the_step_of_one_process(tmp_path, caplog, deepspeed_ops):
+    """Full fine-tune: the reference is a frozen copy of the starting model, partitioned by ZeRO-3
+    or sharded by FSDP2 like the policy; 2 processes x batch 2 give the losses and rewards of 1 x 4."""
+    from test_adapter import accelerate_launch
+
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        whole = train(tmp_path / "one", *FULL, "data.batch_size=4")
+    assert "the reference is a frozen copy of the starting model, whole on each rank" in caplog.text
+    for strategy, launcher, held in [
+        ("zero3", accelerate_launch().split(), "partitioned by DeepSpeed ZeRO-3 like the policy"),
+        ("fsdp", ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())],
+         "sharded by FSDP2 like the policy"),
+    ]:
+        run_dir = tmp_path / strategy
+        launch([*launcher, "-m", "trainloop", f"+preset=[smoke,{strategy}]", *SMALL[1:], *FULL, "data.batch_size=2",
+                f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_env(DS_ACCELERATOR="cpu"))
+        assert held in (run_dir / "train.log").read_text(), strategy
+        assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
+        assert_same_losses(run_dir, whole, tolerance=1e-5)
+
+
 # --- it learns --------------------------------------------------------------------------------
 
-def test_a_short_lora_run_learns_the_rule_of_the_held_out_pairs(tmp_path):
-    """Chosen answers end with '!', rejected ones with '.': from a random tiny model, DPO with LoRA
-    raises the held-out pairs' reward accuracy from 0 (the policy is its reference: every reward
-    ties) to at least 0.95."""
+def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
+    """Chosen answers end with '!', rejected ones with '.'. A tiny model first fine-tuned on both
+    endings alike (SFT: it echoes, with no preference), then DPO with LoRA on it: the held-out
+    pairs' reward accuracy goes from 0.5 at the first step (the policy is its reference: every
+    reward ties, a tie counts half) to at least 0.95; final/ loads merged in transformers and its
+    adapter on the SFT model in peft. objective.precompute_reference=true (the reference's log-probs
+    computed before training) gives the same losses within 1e-6."""
     words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
     rng = random.Random(0)
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(96)]
-    path = write_rows(tmp_path / "rule.jsonl", [{"prompt": f"Echo: {t}\n", "chosen": t + "!", "rejected": t + "."}
-                                                for t in texts])
-    run_dir = train(tmp_path / "run", *DPO, f"data.path={path}", "trainer.max_steps=4", "trainer.eval_every=4",
-                    "trainer.eval_batches=null", "data.batch_size=8", "data.validation_fraction=0.25",
-                    "optimizer.lr=1e-2", "scheduler=constant")
+    pairs = [{"prompt": f"Echo: {t}\n", "chosen": t + "!", "rejected": t + "."} for t in texts]
+    sft = write_rows(tmp_path / "sft.jsonl", [{"prompt": p["prompt"], "completion": p[rng.choice(["chosen", "rejected"])]}
+                                              for p in pairs])
+    base = train(tmp_path / "sft", "data=prompt_completion", f"data.path={sft}", "trainer.max_steps=12",
+                 "trainer.eval_every=12", "data.batch_size=8", "optimizer.lr=3e-3") / "final"
+    path = write_rows(tmp_path / "rule.jsonl", pairs)
+    dpo = [*DPO, "model=hf", f"model.name_or_path={base}", f"data.path={path}", "trainer.max_steps=4",
+           "trainer.eval_every=4", "trainer.eval_batches=null", "data.batch_size=8", "data.validation_fraction=0.25",
+           "optimizer.lr=1e-2", "scheduler=constant"]
+    run_dir = train(tmp_path / "run", *dpo)
     lines = read_metrics(run_dir)
     first = next(r for r in lines if "loss" in r)
-    assert first["rewards/margin"] == 0.0 and first["rewards/accuracy"] == 0.0
+    assert first["step"] == 1 and first["rewards/margin"] == 0.0 and first["rewards/accuracy"] == 0.5
     held_out = [r for r in lines if "eval_loss" in r][-1]
     assert held_out["rewards/accuracy"] >= 0.95 and held_out["rewards/margin"] > 0
     assert held_out["eval_loss"] < first["loss"]
     assert "eval_ppl" not in held_out
+    from test_adapter import logits_agree  # final/ loads in transformers, final/adapter on the SFT model in peft
+
+    name, worst = logits_agree(run_dir / "final", base)
+    assert name == "LlamaForCausalLM" and worst < 1e-4, worst
+    precomputed = train(tmp_path / "precomputed", *dpo, "objective.precompute_reference=true")
+    assert (precomputed / "reference_logps.pt").is_file()
+    assert_same_losses(precomputed, run_dir, tolerance=1e-6)
 
 
-def test_a_stopped_run_resumes_to_the_same_losses(tmp_path):
-    """Stopped after step 2 (saved) and resumed in its run dir: the data fingerprint matches and
-    steps 3 and 4 give bitwise the losses and rewards of a run that was not stopped."""
-    straight = train(tmp_path / "straight", *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2")
-    stopped = tmp_path / "stopped"
-    train(stopped, *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.stop_at_step=2")
-    train(stopped, *STEP, "data.batch_size=4", "trainer.max_steps=4", "trainer.eval_every=2")
-    assert [step for step, key, _ in dpo_losses(stopped) if key == "loss"] == [1, 2, 3, 4]  # resumed, not restarted
-    after = [line for line in dpo_losses(stopped) if line[0] > 2]
-    assert after == [line for line in dpo_losses(straight) if line[0] > 2] and len(after) >= 6
+def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_path):
+    """Acceptance 4, a full fine-tune with objective.precompute_reference=true: SIGTERM after step 2
+    -> exit 75 with a checkpoint; the same command resumes, reads the reference's log-probs back
+    from the run dir instead of computing them, and every logged loss and reward of the two runs is
+    bitwise that of a run that was not stopped."""
+    from test_resume import finish, start, wait_for_step
+
+    def command(run_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
+                "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false",
+                f"hydra.run.dir={run_dir}"]
+
+    launch(command(tmp_path / "straight"), cwd=tmp_path)
+    run = tmp_path / "stopped"
+    proc = start(command(run), tmp_path / "output.txt")
+    try:
+        wait_for_step(run, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        code = finish(proc, timeout=300)
+    finally:
+        finish(proc, timeout=0)
+    out = (tmp_path / "output.txt").read_text()
+    assert code == 75, out[-4000:]
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out)[1])
+    assert 2 <= stopped < 20
+    again = launch(command(run), cwd=tmp_path)
+    assert "reference's log-probabilities of 40 + 8 pairs read from" in again.stdout + again.stderr
+    assert [step for step, key, _ in dpo_losses(run) if key == "loss"] == list(range(1, 21))  # resumed, not restarted
+    assert dpo_losses(run) == dpo_losses(tmp_path / "straight")
+
+

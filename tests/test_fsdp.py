@@ -63,6 +63,9 @@ def assert_same_weights(final: Path, reference_final: Path) -> None:
     assert worst < WEIGHT_TOLERANCE, worst
 
 
+SAMPLE = 'eval.prompts=["Hello"]'  # greedy samples at every evaluation
+
+
 def two_processes(launcher: str) -> list[str]:
     if launcher == "torchrun":
         return ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
@@ -89,7 +92,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory) -> Path:
     return train(tmp_path_factory.mktemp("one_process_lora"), "+preset=[smoke,lora]", *RUN, "data.batch_size=8",
-                 small=False)
+                 SAMPLE, small=False)
 
 
 @pytest.mark.slow
@@ -110,8 +113,11 @@ def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter
     """Acceptance 1 and 5 under `accelerate launch --multi_gpu` (on CPU: accelerate's own FSDP
     would not engage), with a LoRA adapter applied before sharding: the adapter written is
     complete and is what one process at batch 8 trained."""
-    run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora")
+    run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora", SAMPLE)
     assert FSDP_LINE in run_log(run_dir)
+    # peft's generate goes around the sharded root's forward: the samples gather its weights themselves
+    samples = [[r["samples"] for r in read_metrics(d) if r.get("event") == "samples"] for d in (run_dir, lora_reference)]
+    assert samples[0] == samples[1] and samples[0], samples
     assert "1 of 2 processes built the model on the meta device" in run_log(run_dir)  # with the adapter
     assert_same_curve(run_dir, lora_reference)
     adapter, want = safetensors_of(run_dir / "final" / "adapter"), safetensors_of(lora_reference / "final" / "adapter")

@@ -28,6 +28,8 @@ NOT_PROBED = {
     "data.num_proc": "processes of datasets.map: the same blocks, only faster",
     "data.pin_memory": "takes effect only on a CUDA device; configs stay portable to CPU",
     "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
+    "objective.precompute_reference": "when dpo's reference is computed, not the loss (tests/test_dpo.py: the same "
+                                      "losses within 1e-6, read back on a resume; test_plan.py: the copy freed)",
 }
 SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "precision.name",
              "deepspeed.stage", "compile.backend", "adapter.name", "fsdp.name", "objective.name"}  # choose the option itself
@@ -134,7 +136,7 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
-        "objective.beta": 0.5, "objective.loss_type": "ipo", "objective.label_smoothing": 0.1,
+        "objective.beta": 0.5, "objective.loss_type": "ipo", "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
     }
 
 

@@ -16,7 +16,8 @@ from trainloop.objectives import OBJECTIVES, build_objective
 # The config each objective needs on top of the smoke preset (a new row adds its own).
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
 NEEDS = {"causal_lm": [],
-         "dpo": ["data=preference", f"data.path={PAIRS}", "adapter=lora", "optimizer.lr=1e-2"]}
+         "dpo": ["data=preference", f"data.path={PAIRS}", "adapter=lora", "optimizer.lr=1e-2"],
+         "simpo": ["data=preference", f"data.path={PAIRS}"]}
 
 
 def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:

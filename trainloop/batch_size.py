@@ -16,10 +16,12 @@ import gc
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from trainloop.errors import ConfigError
+from trainloop.offload import ActivationOffload
 
 log = logging.getLogger("trainloop")
 
@@ -148,7 +150,14 @@ def stacked(samples, size: int, device: torch.device) -> dict:
     return {key: torch.stack([s[key] for s in first]).to(device) for key in first[0]}
 
 
-def trial_steps(model, objective, make_optimizer, batch: dict, autocast) -> None:
+@contextlib.contextmanager
+def forward_context(autocast, offload):
+    """The run's forward context: its autocast, and activation offloading where it is on."""
+    with autocast(), offload():
+        yield
+
+
+def trial_steps(model, objective, make_optimizer, batch: dict, context) -> None:
     """TRIAL_STEPS forward/backward/optimizer steps of the run's objective (trainloop.objectives)
     that leave the model's weights unchanged.
 
@@ -160,7 +169,7 @@ def trial_steps(model, objective, make_optimizer, batch: dict, autocast) -> None
         group["lr"] = 0.0
     try:
         for _ in range(TRIAL_STEPS):
-            with autocast():
+            with context():
                 loss = objective.batch_loss(model, batch).summed / objective.count(batch).clamp(min=1)
             loss.backward()
             for p in model.parameters():
@@ -180,15 +189,16 @@ def _release(device: torch.device) -> None:
 
 
 def search_batch_size(model, objective, make_optimizer, samples, effective: int, device: torch.device,
-                      autocast, budget: int | None, limit: int | None = None) -> BatchSearch:
-    """Try per-device batches (divisors of `effective`, at most `limit`), largest first, until one fits."""
+                      context, budget: int | None, limit: int | None = None) -> BatchSearch:
+    """Try per-device batches (divisors of `effective`, at most `limit`), largest first, until one fits.
+    `context`: the run's forward context (forward_context: its autocast and activation offloading)."""
     search = BatchSearch(per_device_effective=effective)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout in the trials must not shift training's RNG
         # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
         # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
         try:
-            trial_steps(model, objective, make_optimizer, stacked(samples, 1, device), autocast)
+            trial_steps(model, objective, make_optimizer, stacked(samples, 1, device), context)
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
@@ -199,7 +209,7 @@ def search_batch_size(model, objective, make_optimizer, samples, effective: int,
             error = None
             try:
                 with memory_budget(device, budget):
-                    trial_steps(model, objective, make_optimizer, batch, autocast)
+                    trial_steps(model, objective, make_optimizer, batch, context)
             except (RuntimeError, MemoryError) as err:
                 if not is_out_of_memory(err):
                     raise
@@ -235,7 +245,9 @@ def settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer
         budget_mb = cfg.trainer.auto_batch_size_budget_mb
         model.to(strategy.device)
         search = search_batch_size(model, objective, make_optimizer, train_set, effective, strategy.device,
-                                   strategy.accelerator.autocast, None if budget_mb is None else int(budget_mb * 2**20),
+                                   partial(forward_context, strategy.accelerator.autocast,
+                                           ActivationOffload(cfg.trainer.activation_offload, strategy.device)),
+                                   None if budget_mb is None else int(budget_mb * 2**20),
                                    limit=len(train_set) // strategy.dp_size)  # each data-parallel rank's share
         if strategy.world_size > 1:
             found = torch.tensor([search.batch_size], device=strategy.device)

@@ -5,7 +5,9 @@ The order matters: the adapter wraps the model before compile, compile comes bef
 (torchtitan's order: the compiled blocks are sharded), the optimizer is built on the sharded
 parameters, and accelerate prepares what the strategy leaves to it. What differs between callers
 is given, not branched on: a run's checkpointer checks the data against its checkpoint, a
-benchmark hands in blocks it tokenized once, the planner measures from `before_model` on.
+benchmark hands in blocks it tokenized once, the planner measures from `before_model` on. An
+objective that keeps a frozen copy of the model (DPO's reference for a full fine-tune) takes it as
+built, before compile and sharding; the strategy shards it like the policy.
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
         model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model)
+    objective = build_objective(cfg, strategy.device)
+    frozen = objective.frozen_copy(model)  # a reference copy of the model as built: sharded like it below
     flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
                             trained_matmul_params=trained_matmul_params(model) if cfg.adapter.name != "none" else None)
-    objective = build_objective(cfg, strategy.device)
     on_cuda = strategy.device.type == "cuda"
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
                              cpu_offload=strategy.optimizer_offloaded())
@@ -126,5 +129,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     # The training loader is already this rank's share of the global order: accelerate must not shard it again.
     model, optimizer, valid_loader = strategy.prepare(model, optimizer, valid_loader)
     accelerator.register_for_checkpointing(scheduler)
+    objective.start(strategy, model, None if frozen is None else strategy.prepare_frozen(frozen),
+                    train_set, valid_set, run_dir)
     return Built(strategy, objective, tokenizer, model_config, samples, train_set, valid_set, model, optimizer,
                  scheduler, train_loader, valid_loader, flops, batch_search)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from trainloop.mixture import source_names
+from trainloop.offload import ActivationOffload
 from trainloop.profiler import StepProfiler
 from trainloop.telemetry import Telemetry
 
@@ -91,9 +92,10 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples, from
     eval.prompts) generates at every evaluation."""
     tc, accelerator = cfg.trainer, strategy.accelerator
-    tokens_per_batch = cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size
+    tokens_per_batch = cfg.data.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
+    offload = ActivationOffload(tc.activation_offload, accelerator.device, say=True)  # the forward's saved tensors
     max_norm = tc.max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
     step_loss = torch.zeros((), device=accelerator.device)
@@ -116,7 +118,8 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
             source_tokens += step_source_tokens
             for i, batch in enumerate(group):
                 with micro_step(strategy, model, last=i == len(group) - 1):
-                    out = objective.batch_loss(model, batch)
+                    with offload():
+                        out = objective.batch_loss(model, batch)
                     loss = out.summed * (scale / step_count)
                     # divided by `scale` too: the step adds the mean penalty of its forwards
                     if out.penalty is not None:

@@ -126,6 +126,7 @@ class TrainerConfig:
     # the output layer and cross-entropy N tokens at a time, never the full logits (less memory at a
     # large vocabulary); 0: the full logits. Objectives that score tokens read it (trainloop/chunked_loss.py)
     loss_chunk_tokens: int = 0
+    activation_offload: bool = False  # CUDA: what the forward saves for the backward kept in pinned host memory
 
 
 @dataclass
@@ -189,10 +190,14 @@ class CompileConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo)
-    beta: float = 0.1  # dpo only: how far the policy may move from the reference (the rewards are beta x log-ratios)
+    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo)
+    beta: float = 0.1  # dpo and simpo: the rewards are beta x (dpo) log-ratios to the reference, (simpo) log-prob per token
     loss_type: str = "sigmoid"  # dpo only: sigmoid (the DPO paper's), ipo, hinge or robust, as TRL 1.16 defines them
-    label_smoothing: float = 0.0  # dpo with loss_type=robust only: the assumed share of flipped labels, in [0, 0.5)
+    label_smoothing: float = 0.0  # dpo with loss_type=robust, and simpo: the assumed share of flipped labels, in [0, 0.5)
+    gamma: float = 1.0  # simpo only: the target reward margin, in the rewards' units (SimPO's gamma, TRL's simpo_gamma)
+    # dpo only: the reference's log-probabilities of every pair computed in one pass before training (kept in
+    # RUN_DIR/reference_logps.pt for a resume), and a full fine-tune's frozen reference copy freed after it
+    precompute_reference: bool = False
 
 
 @dataclass

@@ -11,10 +11,12 @@ from __future__ import annotations
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
 from trainloop.objectives.dpo import DPO
+from trainloop.objectives.simpo import SimPO
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "causal_lm": CausalLM,
     "dpo": DPO,
+    "simpo": SimPO,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "problems", "read_only_by"]
@@ -45,8 +47,9 @@ def problems(cfg, data_pairs: bool) -> list[str]:
         problems.append(f"objective={objective.name} trains on preference pairs, and data={cfg.data.name} holds "
                         "none: set data=preference")
     if data_pairs and not objective.pairs:
+        on_pairs = " or ".join(name for name, row in OBJECTIVES.items() if row.pairs)
         problems.append(f"data={cfg.data.name} holds preference pairs, which objective={objective.name} does not "
-                        "train on: set objective=dpo")
+                        f"train on: set objective={on_pairs}")
     return problems
 
 

@@ -30,17 +30,35 @@ class Objective:
     - window(strategy): values for the train log line since the last one, over every rank.
     - eval_sums(model, batch): (summed loss, units) of an evaluation forward; evaluate() adds them
       up over the validation batches and ranks into the eval line's values.
+
+    The build (trainloop.build) asks two more things of it: `frozen_copy(model)`, before compile
+    and sharding (a model the objective keeps unchanged, e.g. DPO's reference; None: none), and,
+    once everything is built, `start(...)` with that copy prepared by the strategy.
     """
 
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
     chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.chunked_loss
+    sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
 
     @staticmethod
     def problems(cfg) -> list[str]:
         """Its own config checks (the whole config), each naming the key and what to choose."""
         return []
+
+    @staticmethod
+    def memory_lines(plan, cfg) -> None:
+        """The planner's lines for what the objective itself holds (trainloop.tools.plan), added
+        after the strategy's model-state lines, which it may read (e.g. to hold a copy like them)."""
+
+    def frozen_copy(self, model):
+        """A copy of the model as built (before compile and sharding) that the objective keeps
+        frozen, or None. The strategy shards it like the policy (Strategy.prepare_frozen)."""
+        return None
+
+    def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
+        """Called once the run is built, before any step: `frozen` is frozen_copy's, prepared."""
 
     def count(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

@@ -3,66 +3,68 @@ to a reference on the chosen completion against the rejected one, as TRL 1.16's 
 computes it (`_compute_loss`): objective.loss_type sigmoid (the DPO paper's), ipo (its log-ratios
 averaged over the completion's tokens, as TRL has it), hinge, or robust (objective.label_smoothing).
 
-The reference is the policy with its LoRA adapters disabled (adapter=lora): no second copy. Chosen
-and rejected go through the model in one forward, concatenated on the batch dimension. A batch's
-units are its pairs, so a step's loss is the mean over the pairs of the global batch.
+The reference is the starting model, frozen. With adapter=lora it is the policy with its adapters
+disabled: no second copy. A full fine-tune keeps a frozen copy of the model as built, which the
+strategy shards like the policy (ZeRO-3, FSDP2) and which no optimizer or checkpoint sees. With
+objective.precompute_reference=true the reference's log-probabilities of every pair are computed in
+one pass before training, carried by the data from then on (and kept in RUN_DIR/reference_logps.pt,
+so a resumed run reads them back), and the copy is freed. Chosen and rejected go through the model
+in one forward, concatenated on the batch dimension. A batch's units are its pairs, so a step's loss
+is the mean over the pairs of the global batch.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
-from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.tokenizer import IGNORE
+from trainloop.objectives.pairs import PairObjective, completion_logps, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
+
+log = logging.getLogger("trainloop")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
-
-# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
-SUMS = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
-        "logps/chosen", "logps/rejected")
-
-
-def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's summed log-probability of its completion tokens, chosen rows first then
-    rejected, from one forward of both; and each one's completion tokens."""
-    import torch
-    import torch.nn.functional as F
-
-    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    logits = model(input_ids=ids, use_cache=False).logits
-    per_token = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                 ignore_index=IGNORE, reduction="none").view(ids.shape[0], -1)
-    return per_token.sum(1), (labels != IGNORE).sum(1)
-
+PRECOMPUTED = "reference_logps"  # the data's column of precomputed reference log-probs: [pairs, 2] (chosen, rejected)
+CACHE = "reference_logps.pt"  # in the run dir
 
 def reference_model(model):
     """The peft model under a data-parallel wrapper (DDP's .module), whose adapters can be disabled."""
     return model if hasattr(model, "disable_adapter") else model.module
 
 
-class DPO(Objective):
+def pair_tensors(dataset) -> dict:
+    """A preference set's own columns (trainloop.packing.PairBlocks), without precomputed ones."""
+    return {key: t for key, t in dataset.tensors.items() if key != PRECOMPUTED}
+
+
+def held(frozen) -> str:
+    """How the ranks hold a frozen copy, read back from it (FSDP2's DTensors, DeepSpeed's engine)."""
+    from trainloop.parallel.tensors import is_fsdp2
+
+    if is_fsdp2(frozen):
+        return "sharded by FSDP2 like the policy"
+    if hasattr(frozen, "zero_optimization_stage"):
+        stage = frozen.zero_optimization_stage()
+        return f"partitioned by DeepSpeed ZeRO-{stage} like the policy" if stage == 3 else \
+            "whole on each rank (a DeepSpeed engine without ZeRO: the policy's stage partitions no parameters)"
+    return "whole on each rank"
+
+
+class DPO(PairObjective):
     name = "dpo"
-    pairs = True
-    reads = ("objective.beta", "objective.loss_type", "objective.label_smoothing")
+    reads = ("objective.beta", "objective.loss_type", "objective.label_smoothing", "objective.precompute_reference")
 
     def __init__(self, cfg, device):
-        import torch
-
+        super().__init__(cfg, device)
         o = cfg.objective
         self.beta, self.loss_type, self.label_smoothing = o.beta, o.loss_type, o.label_smoothing
-        self.device = torch.device(device)
-        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)  # since the last train line
+        self.cfg = cfg
+        self.frozen = None  # a full fine-tune's reference copy, until its log-probs are precomputed
 
     @staticmethod
     def problems(cfg) -> list[str]:
         o, problems = cfg.objective, []
-        if cfg.adapter.name != "lora":
-            problems.append("objective=dpo needs adapter=lora for now: its reference is the model with the adapters "
-                            "disabled (a full fine-tune's frozen reference copy, and objective.precompute_reference, "
-                            "are the next slice)")
         if o.loss_type not in LOSS_TYPES:
             problems.append(f"objective.loss_type={o.loss_type} is not one of: {', '.join(LOSS_TYPES)}")
         if not o.beta > 0:
@@ -72,24 +74,150 @@ class DPO(Objective):
         if o.loss_type != "robust" and o.label_smoothing != 0.0:
             problems.append(f"objective.label_smoothing={o.label_smoothing} is read only by objective.loss_type=robust "
                             f"(objective.loss_type is {o.loss_type}): choose robust, or drop it")
-        if cfg.deepspeed.stage or cfg.fsdp.name != "none":
-            problems.append("objective=dpo runs on one process or DDP in this slice: use deepspeed=none and fsdp=none")
+        if cfg.adapter.name == "none" and cfg.deepspeed.stage == 3 and cfg.deepspeed.zero3_init:
+            problems.append("deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a "
+                            "copy of the model as built, and zero.Init builds it already partitioned; set "
+                            "deepspeed.zero3_init=false (the copy is then partitioned like the policy), or adapter=lora")
+        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
+            problems.append("objective=dpo does not add a mixture's router loss (model.router_aux_loss_coef): "
+                            "use model.arch=llama or gpt2")
         if cfg.trainer.auto_batch_size:
             problems.append("objective=dpo does not search a batch size yet: set trainer.auto_batch_size=false")
         return problems
 
-    def count(self, batch: dict) -> torch.Tensor:
+    @staticmethod
+    def memory_lines(plan, cfg) -> None:
+        """A full fine-tune's reference copy: the policy's parameters once more, held as the strategy
+        holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision; with
+        objective.precompute_reference only during the pass before training."""
+        from trainloop.parallel.memory import Line
+
+        if cfg.adapter.name != "none":
+            plan.notes.append("objective=dpo with an adapter: the reference is the model with its adapters disabled, "
+                              "no copy")
+            return
+        held = [x for x in plan.lines if x.what == "parameters"]
+        copy = sum(x.bytes for x in held)
+        if cfg.objective.precompute_reference:
+            plan.notes.append(f"objective.precompute_reference: the reference copy ({copy / 2**30:.2f} GiB) is held "
+                              "only during the pass before training, then freed")
+            return
+        for x in held:
+            plan.lines.append(Line("reference model", x.bytes, x.where, exact=x.exact,
+                                   note="objective=dpo: a frozen copy of the parameters, held like them"))
+
+    # -- the reference -----------------------------------------------------------------------------
+    def frozen_copy(self, model):
+        """A full fine-tune's reference: the model as built (pretrained or initialised), frozen."""
+        if self.cfg.adapter.name != "none":
+            return None  # the policy with its adapters disabled
+        import copy
+
+        return copy.deepcopy(model).requires_grad_(False)
+
+    def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
+        """Keep the reference copy; or, with objective.precompute_reference, put the reference's
+        log-probabilities into the data (read back from the run dir when a resumed run has them)
+        and free the copy."""
+        self.frozen = frozen
+        if frozen is not None:
+            log.info("objective=dpo: the reference is a frozen copy of the starting model, %s", held(frozen))
+        if not self.cfg.objective.precompute_reference:
+            return
+        import gc
+        from pathlib import Path
+
         import torch
 
-        return torch.tensor(batch["chosen_input_ids"].shape[0], device=batch["chosen_input_ids"].device)
+        sets = {"train": train_set, "valid": valid_set}
+        key = self.reference_key(sets)
+        path = None if run_dir is None else Path(run_dir) / CACHE
+        saved = torch.load(path, map_location="cpu") if path is not None and path.is_file() else None
+        ready = torch.tensor(float(saved is not None and saved["key"] == key), device=strategy.device)
+        if strategy.sum_over_all(ready).item() == strategy.world_size:  # every rank reads the same file
+            for name, dataset in sets.items():
+                dataset.tensors[PRECOMPUTED] = saved[name]
+            log.info("objective.precompute_reference: the reference's log-probabilities of %d + %d pairs read "
+                     "from %s", len(train_set), len(valid_set), path)
+        else:
+            computed = {name: self.precompute(strategy, model, dataset) for name, dataset in sets.items()}
+            for name, dataset in sets.items():
+                dataset.tensors[PRECOMPUTED] = computed[name]
+            if path is not None and strategy.accelerator.is_main_process:
+                partial = path.with_suffix(".partial")
+                torch.save({"key": key, **computed}, partial)
+                partial.replace(path)
+            log.info("objective.precompute_reference: the reference's log-probabilities of %d + %d pairs computed "
+                     "in one pass%s", len(train_set), len(valid_set), "" if path is None else f", kept in {path}")
+        self.frozen = None  # the batches carry the reference from here on: its copy is freed
+        del frozen
+        gc.collect()
+        if strategy.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reference_key(self, sets: dict) -> str:
+        """What the precomputed log-probabilities depend on: the pairs' tokens and the reference
+        (the model as configured, its precision and, for a drawn initialisation, the seed)."""
+        import hashlib
+
+        from omegaconf import OmegaConf
+
+        digest = hashlib.sha256()
+        for name, dataset in sets.items():
+            for column, tensor in sorted(pair_tensors(dataset).items()):
+                digest.update(f"{name}/{column}{tuple(tensor.shape)}".encode())
+                digest.update(tensor.numpy().tobytes())
+        c = self.cfg
+        digest.update(OmegaConf.to_yaml(c.model).encode())
+        digest.update(f"{c.adapter.name} {c.precision.name} {c.trainer.seed}".encode())
+        return digest.hexdigest()
+
+    def precompute(self, strategy, model, dataset) -> torch.Tensor:
+        """The reference's (chosen, rejected) log-probabilities of every pair of `dataset`, as float32
+        [pairs, 2] on the CPU: each data-parallel rank computes every dp_size-th pair in batches of
+        data.batch_size, every rank running the same number of forwards (a sharded reference needs
+        all of them in each), and the shares are summed."""
+        import math
+
+        import torch
+
+        n, size, rank = len(dataset), strategy.dp_size, strategy.dp_rank
+        batch_size = self.cfg.data.batch_size
+        mine = list(range(rank, n, size))
+        out = torch.zeros(n, 2, dtype=torch.float64, device=strategy.device)
+        for r in range(math.ceil(math.ceil(n / size) / batch_size)):
+            index = mine[r * batch_size:(r + 1) * batch_size]
+            batch = {key: t[index or [0]].to(strategy.device) for key, t in pair_tensors(dataset).items()}
+            logps = self.reference_logps(model, batch)  # a rank out of pairs computes one it will not keep
+            if index:
+                out[index] = torch.stack(logps.chunk(2), dim=1).double()
+        return strategy.reduce_sum(out).float().cpu()
+
+    def reference_logps(self, model, batch: dict) -> torch.Tensor:
+        """The reference's summed completion log-probabilities, chosen rows then rejected: precomputed
+        and carried by the batch, or from the frozen copy, or from the policy with its adapters off.
+        In eval mode, without gradients: the same reference every step."""
+        import torch
+
+        if PRECOMPUTED in batch:
+            return batch[PRECOMPUTED].T.reshape(-1)
+        with torch.no_grad():
+            if self.frozen is not None:
+                return completion_logps(self.frozen, batch)[0]
+            policy, training = reference_model(model), model.training
+            model.eval()
+            try:
+                with policy.disable_adapter():
+                    return completion_logps(policy, batch)[0]
+            finally:
+                model.train(training)
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each pair's loss, and SUMS over the batch's pairs (detached)."""
+        """Each pair's loss, and SUMS over the batch's pairs."""
         import torch
         import torch.nn.functional as F
 
-        with torch.no_grad(), reference_model(model).disable_adapter():
-            reference, _ = completion_logps(reference_model(model), batch)
+        reference = self.reference_logps(model, batch)
         logps, tokens = completion_logps(model, batch)
         chosen_ratio, rejected_ratio = (logps - reference).chunk(2)
         delta = chosen_ratio - rejected_ratio
@@ -104,43 +232,5 @@ class DPO(Objective):
         else:  # robust
             s = self.label_smoothing
             losses = (-(1 - s) * F.logsigmoid(self.beta * delta) + s * F.logsigmoid(-self.beta * delta)) / (1 - 2 * s)
-        chosen_rewards, rejected_rewards = (self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach())
-        chosen_logps, rejected_logps = logps.detach().chunk(2)
-        sums = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
-                            chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).sum(),
-                            (chosen_rewards - rejected_rewards).sum(), chosen_logps.sum(), rejected_logps.sum()])
-        return losses, sums.double()
-
-    def batch_loss(self, model, batch: dict) -> BatchLoss:
-        losses, sums = self.pair_losses(model, batch)
-        self.sums += sums.to(self.sums.device)
-        return BatchLoss(losses.sum())
-
-    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, _ = self.pair_losses(model, batch)
-        return losses.sum(), self.count(batch)
-
-    @staticmethod
-    def means(total: torch.Tensor) -> dict:
-        pairs = max(total[1].item(), 1.0)
-        return {key: total[i].item() / pairs for i, key in enumerate(SUMS) if i > 1}
-
-    def window(self, strategy) -> dict:
-        total = strategy.reduce_sum(self.sums)
-        self.sums = self.sums.new_zeros(self.sums.shape)
-        return self.means(total)
-
-    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
-        """The DPO loss per pair over the validation split (all ranks), and its rewards and log-probabilities."""
-        import torch
-
-        model.eval()
-        total = torch.zeros(len(SUMS), dtype=torch.float64, device=strategy.device)
-        with torch.no_grad():
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                total += self.pair_losses(model, batch)[1].to(total.device)
-        model.train()
-        total = strategy.reduce_sum(total)
-        return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}
+        chosen_logps, rejected_logps = logps.chunk(2)
+        return losses, sums(losses, self.beta * chosen_ratio, self.beta * rejected_ratio, chosen_logps, rejected_logps)

@@ -31,7 +31,8 @@ class Strategy:
     fingerprint: today every process is a data-parallel rank; a strategy that splits layers
     over processes (tensor parallelism) answers fewer. The build calls, in this order:
     `builds_on_meta` (before the model is built), `shard` (after compile, before the optimizer),
-    `prepare` (the optimizer and the validation loader, and the model unless sharded here).
+    `prepare` (the optimizer and the validation loader, and the model unless sharded here), then
+    `prepare_frozen` for a frozen copy an objective keeps (DPO's reference).
     """
 
     name = ""
@@ -80,6 +81,15 @@ class Strategy:
 
     def prepare(self, model, optimizer, valid_loader):
         return self.accelerator.prepare(model, optimizer, valid_loader)
+
+    def prepare_frozen(self, model):
+        """A frozen copy of the model as built (an objective's reference), placed and sharded like
+        the policy and put in eval mode: it computes as the policy does at step 0, without gradients.
+        Here: on the device, its forward under the same autocast as the policy's, not wrapped in DDP,
+        and not among the models accelerate saves and loads with the checkpoint."""
+        model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        self.accelerator._models.remove(model)  # noqa: SLF001 - prepare_model registers it for save_state
+        return model.eval()
 
     # -- each step -------------------------------------------------------------------------------
     def clip_grad_norm(self, model, max_norm: float):

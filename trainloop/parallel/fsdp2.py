@@ -26,6 +26,13 @@ class FSDP2(Strategy):
 
         return shard_model(self.cfg, model, self.device)
 
+    def prepare_frozen(self, model):
+        """Sharded as the policy is (every block, then the root; shards from the main process),
+        gathered block by block in its forward: no process holds a whole second copy."""
+        from trainloop.fsdp import shard_model
+
+        return shard_model(self.cfg, model, self.device).eval()
+
     def prepare(self, model, optimizer, valid_loader):
         # sharded by trainloop: accelerate must not wrap the model in DDP too
         optimizer, valid_loader = self.accelerator.prepare(optimizer, valid_loader)

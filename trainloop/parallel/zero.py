@@ -13,6 +13,25 @@ class DeepSpeedZeRO(Strategy):
     def optimizer_offloaded(self) -> bool:
         return self.cfg.deepspeed.offload_optimizer != "none"
 
+    def prepare_frozen(self, model):
+        """A DeepSpeed engine without an optimizer, from the policy's own config (its auto values
+        filled by the policy's prepare): under ZeRO-3 its parameters are partitioned over the ranks
+        like the policy's and gathered layer by layer in its forward; under ZeRO-1/2 (stage 0 here)
+        each rank holds it whole, in the training precision, as the policy computes."""
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        for training_only in ("optimizer", "scheduler"):
+            config.pop(training_only, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        if config["zero_optimization"]["stage"] != 3:
+            config["zero_optimization"]["stage"] = 0
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
+        return engine
+
     def save_state(self, directory, model, adapter_only: bool) -> None:
         if adapter_only:
             self.accelerator.save_state(str(directory), exclude_frozen_parameters=True)

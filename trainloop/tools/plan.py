@@ -37,6 +37,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from trainloop.config import CONFIG_DIR, ConfigError, compose_config
+from trainloop.objectives import OBJECTIVES
 from trainloop.optim import hidden_matrices
 from trainloop.parallel import STRATEGIES, chosen
 from trainloop.parallel.memory import Line, MemoryPlan
@@ -203,7 +204,7 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     return shape.num_layers * residual + rest, layer
 
 
-def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: bool) -> None:
+def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: bool, batch: int) -> None:
     """What the loss holds beyond the saved activations, at the start of the backward, when the
     activations are all still held (estimates, fp32 cross-entropy):
     - the full logits (trainer.loss_chunk_tokens=0): the gradient of the log-softmax output and
@@ -214,7 +215,7 @@ def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: boo
       copy of the output weight under autocast.
     The note gives the logits term both ways."""
     V, h, chunk = shape.vocab, shape.hidden, cfg.trainer.loss_chunk_tokens
-    tokens = cfg.data.batch_size * cfg.data.seq_len
+    tokens = batch * cfg.data.seq_len  # a forward's sequences (a preference pair is two)
     head_trains = shape.trainable is None  # an adapter freezes the output layer
 
     def chunked(c: int) -> int:
@@ -247,28 +248,36 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
     row = STRATEGIES[chosen(cfg)]
     row.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
+    objective = OBJECTIVES[cfg.objective.name]
+    objective.memory_lines(plan, cfg)  # what the objective holds itself: DPO's reference copy
+    batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
 
     autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
     chunked = cfg.trainer.loss_chunk_tokens > 0
     packed = cfg.data.packing == "documents"
     saved, recompute = activation_bytes(
-        shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=autocast,
+        shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
         packed=packed)
-    add(Line("activations", saved, dev, "forward/backward", exact=False,
-             note=f"micro-batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
-                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")))
-    loss_lines(plan, cfg, shape, dev, autocast)
+    offloaded = cfg.trainer.activation_offload and dev == "gpu"  # on the CPU they are in host memory already
+    add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
+             note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
+                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")
+                  + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
+    if offloaded:
+        add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
+                 note="about a block's worth on the device while it is copied out or back"))
+    loss_lines(plan, cfg, shape, dev, autocast, batch)
     if recompute:
         add(Line("recomputed layer", recompute, dev, "forward/backward", exact=False,
                  note="one layer's activations, rebuilt during the backward pass"))
     if not cfg.model.gradient_checkpointing:
         without = saved
-        with_gc = sum(activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast,
+        with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
                                        True, cfg.model.attn_implementation, chunked, packed))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
-        without = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast,
+        without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
                                    False, cfg.model.attn_implementation, chunked, packed)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
@@ -411,6 +420,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
     from trainloop.loop import micro_step
+    from trainloop.offload import ActivationOffload
     from trainloop.parallel import build_strategy, local_shard
     from trainloop.run import end_distributed
 
@@ -434,6 +444,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     before, gpu_before, live = marks["before"], marks.get("gpu_before"), marks["live"]
     batch = {key: value.to(accelerator.device) for key, value in next(iter(built.train_loader)).items()}
     model.train()
+    offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
     accumulation = cfg.trainer.gradient_accumulation_steps
     shards, seconds, result = {}, [], {}
     for step in range(steps + timed_steps):
@@ -445,7 +456,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         start = time.perf_counter()
         for micro in range(accumulation):
             last = micro == accumulation - 1
-            with micro_step(strategy, model, last):
+            with micro_step(strategy, model, last), offload():
                 summed = objective.batch_loss(model, batch).summed  # the loop's own loss
                 accelerator.backward(summed / objective.count(batch))
                 if last:

@@ -1,0 +1,504 @@
+"""objective=dpo against TRL's DPOTrainer: step time and peak memory, measured in one invocation.
+
+    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute] [--json OUT]
+    python scripts/bench_dpo.py --quick      # tiny sizes, a few seconds of training: the CI smoke test
+
+Both sides train the same model, saved once to a local directory (a tiny transformers Llama and
+trainloop's byte-level tokenizer, loaded from there by both), on the same preference pairs (each
+prompt + completion exactly data.seq_len tokens, so TRL's padding to the longest in the batch and
+trainloop's padding to data.seq_len give the same [2 x batch, seq_len] forward), with the same batch,
+beta, loss (sigmoid), optimizer (fused AdamW, one weight-decay rule), cosine schedule, clipping, fp32
+and no gradient checkpointing (TRL's own defaults are bf16 and gradient checkpointing: set off here).
+One row per way to hold the reference:
+  lora        adapter=lora                     / a peft LoraConfig of the same r, alpha and targets
+                                                 (trainloop.adapter.lora_config): adapters disabled
+  full        adapter=none                     / no peft: TRL loads its reference copy from the
+                                                 model directory, trainloop deep-copies the model
+  precompute  full + objective.precompute_reference=true / precompute_ref_log_probs=True
+
+Every (row, side) runs in a fresh process of its own, forked from a server process that has
+imported the libraries (torch, transformers, peft, trl, trainloop) and computed nothing: each run
+has its own address space and peak memory, and the ~6 s of imports are paid once.
+  - step time: the median of the timed optimizer steps, after warm-up steps. A step is what the
+    training loop does between fetching the batch and the next fetch: forward of the policy and
+    of the reference, loss, backward, clipping, optimizer and scheduler step, zero_grad (TRL:
+    from the Trainer's on_step_begin to its on_step_end callback, after it has collated the
+    batch; trainloop: the loop's own micro-step, objective and clipping, after the batch is
+    fetched). Tokenization and start-up are not timed. On CPU every run gets --threads compute
+    threads (default 1) and the step time is the process's CPU time, which other jobs on a
+    shared machine hardly change; wall-clock is printed beside it. On a GPU, wall-clock.
+  - peak memory: on CPU, the peak resident set over the warm-up steps (VmHWM, reset through
+    /proc/self/clear_refs when training starts) minus the resident set just before the model
+    is built (VmRSS), with glibc told to give every allocation of 64 KiB or more its own mapping
+    (trainloop.tools.plan.track_live_memory) so that freed tensors leave the resident set. Each
+    process first runs its side once on a one-block copy of the model (3 steps, not measured), so
+    that the code paths and lazy imports of its trainer are loaded before the baseline: what is
+    measured is the training, not the libraries. "building" is the same peak over the build
+    (model, adapter, reference, tokenization of the pairs, precompute). On a GPU,
+    torch.cuda.max_memory_allocated over the same spans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SIDES = ("trainloop", "trl")
+
+# model and data sizes: the default model (4 blocks, 256 wide) on 128-token sequences, batch 8 pairs
+SIZES = {
+    "default": {"model": ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4"],
+                "data": ["data.seq_len=128", "data.batch_size=8"], "pairs": 128},
+    "quick": {"model": ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=2"],
+              "data": ["data.seq_len=64", "data.batch_size=4"], "pairs": 32},
+}
+# What both sides train with (TRL's arguments are read from this same composed config).
+COMMON = ["data=preference", "objective=dpo", "objective.beta=0.1", "objective.loss_type=sigmoid",
+          "optimizer=adamw", "optimizer.impl=fused", "optimizer.lr=5e-6", "scheduler=cosine",
+          "scheduler.warmup_steps=0", "trainer.max_grad_norm=1.0", "trainer.gradient_accumulation_steps=1",
+          "precision=fp32", "model.gradient_checkpointing=false", "model.attn_implementation=sdpa",
+          "data.num_workers=0", "logging.progress_bar=false"]
+ROWS = {
+    "lora": ("LoRA (adapter=lora, r=8, alpha 16, all linear layers)", ["adapter=lora"]),
+    "full": ("full fine-tune (adapter=none): a frozen reference copy", ["adapter=none"]),
+    "precompute": ("full fine-tune, reference log-probs precomputed",
+                   ["adapter=none", "objective.precompute_reference=true"]),
+}
+# imported once by the server process every run is forked from
+PRELOAD = ["torch", "transformers", "transformers.trainer", "peft", "datasets", "accelerate", "hydra", "trl",
+           "trl.trainer.dpo_trainer", "trainloop.build", "trainloop.loop", "trainloop.objectives.dpo",
+           "trainloop.tools.plan"]
+
+
+# --- what both sides measure the same way ----------------------------------------------------------
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set (VmHWM) starts again from the current one
+
+
+class Meter:
+    """One run's memory marks and step times, kept the same way for trainloop and TRL."""
+
+    def __init__(self, warmup: int):
+        import torch
+
+        self.warmup, self.on_cuda = warmup, torch.cuda.is_available()
+        self.wall, self.cpu, self.marks = [], [], {}
+
+    def _now(self) -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated() if self.on_cuda else _status_bytes("VmHWM")
+
+    def _reset(self) -> None:
+        import torch
+
+        if self.on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak_rss()
+
+    def before_model(self) -> None:
+        """The data is in memory; the model is built next."""
+        import gc
+
+        import torch
+
+        from trainloop.tools.plan import track_live_memory
+
+        gc.collect()
+        self.marks["glibc_live_tracking"] = track_live_memory(True)
+        self._reset()
+        self.marks["before"] = torch.cuda.memory_allocated() if self.on_cuda else _status_bytes("VmRSS")
+
+    def training_starts(self) -> None:
+        self.marks["building"] = self._now() - self.marks["before"]
+        self._reset()
+
+    def begin_step(self) -> None:
+        self._t = time.perf_counter(), time.process_time()
+
+    def end_step(self) -> None:
+        import torch
+
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        wall, cpu = self._t
+        self.wall.append(time.perf_counter() - wall)
+        self.cpu.append(time.process_time() - cpu)
+        if len(self.wall) == self.warmup:  # the warm-up steps hold the peak: state, activations
+            from trainloop.tools.plan import track_live_memory
+
+            self.marks["training"] = self._now() - self.marks["before"]
+            track_live_memory(False)  # glibc's usual heap for the timed steps
+
+    def result(self) -> dict:
+        timed_wall, timed_cpu = self.wall[self.warmup:], self.cpu[self.warmup:]
+        if not timed_wall:
+            raise RuntimeError(f"{len(self.wall)} steps ran, none past the {self.warmup} warm-up steps")
+        return {"step_s": statistics.median(timed_wall if self.on_cuda else timed_cpu),
+                "wall_step_s": statistics.median(timed_wall), "cpu_step_s": statistics.median(timed_cpu),
+                "steps_timed": len(timed_wall), "warmup_s": sum(self.wall[:self.warmup]),
+                "training_bytes": self.marks["training"], "building_bytes": self.marks["building"],
+                "memory_kind": "torch.cuda.max_memory_allocated" if self.on_cuda else
+                "VmHWM - VmRSS" + (", glibc mmap threshold 64 KiB" if self.marks["glibc_live_tracking"] else ""),
+                "time_kind": "wall-clock" if self.on_cuda else "CPU time"}
+
+
+def on_model(overrides: list[str], model_dir: str) -> list[str]:
+    return [*(o for o in overrides if not o.startswith("model.name_or_path=")), f"model.name_or_path={model_dir}"]
+
+
+def sequence_lengths(prompt_plus_completion) -> dict:
+    lengths = list(prompt_plus_completion)
+    return {"min": min(lengths), "max": max(lengths)}
+
+
+# --- trainloop's side: the run's own build, the loop's own step ----------------------------------
+
+def run_trainloop(overrides: list[str], steps: int, warmup: int, warm_model: str) -> dict:
+    """Once on the one-block model (its code paths loaded, not measured), then measured."""
+    train_trainloop(on_model(overrides, warm_model), 1, 2, Meter(2))
+    return train_trainloop(overrides, steps, warmup, Meter(warmup))
+
+
+def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter) -> dict:
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from trainloop.accelerator import build_accelerator
+    from trainloop.build import build
+    from trainloop.config import compose_config
+    from trainloop.loop import TrainState, batches_forever, micro_step, step_batches, step_units
+    from trainloop.parallel import build_strategy
+    from trainloop.tokenizer import IGNORE
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh Accelerator for each run
+    GradientState._reset_state()
+    cfg = compose_config([*overrides, f"trainer.max_steps={warmup + steps}"])  # checked as a run checks it
+    accelerator = build_accelerator(cfg)
+    strategy = build_strategy(cfg, accelerator)
+    built = build(cfg, strategy, before_model=meter.before_model)  # data, model, adapter, reference, optimizer
+    model, optimizer, scheduler, objective = built.model, built.optimizer, built.scheduler, built.objective
+    labels = torch.cat([built.train_set.tensors["chosen_labels"], built.train_set.tensors["rejected_labels"]])
+    last_target = (labels != IGNORE).int().cumsum(1).argmax(1)  # the first position of the highest count
+    batches = batches_forever(accelerator, built.train_loader, TrainState())
+    scale = accelerator.gradient_accumulation_steps * strategy.dp_size
+    model.train()
+    meter.training_starts()
+    losses = []
+    for _ in range(warmup + steps):
+        group = step_batches(batches, accelerator.gradient_accumulation_steps)  # fetched: not timed
+        meter.begin_step()
+        count, _ = step_units(strategy, objective, group)
+        step_loss = torch.zeros((), device=accelerator.device)
+        for i, batch in enumerate(group):
+            with micro_step(strategy, model, last=i == len(group) - 1):
+                summed = objective.batch_loss(model, batch).summed
+                accelerator.backward(summed * (scale / count))
+                step_loss += summed.detach() / count
+                if accelerator.sync_gradients:
+                    strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm)
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(step_loss.item())  # the loop's loss, on the host: waits for the device
+        meter.end_step()
+    return {**meter.result(), "loss_first": losses[0], "loss_last": losses[-1],
+            "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "tokens_per_sequence": sequence_lengths((last_target + 1).tolist()),
+            "device": str(accelerator.device)}
+
+
+# --- TRL's side: DPOTrainer with the same model, pairs and hyperparameters ------------------------
+
+def run_trl(overrides: list[str], steps: int, warmup: int, warm_model: str, pairs_file: str, out_dir: str) -> dict:
+    """Once on the one-block model (its code paths loaded, not measured), then measured."""
+    train_trl(on_model(overrides, warm_model), 1, 2, Meter(2), pairs_file, out_dir + "-warm")
+    return train_trl(overrides, steps, warmup, Meter(warmup), pairs_file, out_dir)
+
+
+def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, pairs_file: str, out_dir: str) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from trainloop.adapter import lora_config
+    from trainloop.config import compose_config
+
+    cfg = compose_config([*overrides, f"trainer.max_steps={warmup + steps}"])
+    model_dir, on_cuda = cfg.model.name_or_path, torch.cuda.is_available()
+    lora = lora_config(cfg.adapter) if cfg.adapter.name == "lora" else None  # peft fills in its targets: one per run
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = datasets.Dataset.from_list([json.loads(line) for line in Path(pairs_file).read_text().splitlines()])
+
+    class Steps(TrainerCallback):
+        """The Trainer has collated the step's batch before on_step_begin: collation is not timed."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            meter.training_starts()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            meter.begin_step()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            meter.end_step()
+
+    o, opt = cfg.objective, cfg.optimizer
+    args = DPOConfig(
+        output_dir=out_dir, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=warmup + steps + 1,
+        max_steps=warmup + steps, per_device_train_batch_size=cfg.data.batch_size,
+        gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps, seed=cfg.trainer.seed,
+        beta=o.beta, loss_type=[o.loss_type], label_smoothing=o.label_smoothing,
+        precompute_ref_log_probs=o.precompute_reference, max_length=cfg.data.seq_len,
+        learning_rate=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps, optim="adamw_torch_fused", lr_scheduler_type="cosine",
+        warmup_steps=cfg.scheduler.warmup_steps, max_grad_norm=cfg.trainer.max_grad_norm,
+        bf16=False, fp16=False, gradient_checkpointing=False,  # TRL's defaults are bf16 and checkpointing
+        use_cpu=not on_cuda, dataloader_num_workers=0,
+    )
+    meter.before_model()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    trainer = DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, peft_config=lora,
+                         callbacks=[Steps()])
+    trainer.train()
+    if len(meter.wall) != warmup + steps:
+        raise RuntimeError(f"TRL ran {len(meter.wall)} optimizer steps, not {warmup + steps}")
+    train_set = trainer.train_dataset
+    return {**meter.result(),
+            "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "reference": "adapters disabled" if trainer.ref_model is None and lora is not None else
+            "precomputed" if trainer.ref_model is None else type(trainer.ref_model).__name__,
+            "tokens_per_sequence": sequence_lengths(
+                len(r["prompt_ids"]) + len(r[side]) for r in train_set for side in ("chosen_ids", "rejected_ids")),
+            "device": str(trainer.args.device)}
+
+
+# --- the model and the pairs, written once ---------------------------------------------------------
+
+def write_pairs(path: Path, n: int, seq_len: int) -> None:
+    """n plain-text pairs, each prompt + completion + end-of-text exactly seq_len byte tokens, chosen
+    and rejected alike: no padding on either side, whatever the batch."""
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = i % 37, (7 * i) % 23
+            prompt = f"What is {a} plus {b}?"
+            room = seq_len - len(prompt) - 1  # the end-of-text token closes the completion
+            chosen = (f" {a} plus {b} is {a + b}." + " Indeed." * seq_len)[:room]
+            rejected = (f" It is {a + b + 1 + i % 3}." + " Surely." * seq_len)[:room]
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+
+
+def prepare(work: str, size: str) -> dict:
+    """The tiny Llama with its seeded initial weights and the byte-level tokenizer, as a local model
+    directory both sides load; and the pairs."""
+    from accelerate.utils import set_seed
+    from omegaconf import OmegaConf
+
+    from trainloop.config import compose_config
+    from trainloop.model import build_model, build_model_config, special_token_ids
+    from trainloop.tokenizer import byte_level_tokenizer
+
+    cfg = compose_config(["model=tiny", *SIZES[size]["model"], *SIZES[size]["data"], *COMMON, "data.path=unused"],
+                         check=False)
+    tokenizer, params = byte_level_tokenizer(), {}
+    for name, blocks in (("model", cfg.model.num_layers), ("model-1block", 1)):  # the one-block one: code paths
+        set_seed(cfg.trainer.seed)
+        model_cfg = OmegaConf.merge(cfg.model, {"num_layers": blocks})
+        model = build_model(model_cfg, build_model_config(model_cfg, len(tokenizer), special_token_ids(tokenizer)))
+        model.save_pretrained(Path(work) / name)
+        tokenizer.save_pretrained(Path(work) / name)
+        params[name] = sum(p.numel() for p in model.parameters())
+    write_pairs(Path(work) / "pairs.jsonl", SIZES[size]["pairs"], cfg.data.seq_len)
+    return {"params": params["model"], "seq_len": cfg.data.seq_len,
+            "batch_size": cfg.data.batch_size}
+
+
+# --- the driver --------------------------------------------------------------------------------------
+
+def _child(log_path: str, conn, fn, args) -> None:
+    """One run in a forked process: its output to a log file, its result (or why it failed) to the pipe."""
+    import gc
+    import logging
+
+    gc.freeze()  # the libraries' objects, imported by the server: no collection walks (and copies) them again
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        result = fn(*args)
+    except BaseException as err:  # noqa: BLE001 - a row says why it did not run
+        traceback.print_exc()
+        result = {"failed": f"{type(err).__name__}: {err}".replace("\n", " ")[:400]}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    result["process_cpu_s"] = time.process_time()
+    conn.send(result)
+    conn.close()
+
+
+def in_child(ctx, work: Path, name: str, fn, *args) -> dict:
+    receive, send = ctx.Pipe(duplex=False)
+    log_path = work / f"{name}.log"
+    process = ctx.Process(target=_child, args=(str(log_path), send, fn, args), name=name)
+    t0 = time.time()
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:  # killed (out of memory?) before it could answer
+        result = None
+    process.join()
+    print(f"DEBUG {name} {time.time() - t0:.1f} s cpu {result and result.get('process_cpu_s')}", file=sys.stderr)
+    if result is None:
+        tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
+        result = {"failed": f"exit {process.exitcode}" + (f": {tail[0][:300]}" if tail else "")}
+    return result
+
+
+def fmt_step(r: dict) -> str:
+    return f"{r['step_s'] * 1000:,.0f} ms"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
+def table(results: dict) -> str:
+    """One line per row: each side's median step and peak memory, and trainloop / TRL."""
+    lines = ["| reference | trainloop step | TRL step | trainloop / TRL | trainloop peak | TRL peak "
+             "| trainloop / TRL | trainloop wall step | TRL wall step | building peak: trainloop, TRL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row, sides in results.items():
+        name = ROWS[row][0]
+        failed = [f"{side}: {r['failed']}" for side, r in sides.items() if "failed" in r]
+        if failed:
+            lines.append(f"| {name} | not run: {'; '.join(failed)} | | | | | | | | |")
+            continue
+        ours, trl = sides["trainloop"], sides["trl"]
+        lines.append(
+            f"| {name} | {fmt_step(ours)} | {fmt_step(trl)} | {ratio(ours['step_s'], trl['step_s'])} "
+            f"| {ours['training_bytes'] / 2**20:,.1f} MiB | {trl['training_bytes'] / 2**20:,.1f} MiB "
+            f"| {ratio(ours['training_bytes'], trl['training_bytes'])} "
+            f"| {ours['wall_step_s'] * 1000:,.0f} ms | {trl['wall_step_s'] * 1000:,.0f} ms "
+            f"| {ours['building_bytes'] / 2**20:,.1f}, {trl['building_bytes'] / 2**20:,.1f} MiB |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, help="timed optimizer steps per run (default 8; --quick 2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first, at least 2: the memory peak is "
+                        "taken over them (default 3; --quick 2)")
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="which references")
+    parser.add_argument("--quick", action="store_true", help="a 2-block, 64-wide model on 64-token pairs, "
+                        "batch 4: checks the benchmark runs, in seconds; its figures mean little")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per run on CPU (default 1)")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    args = parser.parse_args()
+    size = "quick" if args.quick else "default"
+    steps = args.steps if args.steps is not None else 2 if args.quick else 8
+    warmup = args.warmup if args.warmup is not None else 2 if args.quick else 3
+    if warmup < 2:
+        parser.error("--warmup must be at least 2: the second step is the first with optimizer state in memory")
+    if steps < 1:
+        parser.error("--steps must be at least 1")
+
+    began = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
+        work = Path(tmp)
+        # before the server starts: it and every run forked from it read these at import
+        os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads),
+                          MKL_NUM_THREADS=str(args.threads), HF_DATASETS_CACHE=str(work / "datasets"),
+                          HF_DATASETS_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        setup = in_child(ctx, work, "prepare", prepare, tmp, size)
+        if "failed" in setup:
+            sys.exit(f"writing the model and the pairs failed: {setup['failed']} (log: {work / 'prepare.log'})")
+        base = ["model=hf", f"model.name_or_path={work / 'model'}", f"data.path={work / 'pairs.jsonl'}",
+                *SIZES[size]["data"], *COMMON]
+        results = {}
+        for n, row in enumerate(args.rows):
+            overrides = [*base, *ROWS[row][1]]
+            results[row] = {}
+            for side in SIDES if n % 2 == 0 else reversed(SIDES):  # alternate who goes first: drift cancels
+                name = f"{row}-{side}"
+                if side == "trainloop":
+                    r = in_child(ctx, work, name, run_trainloop, overrides, steps, warmup, str(work / "model-1block"))
+                else:
+                    r = in_child(ctx, work, name, run_trl, overrides, steps, warmup, str(work / "model-1block"),
+                                 str(work / "pairs.jsonl"), str(work / name))
+                results[row][side] = r
+                print(f"{name:22s} " + (f"failed: {r['failed']}" if "failed" in r else
+                      f"step {r['step_s'] * 1000:7,.0f} ms {r['time_kind']} (wall {r['wall_step_s'] * 1000:,.0f} ms), "
+                      f"peak {r['training_bytes'] / 2**20:7.1f} MiB, {r['trained_params']:,} trained parameters"),
+                      file=sys.stderr, flush=True)
+            results[row] = {side: results[row][side] for side in SIDES}
+    print_report(results, setup, args, size, steps, warmup, began)
+
+
+def versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{name} {version(name)}" for name in ("torch", "transformers", "peft", "trl", "accelerate"))
+
+
+def print_report(results: dict, setup: dict, args, size: str, steps: int, warmup: int, began: float) -> None:
+    ran = [r for sides in results.values() for r in sides.values() if "failed" not in r]
+    device = ran[0]["device"] if ran else "?"
+    if device.startswith("cpu"):
+        device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} " \
+                 f"thread{'s' if args.threads > 1 else ''} per run)"
+    lengths = {(side, r["tokens_per_sequence"]["min"], r["tokens_per_sequence"]["max"])
+               for sides in results.values() for side, r in sides.items() if "failed" not in r}
+    same = {(lo, hi) for _, lo, hi in lengths} == {(setup["seq_len"], setup["seq_len"])}
+    print()
+    print(f"trainloop bench_dpo: {device}, {versions()}, {time.strftime('%Y-%m-%d')}; "
+          f"{'--quick, ' if args.quick else ''}a {setup['params']:,}-parameter Llama, batch {setup['batch_size']} "
+          f"pairs x 2 x {setup['seq_len']} tokens, beta 0.1, sigmoid, fp32, fused AdamW; median of {steps} timed "
+          f"steps after {warmup} warm-up; {time.time() - began:.0f} s in all, load average at the end "
+          f"{os.getloadavg()[0]:.1f}")
+    if ran:
+        print(f"step = {ran[0]['time_kind']} of the optimizer step; peak = {ran[0]['memory_kind']}, above the "
+              f"resident set before the model, over the warm-up steps (building: over the build)")
+    print("sequences: " + ("every one " + str(setup["seq_len"]) + " tokens on both sides (no padding)" if same else
+                           "NOT the same length on both sides: " + ", ".join(f"{s} {lo}..{hi}" for s, lo, hi in sorted(lengths))))
+    trained = {row: {side: r["trained_params"] for side, r in sides.items() if "failed" not in r}
+               for row, sides in results.items()}
+    print("trained parameters: " + ", ".join(
+        f"{row} {next(iter(n.values())):,} on both sides" if len(set(n.values())) == 1 else
+        f"{row} NOT the same: " + ", ".join(f"{side} {v:,}" for side, v in n.items()) for row, n in trained.items() if n))
+    print()
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"size": size, "steps": steps, "warmup": warmup, "threads": args.threads,
+                                         "setup": setup, "results": results}, indent=2))
+    if any("failed" in r for sides in results.values() for r in sides.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""What the objectives on preference pairs share (data=preference: dpo, simpo): each pair is one
+unit, chosen and rejected go through the model in one forward, and every train and eval line
+carries the rewards and log-probabilities of the window's or the validation split's pairs.
+
+A row subclasses PairObjective and answers `pair_losses(model, batch)`: each pair's loss and the
+batch's SUMS (from `sums`). A step's loss is then the mean over the pairs of the global batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.tokenizer import IGNORE
+
+if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
+    import torch
+
+# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
+SUMS = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
+        "logps/chosen", "logps/rejected")
+
+
+def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's summed log-probability of its completion tokens, chosen rows first then
+    rejected, from one forward of both; and each one's completion tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+    logits = model(input_ids=ids, use_cache=False).logits
+    per_token = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                 ignore_index=IGNORE, reduction="none").view(ids.shape[0], -1)
+    return per_token.sum(1), (labels != IGNORE).sum(1)
+
+
+def sums(losses, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> torch.Tensor:
+    """SUMS over a batch's pairs (float64, detached). A tie in accuracy counts half (a coin flip):
+    at step 0 a policy that is its reference rewards every completion 0, and reads 0.5 (TRL counts
+    a tie as a miss: 0)."""
+    import torch
+
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    correct = (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
+    return torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
+                        chosen_rewards.sum(), rejected_rewards.sum(), correct,
+                        (chosen_rewards - rejected_rewards).sum(), chosen_logps.detach().sum(),
+                        rejected_logps.detach().sum()]).double()
+
+
+class PairObjective(Objective):
+    pairs = True
+    sequences = 2  # chosen and rejected, in one forward
+
+    def __init__(self, cfg, device):
+        import torch
+
+        self.device = torch.device(device)
+        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)  # since the last train line
+
+    def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's loss, and SUMS over the batch's pairs (`sums`)."""
+        raise NotImplementedError
+
+    def count(self, batch: dict) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(batch["chosen_input_ids"].shape[0], device=batch["chosen_input_ids"].device)
+
+    def batch_loss(self, model, batch: dict) -> BatchLoss:
+        losses, batch_sums = self.pair_losses(model, batch)
+        self.sums += batch_sums.to(self.sums.device)
+        return BatchLoss(losses.sum())
+
+    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, _ = self.pair_losses(model, batch)
+        return losses.sum(), self.count(batch)
+
+    @staticmethod
+    def means(total: torch.Tensor) -> dict:
+        pairs = max(total[1].item(), 1.0)
+        return {key: total[i].item() / pairs for i, key in enumerate(SUMS) if i > 1}
+
+    def window(self, strategy) -> dict:
+        total = strategy.reduce_sum(self.sums)
+        self.sums = self.sums.new_zeros(self.sums.shape)
+        return self.means(total)
+
+    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
+        """The loss per pair over the validation split (all ranks), and its rewards and log-probabilities."""
+        import torch
+
+        model.eval()
+        total = torch.zeros(len(SUMS), dtype=torch.float64, device=strategy.device)
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                total += self.pair_losses(model, batch)[1].to(total.device)
+        model.train()
+        total = strategy.reduce_sum(total)
+        return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}
