@@ -48,6 +48,7 @@ class Method:
     row: str  # the guide's table row it belongs to
     overrides: list[str] = field(default_factory=list)
     needs_cuda: str | None = None  # why it is meaningless without a CUDA GPU
+    reference: str | None = None  # the method its ratios are taken against (None: the baseline)
 
 
 # The guide's table: method -> (improves training speed, optimizes memory utilization).
@@ -61,6 +62,9 @@ GUIDE = {
     "DeepSpeed Zero": ("No", "Yes"),
     "torch.compile": ("Yes", "No"),
 }
+
+LONG = ["model.max_position_embeddings=2048", "data.seq_len=2048", "data.batch_size=1"]
+LOSS_CHUNK = 256  # tokens per chunk: 256 x 128,256 fp32 logits are 125 MiB, an eighth of the sequence's
 
 METHODS = [
     Method("baseline", "", []),
@@ -91,6 +95,12 @@ METHODS = [
            "adapter.r=16", "adapter.alpha=32", "model.quantization=4bit", "precision=bf16"]),
     Method("+preset=memory_saver", "(presets)", ["+preset=memory_saver"]),
     Method("+preset=speed", "(presets)", ["+preset=speed"]),
+    # the loss over a large vocabulary: one 2,048-token sequence, the vocabulary padded to 32,000 and
+    # 128,256 rows (model.vocab_multiple), the full logits against trainer.loss_chunk_tokens
+    *(Method(f"{loss} loss, vocab {name}, seq 2048", "(loss at a large vocabulary)",
+             [f"model.vocab_multiple={vocab}", *LONG] + ([f"trainer.loss_chunk_tokens={LOSS_CHUNK}"] if loss == "chunked" else []),
+             reference=None if loss == "full" else f"full loss, vocab {name}, seq 2048")
+      for name, vocab in (("32k", 32000), ("128k", 128256)) for loss in ("full", "chunked")),
 ]
 ZERO_WHY = ("ZeRO partitions optimizer state, gradients and parameters across processes (and offload "
             "moves them off the GPU): one process has nothing to partition; `python -m trainloop.plan "
@@ -174,7 +184,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     strategy = build_strategy(cfg, accelerator)
     on_cuda = accelerator.device.type == "cuda"
     data = torch.load(data_file)  # tokenized once by the driver: the same blocks for every method
-    blocks = PackedBlocks(data["train"])
+    blocks = PackedBlocks(reblock(data["train"], cfg.data.seq_len))
 
     # Load the code paths first (model classes, the optimizer's library, autocast and autograd
     # kernels, thread pools) on a one-block model, so that what is measured is the method's
@@ -184,7 +194,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     if cfg.adapter.name != "none":
         scrap = apply_adapter(OmegaConf.merge(cfg, {"model": small}), scrap)
     scrap_optimizer = build_optimizer(cfg.optimizer, scrap, on_cuda=on_cuda)
-    ids = data["train"][:2].to(accelerator.device)
+    ids = data["train"][:2, :128].to(accelerator.device)
     with accelerator.autocast():
         build_objective(cfg, accelerator.device).batch_loss(scrap, {"input_ids": ids, "labels": ids}).summed.backward()
     scrap_optimizer.step()
@@ -255,6 +265,14 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
             "params": state.params, "device": str(accelerator.device)}
 
 
+def reblock(blocks, seq_len: int):
+    """The driver's blocks cut into blocks of seq_len tokens (the same text, end to end)."""
+    if blocks.shape[1] == seq_len:
+        return blocks
+    flat = blocks.flatten()
+    return flat[: len(flat) // seq_len * seq_len].view(-1, seq_len)
+
+
 def _maxrss() -> int:
     import resource
 
@@ -318,17 +336,21 @@ def table(rows: list[tuple[Method, dict]], reference: dict) -> str:
     lines = ["| guide row | guide: speed | guide: memory | method | speed | speed ratio | wall tokens/s "
              "| peak memory | memory ratio | optimizer state B/param | warm-up s | last micro-batch loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    results = {method.name: r for method, r in rows}
     for method, r in rows:
+        against = results.get(method.reference, {}) if method.reference else reference
         speed, memory = GUIDE.get(method.row, ("", ""))
         row = method.row or "(baseline: fp32 AdamW, SDPA, no compile)"
+        if "skipped" in against:
+            r = {"skipped": f"its reference ({method.reference}) did not run"}
         if "skipped" in r:
             lines.append(f"| {row} | {speed} | {memory} | {method.name} | not run here: {r['skipped']} "
                          "| | | | | | | |")
             continue
         lines.append(
             f"| {row} | {speed} | {memory} | {method.name} | {r['speed']:,.0f} "
-            f"| {fmt_ratio(r['speed'] / reference['speed'])} | {r['tokens_per_s']:,.0f} "
-            f"| {r['peak_bytes'] / 2**20:,.1f} MiB | {fmt_ratio(r['peak_bytes'] / reference['peak_bytes'])} "
+            f"| {fmt_ratio(r['speed'] / against['speed'])} | {r['tokens_per_s']:,.0f} "
+            f"| {r['peak_bytes'] / 2**20:,.1f} MiB | {fmt_ratio(r['peak_bytes'] / against['peak_bytes'])} "
             f"| {r['state_bytes_per_param']:.2f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |")
     return "\n".join(lines)
 
@@ -353,14 +375,16 @@ def main() -> None:
     import torch
 
     on_cuda = torch.cuda.is_available()
-    methods = [m for m in METHODS if m.name != "baseline" and (not args.only or m.name in args.only)]
+    wanted = set(args.only or [])
+    wanted |= {m.reference for m in METHODS if m.name in wanted and m.reference}  # a ratio needs its reference
+    methods = [m for m in METHODS if m.name != "baseline" and (not args.only or m.name in wanted)]
     started = time.time()
     data_file = Path(tempfile.mkdtemp(prefix="bench_methods_")) / "blocks.pt"
     tokenize_once(data_file)
     run = partial(run_method, steps=args.steps, warmup=args.warmup, on_cuda=on_cuda, data_file=data_file)
 
     def report(name: str, result: dict) -> None:
-        print(f"{name:32s} " + (f"not run: {result['skipped'][:100]}" if "skipped" in result else
+        print(f"{name:36s} " + (f"not run: {result['skipped'][:100]}" if "skipped" in result else
               f"{result['speed']:9,.0f} {result['speed_kind']}  {result['peak_bytes'] / 2**20:8.1f} MiB"), flush=True)
 
     first = run(METHODS[0])
@@ -384,6 +408,9 @@ def main() -> None:
           f"batch 8 x 128 tokens, {time.time() - started:.0f} s in all, load average at the end "
           f"{os.getloadavg()[0]:.1f}")
     print(f"speed = {first['speed_kind']} (median step); memory = {first['memory_kind']}")
+    if any(m.reference for m in methods):
+        print("a row with a reference (the chunked loss's: the full loss at its vocabulary, both 1 x 2,048 tokens) has its ratios against "
+              "that row, not the baseline")
     print(f"baseline first and last: {first['speed']:,.0f} and {last['speed']:,.0f} "
           f"({abs(first['speed'] - last['speed']) / reference['speed']:.0%} apart), "
           f"{first['peak_bytes'] / 2**20:.1f} and {last['peak_bytes'] / 2**20:.1f} MiB")

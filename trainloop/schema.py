@@ -123,6 +123,9 @@ class TrainerConfig:
     auto_batch_size: bool = False  # find the largest per-device batch that fits; keep the effective batch
     auto_batch_size_budget_mb: Optional[float] = None  # memory a step may add to the loaded model; None: all free
     collective_timeout_s: float = 1800  # how long a collective (all-reduce, barrier) may wait for a rank before failing
+    # the output layer and cross-entropy N tokens at a time, never the full logits (less memory at a
+    # large vocabulary); 0: the full logits. Objectives that score tokens read it (trainloop/chunked_loss.py)
+    loss_chunk_tokens: int = 0
     activation_offload: bool = False  # CUDA: what the forward saves for the backward kept in pinned host memory
 
 

@@ -42,6 +42,7 @@ def problems(cfg, data_pairs: bool) -> list[str]:
     if objective is None:  # refused with the other choices
         return []
     problems = objective.problems(cfg)
+    problems += loss_chunk_problems(cfg, objective)
     if objective.pairs and not data_pairs:
         problems.append(f"objective={objective.name} trains on preference pairs, and data={cfg.data.name} holds "
                         "none: set data=preference")
@@ -49,4 +50,26 @@ def problems(cfg, data_pairs: bool) -> list[str]:
         on_pairs = " or ".join(name for name, row in OBJECTIVES.items() if row.pairs)
         problems.append(f"data={cfg.data.name} holds preference pairs, which objective={objective.name} does not "
                         f"train on: set objective={on_pairs}")
+    return problems
+
+
+def loss_chunk_problems(cfg, objective: type[Objective]) -> list[str]:
+    """trainer.loss_chunk_tokens: tokens per chunk (0: off), for an objective that reads it, on a
+    model whose output layer is called once per forward (the chunked loss replaces its forward for
+    the call: a whole-model compile would trace that and recompile every step)."""
+    chunk = cfg.trainer.loss_chunk_tokens
+    if chunk < 0:
+        return [f"trainer.loss_chunk_tokens={chunk} must be 0 (the full logits) or the tokens per chunk"]
+    if not chunk:
+        return []
+    problems = []
+    if not objective.chunks_loss:
+        readers = " or ".join(name for name, row in OBJECTIVES.items() if row.chunks_loss)
+        problems.append(f"trainer.loss_chunk_tokens={chunk} is read by objective={readers} only for now "
+                        f"(objective is {objective.name}): set trainer.loss_chunk_tokens=0")
+    if cfg.compile.backend != "none" and not cfg.compile.regional:
+        problems.append(f"trainer.loss_chunk_tokens={chunk} with compile={cfg.compile.backend} of the whole model: "
+                        "the chunked loss swaps the output layer's forward for each call, which a whole-model "
+                        "graph would trace and recompile; use compile.regional=true (the blocks only), or "
+                        "trainer.loss_chunk_tokens=0")
     return problems

@@ -39,6 +39,7 @@ class Objective:
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
+    chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.chunked_loss
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
 
     @staticmethod

@@ -1,5 +1,7 @@
 """Next-token prediction: cross-entropy on every target token (labels not IGNORE), and, for a
-mixture of experts (model.arch=mixtral), the router's load-balancing loss."""
+mixture of experts (model.arch=mixtral), the router's load-balancing loss. With
+trainer.loss_chunk_tokens=N the cross-entropy is taken N tokens at a time, never through the full
+logits (trainloop/chunked_loss.py)."""
 
 from __future__ import annotations
 
@@ -19,39 +21,37 @@ def model_inputs(batch: dict) -> dict:
     return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
 
 
-def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the target tokens, in fp32: position t predicts labels[t + 1]."""
-    import torch
-
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                             ignore_index=IGNORE, reduction="sum")
-
-
 class CausalLM(Objective):
     """Summed, not averaged: a step's loss is divided once by all its target tokens, over every
     micro-batch and rank. With a router (model.arch=mixtral) each training forward's routing is
     recorded, and its load-balancing loss x model.router_aux_loss_coef is the penalty."""
 
     name = "causal_lm"
+    chunks_loss = True
 
     def __init__(self, cfg, device):
         from trainloop.router import RouterLoad
 
         self.router = RouterLoad.for_model(cfg.model, device)
+        self.chunk = cfg.trainer.loss_chunk_tokens
 
     def count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()
 
     def batch_loss(self, model, batch: dict) -> BatchLoss:
-        output = model(**model_inputs(batch))
+        from trainloop.chunked_loss import next_token_nll
+
+        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)
         if self.router is None:
-            return BatchLoss(next_token_loss_sum(output.logits, batch["labels"]))
+            return BatchLoss(summed)
         self.router.record(output, batch)
-        return BatchLoss(next_token_loss_sum(output.logits, batch["labels"]), self.router.coef * self.router.aux)
+        return BatchLoss(summed, self.router.coef * self.router.aux)
 
     def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        output = model(**model_inputs(batch))  # no routing recorded: the train line's window is training's
-        return next_token_loss_sum(output.logits, batch["labels"]), self.count(batch)
+        from trainloop.chunked_loss import next_token_nll
+
+        # no routing recorded: the train line's window is training's
+        return next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)[0], self.count(batch)
 
     def window(self, strategy) -> dict:
         return self.router.window(strategy) if self.router is not None else {}

@@ -17,6 +17,9 @@ the bytes each process needs on the GPU, in CPU RAM and on NVMe:
 - activations for the micro-batch and sequence length, per layer of the transformer's shape,
   with and without gradient checkpointing (coefficients of Hugging Face's Llama and GPT-2
   code, checked against saved-tensor measurements in tests/test_plan.py);
+- the loss: the full logits' two gradients at the start of the backward, or, with
+  trainer.loss_chunk_tokens, one chunk's logits and the output layer's gradient made in the
+  forward (trainloop/chunked_loss.py); a note gives the loss's memory both ways;
 - the optimizer step's temporaries, DDP's gradient buckets, DeepSpeed's buffers (estimates).
 
 Then it compares them with this machine (trainloop.hardware, as the doctor reads it) for the
@@ -158,24 +161,31 @@ def _is_experts(module) -> bool:
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
-                     checkpointing: bool, attention: str) -> tuple[int, int]:
+                     checkpointing: bool, attention: str, chunked: bool = False,
+                     packed: bool = False) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
     tensors autograd saves (tests/test_plan.py measures them): the h terms are the norms,
     projections and residual, i the MLP, heads the attention's log-sum-exp. `half`: 16-bit
     compute (autocast or a 16-bit model). Under autocast, every layer also keeps the 16-bit
-    copy of its weights that the matmuls used.
+    copy of its weights that the matmuls used. `chunked` (trainer.loss_chunk_tokens): the full
+    logits' log-softmax (4 B x vocabulary per token) and the output layer's 16-bit copy are not
+    kept: loss_lines counts what the chunked loss holds instead. `packed` (data.packing=documents:
+    position ids restart inside a block): the model builds a block-diagonal mask, seq x seq in
+    the compute dtype, and SDPA keeps a copy per layer (16 MiB a layer at 2,048 tokens in fp32,
+    measured on CPU with transformers 5.23).
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
     tokens = batch * seq
+    logits = 0 if chunked else 4 * V  # the fp32 log-softmax cross-entropy keeps
     if shape.family == "llama":
         per_token = (30 * h + 4 * kv + 8 * i + 4 * heads + 8) if half else (32 * h + 8 * kv + 16 * i + 4 * heads + 8)
-        rest = tokens * (4 * V + (10 if half else 12) * h + 20) + 8 * seq * (h // heads)  # logits, RoPE tables
+        rest = tokens * (logits + (10 if half else 12) * h + 20) + 8 * seq * (h // heads)  # logits, RoPE tables
     else:
         per_token = (20 * h + 10 * i + 4 * heads + 16) if half else (32 * h + 20 * i + 4 * heads + 16)
-        rest = tokens * (4 * V + (6 if half else 8) * h + 26) + 8 * seq
+        rest = tokens * (logits + (6 if half else 8) * h + 26) + 8 * seq
     if attention == "eager":  # the softmax probabilities instead of the log-sum-exp
         per_token += heads * (seq - 1) * (2 if half else 4)
     if shape.num_experts:  # each token through k experts' MLPs (tokens sorted by expert) instead of one MLP
@@ -185,12 +195,43 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
         per_token += k * (8 * h + 16 * i + 48) - ((8 * i + 2 * h + 12) if half else 16 * i)
         per_token += 8 * E + 4  # the router's logits and probabilities
     weight_copies = 2 * (shape.layer_linear_params - shape.expert_params // shape.num_layers) if autocast else 0
-    rest += 2 * V * h if autocast else 0  # the output projection's 16-bit copy
-    layer = tokens * per_token + weight_copies
+    rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
+    mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
+    layer = tokens * per_token + weight_copies + mask
     if not checkpointing:
         return shape.num_layers * layer + rest, 0
     residual = tokens * h * (2 if half and not autocast else 4)  # each layer's input, kept
     return shape.num_layers * residual + rest, layer
+
+
+def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: bool, batch: int) -> None:
+    """What the loss holds beyond the saved activations, at the start of the backward, when the
+    activations are all still held (estimates, fp32 cross-entropy):
+    - the full logits (trainer.loss_chunk_tokens=0): the gradient of the log-softmax output and
+      the logits' own gradient, 4 B x vocabulary per token each;
+    - chunked (trainloop/chunked_loss.py): the output layer's fp32 gradient, made in the forward and
+      held until the backward (when the output layer trains), the hidden states' gradient, and
+      one chunk's fp32 logits twice (the logits and the log-sum-exp's temporary), with the 16-bit
+      copy of the output weight under autocast.
+    The note gives the logits term both ways."""
+    V, h, chunk = shape.vocab, shape.hidden, cfg.trainer.loss_chunk_tokens
+    tokens = batch * cfg.data.seq_len  # a forward's sequences (a preference pair is two)
+    head_trains = shape.trainable is None  # an adapter freezes the output layer
+
+    def chunked(c: int) -> int:
+        return ((4 * V * h if head_trains else 0) + 4 * h * tokens + 8 * min(c, tokens) * V
+                + (2 * V * h if autocast else 0))
+
+    if chunk:
+        plan.lines.append(Line("chunked loss", chunked(chunk), dev, "forward/backward", exact=False,
+                               note=f"{min(chunk, tokens)} tokens x {V:,} fp32 logits at a time"
+                               + (", the output layer's gradient" if head_trains else "")))
+    else:
+        plan.lines.append(Line("logits' gradients", 8 * V * tokens, dev, "forward/backward", exact=False,
+                               note=f"{tokens} tokens x {V:,} fp32, twice, at the start of the backward"))
+    example = chunk or 1024
+    plan.notes.append(f"the loss: {_gib(12 * V * tokens)} through the full logits (the log-softmax kept, its "
+                      f"gradients); {_gib(chunked(example))} with trainer.loss_chunk_tokens={example}")
 
 
 def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_node: int | None = None,
@@ -212,9 +253,12 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
 
     autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
+    chunked = cfg.trainer.loss_chunk_tokens > 0
+    packed = cfg.data.packing == "documents"
     saved, recompute = activation_bytes(
         shape, batch, cfg.data.seq_len, half, autocast=autocast,
-        checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation)
+        checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
+        packed=packed)
     offloaded = cfg.trainer.activation_offload and dev == "gpu"  # on the CPU they are in host memory already
     add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
              note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
@@ -223,17 +267,18 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
                  note="about a block's worth on the device while it is copied out or back"))
+    loss_lines(plan, cfg, shape, dev, autocast, batch)
     if recompute:
         add(Line("recomputed layer", recompute, dev, "forward/backward", exact=False,
                  note="one layer's activations, rebuilt during the backward pass"))
     if not cfg.model.gradient_checkpointing:
         without = saved
         with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                       True, cfg.model.attn_implementation))
+                                       True, cfg.model.attn_implementation, chunked, packed))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
         without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                   False, cfg.model.attn_implementation)[0]
+                                   False, cfg.model.attn_implementation, chunked, packed)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
