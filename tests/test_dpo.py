@@ -255,6 +255,14 @@ def test_two_processes_give_the_step_of_one(tmp_path):
 FULL = [*(o for o in STEP if o != "adapter=lora"), "adapter=none"]  # a full fine-tune: a frozen reference copy
 
 
+def test_the_chunked_loss_gives_the_log_probs_of_the_full_logits(tmp_path):
+    """trainer.loss_chunk_tokens (issue 28): the policy's and the frozen reference's completion
+    log-probs scored 16 tokens at a time, never the full logits: the same losses within 1e-6."""
+    full = train(tmp_path / "full", *FULL, "data.batch_size=4")
+    chunked = train(tmp_path / "chunked", *FULL, "data.batch_size=4", "trainer.loss_chunk_tokens=16")
+    assert_same_losses(chunked, full)
+
+
 def test_a_full_fine_tune_under_zero3_and_fsdp2_gives_the_step_of_one_process(tmp_path, caplog, deepspeed_ops):
     """Full fine-tune: the reference is a frozen copy of the starting model, partitioned by ZeRO-3
     or sharded by FSDP2 like the policy; 2 processes x batch 2 give the losses and rewards of 1 x 4."""

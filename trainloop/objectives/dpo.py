@@ -203,12 +203,12 @@ class DPO(PairObjective):
             return batch[PRECOMPUTED].T.reshape(-1)
         with torch.no_grad():
             if self.frozen is not None:
-                return completion_logps(self.frozen, batch)[0]
+                return completion_logps(self.frozen, batch, self.chunk)[0]
             policy, training = reference_model(model), model.training
             model.eval()
             try:
                 with policy.disable_adapter():
-                    return completion_logps(policy, batch)[0]
+                    return completion_logps(policy, batch, self.chunk)[0]
             finally:
                 model.train(training)
 
@@ -218,7 +218,7 @@ class DPO(PairObjective):
         import torch.nn.functional as F
 
         reference = self.reference_logps(model, batch)
-        logps, tokens = completion_logps(model, batch)
+        logps, tokens = completion_logps(model, batch, self.chunk)
         chosen_ratio, rejected_ratio = (logps - reference).chunk(2)
         delta = chosen_ratio - rejected_ratio
         if self.loss_type == "sigmoid":

@@ -21,17 +21,18 @@ SUMS = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy
         "logps/chosen", "logps/rejected")
 
 
-def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model, batch: dict, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's summed log-probability of its completion tokens, chosen rows first then
-    rejected, from one forward of both; and each one's completion tokens."""
+    rejected, from one forward of both; and each one's completion tokens. `chunk`
+    (trainer.loss_chunk_tokens): the output layer scores that many tokens at a time, never
+    holding the full logits (trainloop.chunked_loss); 0: through the full logits."""
     import torch
-    import torch.nn.functional as F
+
+    from trainloop.chunked_loss import token_logps
 
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    logits = model(input_ids=ids, use_cache=False).logits
-    per_token = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                 ignore_index=IGNORE, reduction="none").view(ids.shape[0], -1)
+    per_token = token_logps(model, {"input_ids": ids, "use_cache": False}, labels, chunk)
     return per_token.sum(1), (labels != IGNORE).sum(1)
 
 
@@ -52,10 +53,12 @@ def sums(losses, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps)
 class PairObjective(Objective):
     pairs = True
     sequences = 2  # chosen and rejected, in one forward
+    chunks_loss = True  # completion_logps reads trainer.loss_chunk_tokens
 
     def __init__(self, cfg, device):
         import torch
 
+        self.chunk = cfg.trainer.loss_chunk_tokens
         self.device = torch.device(device)
         self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)  # since the last train line
 

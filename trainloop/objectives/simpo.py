@@ -24,12 +24,12 @@ if TYPE_CHECKING:  # imported where used: config checks read the table without l
     import torch
 
 
-def mean_completion_logps(model, batch: dict) -> torch.Tensor:
+def mean_completion_logps(model, batch: dict, chunk: int = 0) -> torch.Tensor:
     """Each sequence's log-probability per completion token (chosen rows, then rejected), from one
     forward of both: the tokens counted are those whose log-probabilities are summed (labels[1:])."""
     import torch
 
-    summed, _ = completion_logps(model, batch)
+    summed, _ = completion_logps(model, batch, chunk)
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
     return summed / (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
 
@@ -65,7 +65,7 @@ class SimPO(PairObjective):
         """Each pair's loss, and SUMS over the batch's pairs."""
         import torch.nn.functional as F
 
-        chosen, rejected = mean_completion_logps(model, batch).chunk(2)
+        chosen, rejected = mean_completion_logps(model, batch, self.chunk).chunk(2)
         logits = self.beta * (chosen - rejected) - self.gamma
         s = self.label_smoothing
         losses = -(1 - s) * F.logsigmoid(logits) - s * F.logsigmoid(-logits)
