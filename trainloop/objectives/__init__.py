@@ -34,16 +34,28 @@ def read_only_by() -> dict[str, tuple]:
     return table
 
 
-def problems(cfg, data_pairs: bool) -> list[str]:
-    """The chosen objective's own checks, and whether the data (its format's `pairs`) is what it trains on."""
+# The items that only some formats hold (their row says so), and the data=NAME that holds them.
+ITEMS = {"pairs": ("preference pairs", "data=preference"), "prompts": ("prompts alone", "data=prompts")}
+
+
+def items(row) -> str | None:
+    """What a data format's or an objective's row says its items are: pairs, prompts, or None (token blocks)."""
+    return "pairs" if row.pairs else "prompts" if row.prompts else None
+
+
+def problems(cfg, data_format=None) -> list[str]:
+    """The chosen objective's own checks, and whether the data (its format's row, trainloop.formats)
+    holds what it trains on."""
     objective = OBJECTIVES.get(cfg.objective.name)
     if objective is None:  # refused with the other choices
         return []
     problems = objective.problems(cfg)
-    if objective.pairs and not data_pairs:
-        problems.append(f"objective={objective.name} trains on preference pairs, and data={cfg.data.name} holds "
-                        "none: set data=preference")
-    if data_pairs and not objective.pairs:
-        problems.append(f"data={cfg.data.name} holds preference pairs, which objective={objective.name} does not "
-                        "train on: set objective=dpo")
+    wants, holds = items(objective), items(data_format) if data_format is not None else None
+    if wants is not None and wants != holds:
+        what, where = ITEMS[wants]
+        problems.append(f"objective={objective.name} trains on {what}, and data={cfg.data.name} holds none: set {where}")
+    if holds is not None and wants != holds:
+        trainer = next(name for name, o in OBJECTIVES.items() if items(o) == holds)
+        problems.append(f"data={cfg.data.name} holds {ITEMS[holds][0]}, which objective={objective.name} does not "
+                        f"train on: set objective={trainer}")
     return problems

@@ -34,6 +34,7 @@ class Objective:
 
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
+    prompts = False  # trains on completions it generates for prompts (a data format whose row says prompts)
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
 
     @staticmethod
