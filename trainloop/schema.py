@@ -186,10 +186,24 @@ class CompileConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo)
-    beta: float = 0.1  # dpo only: how far the policy may move from the reference (the rewards are beta x log-ratios)
-    loss_type: str = "sigmoid"  # dpo only: sigmoid (the DPO paper's), ipo, hinge or robust, as TRL 1.16 defines them
+    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; grpo)
+    # dpo: how far the policy may move from the reference (the rewards are beta x log-ratios);
+    # grpo: the weight of the KL penalty to the reference (0: none, and no reference is built)
+    beta: float = 0.1
+    # dpo: sigmoid (the DPO paper's), ipo, hinge or robust; grpo: dapo, grpo or dr_grpo; as TRL 1.16 defines them
+    loss_type: str = "sigmoid"
     label_smoothing: float = 0.0  # dpo with loss_type=robust only: the assumed share of flipped labels, in [0, 0.5)
+    # grpo only: the reward functions, module:function or path/to/file.py:function (trainloop/rewards.py)
+    rewards: list[str] = field(default_factory=list)
+    reward_weights: Optional[list[float]] = None  # grpo only: one weight per reward function; null: each 1.0
+    num_generations: int = 8  # grpo only: completions sampled per prompt (a group)
+    temperature: float = 1.0  # grpo only: sampling temperature (the log-probabilities are taken at it too)
+    top_p: float = 1.0  # grpo only: nucleus sampling's probability mass, in (0, 1]
+    max_new_tokens: int = 128  # grpo only: the longest completion; a longer one is cut (truncated)
+    scale_rewards: str = "group"  # grpo only: divide the advantages by the std of the group's rewards, the batch's, or none
+    epsilon: float = 0.2  # grpo only: the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # grpo only: null: epsilon
+    num_iterations: int = 1  # grpo only: optimizer steps on each generated batch
 
 
 @dataclass

@@ -11,10 +11,12 @@ from __future__ import annotations
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
 from trainloop.objectives.dpo import DPO
+from trainloop.objectives.grpo import GRPO
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "causal_lm": CausalLM,
     "dpo": DPO,
+    "grpo": GRPO,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "problems", "read_only_by"]

@@ -28,6 +28,10 @@ class Objective:
       step's total (one reduce over its micro-batches and ranks) normalises every micro-batch.
     - batch_loss(model, batch): the BatchLoss of one training forward.
     - window(strategy): values for the train log line since the last one, over every rank.
+    - draws(step), step_batches(strategy, model, group, step): whether a step reads micro-batches
+      from the data, and the micro-batches it trains on, made from those (objective=grpo generates
+      completions for the prompts read); for most objectives, always and the ones read.
+    - examples(): a few of what it trained on since the last train line, for an event=samples record.
     - eval_sums(model, batch): (summed loss, units) of an evaluation forward; evaluate() adds them
       up over the validation batches and ranks into the eval line's values.
     """
@@ -40,6 +44,19 @@ class Objective:
     @staticmethod
     def problems(cfg) -> list[str]:
         """Its own config checks (the whole config), each naming the key and what to choose."""
+        return []
+
+    def draws(self, step: int) -> bool:
+        """Whether step `step` (the steps taken before it) reads new micro-batches from the data."""
+        return True
+
+    def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
+        """The micro-batches step `step` trains on, made from the ones it read (None if it read none),
+        before any is counted: the loop normalises by the count of what this returns."""
+        return group
+
+    def examples(self) -> list[dict]:
+        """[{"prompt": ..., "text": ..., more}] of what was trained on since the last train line."""
         return []
 
     def count(self, batch: dict) -> torch.Tensor:
