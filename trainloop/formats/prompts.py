@@ -103,7 +103,7 @@ class Prompts(DataFormat):
         other = next((place for place, row in rows if isinstance(row[cfg.prompt_field], str) != text), None)
         if other is not None:
             raise ConfigError(f"{other}: mixes text and conversations with {rows[0][0]}: the reward functions get "
-                              "one kind; give all prompts as text or all as lists of messages")
+                              "one kind, all text or all lists of {role, content} messages; fix or remove that row")
         return rows
 
     def prompt_tokens(self, cfg: DataConfig, tokenizer):

@@ -92,8 +92,8 @@ def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
 def policy_loss(logps, old_logps, advantages, mask, epsilon: float, epsilon_high: float, beta: float,
                 ref_logps=None) -> tuple[torch.Tensor, dict]:
     """The per-token loss (TRL's, importance_sampling_level=token): -min(r A, clip(r) A) with r the
-    ratio to the sampling policy, plus beta x the k3 estimate of the KL to the reference; and the
-    clipped and KL tokens, per token (detached)."""
+    ratio to the sampling policy, plus beta x r x the k3 estimate of the KL to the reference; and
+    the clipped tokens and the KL, per token (detached)."""
     import torch
 
     advantages = advantages[:, None]
@@ -102,8 +102,8 @@ def policy_loss(logps, old_logps, advantages, mask, epsilon: float, epsilon_high
     per_token = -torch.min(ratio * advantages, clipped * advantages)
     parts = {"clipped": (((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0)))
              .float()}
-    if beta != 0.0:
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+    if beta != 0.0:  # times the ratio, TRL's default (use_bias_correction_kl): the unbiased reverse-KL gradient
+        kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
         per_token = per_token + beta * kl
         parts["kl"] = kl.detach()
     return per_token, parts
