@@ -248,3 +248,96 @@ def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
     assert 0 < window["clip_ratio"] < 1
     if beta:
         assert window["kl"] == pytest.approx(metrics["kl"][-1], abs=1e-6) and window["kl"] > 0
+
+
+# --- it learns --------------------------------------------------------------------------------
+
+# The toy task: whatever the prompt, write lowercase letters (tests/data/grpo_rewards.py:letters, the
+# share of a completion's characters that are). A random tiny model writes about 1 in 10.
+TASK = [*GRPO, f"data.path={PROMPTS}", "objective.num_generations=8", "objective.max_new_tokens=6",
+        "data.validation_fraction=0.2", "scheduler=constant", "checkpoint.save_final_model=false"]
+FULL = [*TASK, "data.batch_size=4", "optimizer.lr=1e-2", "trainer.max_steps=14", "trainer.eval_every=14"]
+
+
+def reward_curve(run_dir: Path) -> list[float]:
+    return [r["reward"] for r in read_metrics(run_dir) if "reward" in r]
+
+
+def assert_learned(run_dir: Path) -> None:
+    curve = reward_curve(run_dir)
+    print(f"{run_dir.name}: reward by step {[round(r, 2) for r in curve]}")
+    assert curve[0] < 0.2 <= 0.8 <= curve[-1], curve  # the step-0 completions' reward, then the last step's
+    held_out = [r for r in read_metrics(run_dir) if "eval_reward" in r][-1]
+    assert held_out["eval_reward"] >= 0.8 and held_out["eval_loss"] == -held_out["eval_reward"]
+
+
+def test_a_tiny_model_learns_the_toy_task(tmp_path):
+    run_dir = train(tmp_path / "full", *FULL)
+    assert_learned(run_dir)
+    lines = read_metrics(run_dir)
+    line = next(r for r in lines if "reward" in r)
+    assert line["rewards/letters"] == line["reward"] and line["reward_std"] > 0
+    assert line["completion_length"] == line["completion_length_max"] == 6 and line["truncated_share"] == 1.0
+    assert line["clip_ratio"] == 0.0 and "kl" not in line  # on-policy (num_iterations=1), and beta=0
+    shown = [r for r in lines if r.get("event") == "samples"]
+    assert len(shown) == 14 and set(shown[-1]["samples"][0]) == {"prompt", "text", "rewards"}
+    assert shown[-1]["samples"][0]["prompt"].startswith("Write ")
+
+
+def test_lora_learns_with_a_kl_to_the_model_without_its_adapters(tmp_path):
+    """beta > 0: the reference is the model with its adapters disabled. A frozen random head bounds
+    the logits, so the adapters cover the head too (and sampling is sharper)."""
+    run_dir = train(tmp_path / "lora", *TASK, "adapter=lora", "objective.beta=0.04", "objective.temperature=0.25",
+                    "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
+                    "data.batch_size=4", "optimizer.lr=2e-2", "trainer.max_steps=8", "trainer.eval_every=8")
+    assert_learned(run_dir)
+    kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
+    assert kl[0] == 0.0 < kl[-1]  # the policy starts as its reference, then moves away
+
+
+def test_two_processes_learn_it_too(tmp_path):
+    run_dir = tmp_path / "two"
+    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            "-m", "trainloop", *SMALL, *FULL, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
+    assert_learned(run_dir)
+
+
+def test_a_stopped_run_resumes_to_the_same_completions_and_losses(tmp_path):
+    """Stopped after step 3 (saved) and resumed: steps 4 to 6 sample the same completions (their
+    generator is seeded by the step) and give bitwise the losses and rewards of a straight run."""
+    steps = [*FULL, "trainer.max_steps=6", "trainer.eval_every=3"]
+    straight = train(tmp_path / "straight", *steps)
+    stopped = tmp_path / "stopped"
+    train(stopped, *steps, "trainer.stop_at_step=3")
+    train(stopped, *steps)
+
+    def lines(run_dir, after=0):
+        keys = ("loss", "reward", "reward_std", "eval_reward", "samples")
+        return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r and r["step"] > after]
+
+    assert [step for step, key, _ in lines(stopped) if key == "loss"] == [1, 2, 3, 4, 5, 6]  # resumed, not restarted
+    assert lines(stopped, after=3) == lines(straight, after=3) and len(lines(straight, after=3)) >= 10
+
+
+# --- a reward function that fails -------------------------------------------------------------------
+
+def test_a_reward_function_that_raises_ends_the_run_in_one_line_keeping_its_checkpoints(tmp_path):
+    """grpo_rewards.py:fails raises on a completion holding a 'q': the run exits 2 with one line
+    naming the function and the row; the checkpoints saved before it are complete."""
+    run_dir = tmp_path / "run"
+    done = launch(["python", "-m", "trainloop", *SMALL, *FULL, f"objective.rewards=[{REWARDS}:letters,{REWARDS}:fails]",
+                   "checkpoint.every_steps=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"the reward function {REWARDS}:fails raised ZeroDivisionError: float division by zero (on completion " in last
+    assert "q" in last.split("completion ")[-1] and "Traceback" not in done.stderr
+    failed_at = len([r for r in read_metrics(run_dir) if "loss" in r])
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert failed_at >= 1 and saved == [f"step_{s:07d}" for s in range(1, failed_at + 1)][-2:]  # keep_last=2
+
+
+def test_a_reward_function_of_the_wrong_length_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^the reward function {REWARDS}:too_few returned 31 values for 32 "
+                                          r"completions: it must return a list with one number \(or None\) per"):
+        train(tmp_path / "run", *FULL, f"objective.rewards=[{REWARDS}:too_few]")
