@@ -22,6 +22,10 @@ NEEDS = {  # options whose required keys the user must give
     ("data", "prepared"): ["data.path=/some/prepared"],
     ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
     ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
+    ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
+                          "objective.rewards=[trainloop.rewards:exact_answer]"],
+    ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
+                            "objective.rewards=[trainloop.rewards:exact_answer]"],
 }
 
 

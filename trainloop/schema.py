@@ -54,7 +54,7 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, prepared: data.path
+    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, preference, prompts, prepared: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet; prepared: the shards' folder
     # a mixture instead of data.path: [{path: P, weight: W, name: N}, ...]; each path read as data.path
     # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default: P's stem) keys
@@ -62,8 +62,8 @@ class DataConfig:
     sources: Optional[list[SourceConfig]] = None
     text_field: str = "text"  # the column that holds the text (data=files)
     messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
-    chat_template: Optional[str] = None  # data=chat and preference: a Jinja template file; None: the tokenizer's, else built-in
-    prompt_field: str = "prompt"  # data=prompt_completion and preference: the column holding the prompt
+    chat_template: Optional[str] = None  # data=chat, preference and prompts: a Jinja template file; None: the tokenizer's, else built-in
+    prompt_field: str = "prompt"  # data=prompt_completion, preference and prompts: the column holding the prompt
     completion_field: str = "completion"  # data=prompt_completion: the column holding the completion
     chosen_field: str = "chosen"  # data=preference: the column holding the preferred completion (text or messages)
     rejected_field: str = "rejected"  # data=preference: the column holding the other completion (text or messages)

@@ -36,8 +36,12 @@ def read_only_by() -> dict[str, tuple]:
     return table
 
 
-# The items that only some formats hold (their row says so), and the data=NAME that holds them.
-ITEMS = {"pairs": ("preference pairs", "data=preference"), "prompts": ("prompts alone", "data=prompts")}
+# The items that only some formats hold (their row says so): what an objective that trains on them
+# says of other data, and what such data says of another objective.
+WANTS = {"pairs": "objective={objective} trains on preference pairs, and data={data} holds none: set data=preference",
+         "prompts": "objective={objective} trains on prompts alone, and data={data} holds none: set data=prompts"}
+HOLDS = {"pairs": "data={data} holds preference pairs, which objective={objective} does not train on: set objective=dpo",
+         "prompts": "data={data} holds prompts alone, which objective={objective} does not train on: set objective=grpo"}
 
 
 def items(row) -> str | None:
@@ -53,11 +57,9 @@ def problems(cfg, data_format=None) -> list[str]:
         return []
     problems = objective.problems(cfg)
     wants, holds = items(objective), items(data_format) if data_format is not None else None
+    names = {"objective": objective.name, "data": cfg.data.name}
     if wants is not None and wants != holds:
-        what, where = ITEMS[wants]
-        problems.append(f"objective={objective.name} trains on {what}, and data={cfg.data.name} holds none: set {where}")
+        problems.append(WANTS[wants].format(**names))
     if holds is not None and wants != holds:
-        trainer = next(name for name, o in OBJECTIVES.items() if items(o) == holds)
-        problems.append(f"data={cfg.data.name} holds {ITEMS[holds][0]}, which objective={objective.name} does not "
-                        f"train on: set objective={trainer}")
+        problems.append(HOLDS[holds].format(**names))
     return problems
