@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 from conftest import SMALL, compose, launch, read_metrics, train
 from test_distributed import free_port
 from test_finetune_data import write_rows
+from test_resume import finish, start, wait_for_step
 from trainloop.config import ConfigError, check_command_line, validate
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -295,6 +298,17 @@ def test_lora_learns_with_a_kl_to_the_model_without_its_adapters(tmp_path):
     assert kl[0] == 0.0 < kl[-1]  # the policy starts as its reference, then moves away
 
 
+def test_num_iterations_trains_each_generated_batch_that_many_steps(tmp_path):
+    """objective.num_iterations=2: prompts are read every other step (an epoch of 16 prompts, 4 a
+    step, lasts 8 steps, not 4); the second step trains on the same completions, its ratio to the
+    policy that sampled them moved by the first update, so some tokens are clipped."""
+    run_dir = train(tmp_path / "twice", *FULL, "objective.num_iterations=2", "trainer.max_steps=10")
+    lines = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [("reward" in r) for r in lines] == [True, False] * 5  # generated on odd steps only
+    assert all(r["clip_ratio"] == 0.0 for r in lines[::2]) and all(r["clip_ratio"] > 0 for r in lines[1::2])
+    assert [r["epoch"] for r in lines] == [0] * 8 + [1] * 2
+
+
 def test_two_processes_learn_it_too(tmp_path):
     run_dir = tmp_path / "two"
     launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
@@ -318,6 +332,35 @@ def test_a_stopped_run_resumes_to_the_same_completions_and_losses(tmp_path):
 
     assert [step for step, key, _ in lines(stopped) if key == "loss"] == [1, 2, 3, 4, 5, 6]  # resumed, not restarted
     assert lines(stopped, after=3) == lines(straight, after=3) and len(lines(straight, after=3)) >= 10
+
+
+def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewards(tmp_path):
+    """Acceptance 4: SIGTERM after step 3 -> exit 75 with a checkpoint; the same command again
+    resumes it, and the losses, rewards and completions of every later step are bitwise the ones
+    of a run that was not stopped."""
+    command = ["python", "-m", "trainloop", *SMALL, *FULL, "trainer.max_steps=10", "trainer.eval_every=5"]
+    straight = tmp_path / "straight"
+    launch([*command, f"hydra.run.dir={straight}"])
+    run = tmp_path / "run"
+    args = [sys.executable, *command[1:], f"hydra.run.dir={run}"]
+    proc = start(args, tmp_path / "output.txt")
+    try:
+        wait_for_step(run, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        code = finish(proc, timeout=120)
+    finally:
+        finish(proc, timeout=0)
+    assert code == 75, (tmp_path / "output.txt").read_text()[-3000:]
+    stopped_at = max(r["step"] for r in read_metrics(run) if "loss" in r)
+    assert 3 <= stopped_at < 10
+    launch([*command, f"hydra.run.dir={run}"])
+
+    def after(run_dir, step):
+        keys = ("loss", "reward", "reward_std", "completion_length", "eval_reward", "samples")
+        return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys
+                if key in r and r["step"] > step]
+
+    assert after(run, stopped_at) == after(straight, stopped_at) and len(after(straight, stopped_at)) >= 12
 
 
 # --- a reward function that fails -------------------------------------------------------------------

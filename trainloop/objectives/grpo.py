@@ -230,12 +230,7 @@ class GRPO(Objective):
 
         rollouts = [self.generate(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
                     for i, batch in enumerate(group)]
-        scores = [self.score(r) for r in rollouts]
-        failed = torch.tensor([float(isinstance(s, Exception)) for s in scores], device=strategy.device).sum()
-        if strategy.sum_over_all(failed.view(1)).item():  # every rank stops together, the failing one naming it
-            mine = next((s for s in scores if isinstance(s, Exception)), None)
-            raise mine or RuntimeError("a reward function failed on another rank; its message is above")
-        rewards = torch.cat(scores)
+        rewards = self.agreed_scores(strategy, rollouts)
         weights = torch.tensor(self.rewards.weights, device=rewards.device)
         advantages, summed = group_advantages(rewards, weights, self.cfg.num_generations, self.cfg.scale_rewards,
                                               lambda x: self.batch_moments(strategy, x))
@@ -247,7 +242,8 @@ class GRPO(Objective):
             batch["advantages"] = advantages[start:start + n]
             start += n
             batches.append(self.with_logps(model, batch))
-        self.generated = batches
+        if self.cfg.num_iterations > 1:  # trained on again by the window's next steps
+            self.generated = batches
         return batches
 
     def generate(self, strategy, model, batch: dict, seed: int) -> dict:
@@ -300,6 +296,21 @@ class GRPO(Objective):
         except ConfigError as err:
             return err
         return torch.tensor(values, dtype=torch.float32, device=mask.device).T
+
+    def agreed_scores(self, strategy, rollouts: list[dict]) -> torch.Tensor:
+        """The rollouts' rewards [completions, functions]; if a reward function failed on any rank,
+        every rank stops here together (no rank is left waiting in a collective), the one it
+        failed on naming it and the row."""
+        import torch
+
+        from trainloop.errors import ConfigError
+
+        scores = [self.score(r) for r in rollouts]
+        failed = torch.tensor([float(sum(isinstance(s, Exception) for s in scores))], device=strategy.device)
+        if strategy.sum_over_all(failed).item():
+            raise next((s for s in scores if isinstance(s, Exception)), None) or ConfigError(
+                "a reward function failed on another rank: its message is in that rank's output")
+        return torch.cat(scores)
 
     def batch_moments(self, strategy, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and std (NaN skipped, Bessel's correction) of every rank's rewards of the step, in two passes."""
@@ -379,13 +390,17 @@ class GRPO(Objective):
         longest = strategy.reduce_sum(longest)
         self.sums, self.longest = self.zero_sums(), 0
         completions, scored, reward, squares = total[:4]
-        values = {"reward": reward / max(scored, 1),
-                  "reward_std": max(squares - reward ** 2 / scored, 0.0) ** 0.5 / (scored - 1) ** 0.5 if scored > 1 else 0.0}
-        for f, name in enumerate(self.rewards.names):
-            values[f"rewards/{name}"] = total[4 + 2 * f] / max(total[5 + 2 * f], 1)
         lengths, truncated, tokens, clipped, kl = total[-5:]
-        values.update({"completion_length": lengths / max(completions, 1), "completion_length_max": longest.max().item(),
-                       "truncated_share": truncated / max(completions, 1), "clip_ratio": clipped / max(tokens, 1)})
+        values = {}
+        if completions:  # none inside a num_iterations window: its steps train on earlier completions
+            values["reward"] = reward / max(scored, 1)
+            values["reward_std"] = (max(squares - reward ** 2 / scored, 0.0) / (scored - 1)) ** 0.5 if scored > 1 else 0.0
+            for f, name in enumerate(self.rewards.names):  # over the completions it applied to (not None)
+                if total[5 + 2 * f]:
+                    values[f"rewards/{name}"] = total[4 + 2 * f] / total[5 + 2 * f]
+            values.update({"completion_length": lengths / completions, "completion_length_max": longest.max().item(),
+                           "truncated_share": truncated / completions})
+        values["clip_ratio"] = clipped / max(tokens, 1)
         if self.cfg.beta != 0.0:
             values["kl"] = kl / max(tokens, 1)
         return values
@@ -420,9 +435,7 @@ class GRPO(Objective):
                 cmask = completion_mask(completion_ids, self.eos)
                 rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "completion_mask": cmask,
                            "rows": [json.loads(r) for r in batch["row"]]}
-                scores = self.score(rollout)
-                if isinstance(scores, Exception):
-                    raise scores
+                scores = self.agreed_scores(strategy, [rollout])
                 summed = (scores.cpu() * weights[None]).nansum(1)
                 summed[torch.isnan(scores.cpu()).all(1)] = torch.nan
                 scored = ~torch.isnan(summed)
