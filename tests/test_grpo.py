@@ -115,7 +115,7 @@ def test_csv_is_refused_as_its_columns_lose_their_types(tmp_path):
     ([*GRPO, "objective.scale_rewards=mean"], r"objective.scale_rewards=mean is not one of: group, batch, none"),
     ([*GRPO, "objective.num_generations=1"], r"objective.num_generations=1: a group needs at least 2 completions"),
     ([*GRPO, "objective.max_new_tokens=1000"], r"data.seq_len=64 \(the longest prompt\) \+ objective.max_new_tokens=1000"),
-    ([*GRPO, "deepspeed=zero2"], r"objective=grpo runs on one process or DDP in this slice"),
+    ([*GRPO, "deepspeed=zero2"], r"objective=grpo runs on one process, DDP or FSDP2 in this slice"),
     (["data=prompts"], r"data=prompts holds prompts alone, which objective=causal_lm does not train on: set objective=grpo"),
     (GRPO[1:], r"objective=grpo trains on prompts alone, and data=pydoc holds none: set data=prompts"),
 ])
@@ -309,12 +309,34 @@ def test_num_iterations_trains_each_generated_batch_that_many_steps(tmp_path):
     assert [r["epoch"] for r in lines] == [0] * 8 + [1] * 2
 
 
-def test_two_processes_learn_it_too(tmp_path):
-    run_dir = tmp_path / "two"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "trainloop", *SMALL, *FULL, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+def torchrun(run_dir: Path, *overrides: str) -> str:
+    """A 2-process run's log."""
+    done = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                   "-m", "trainloop", *SMALL, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
-    assert_learned(run_dir)
+    return done.stdout + done.stderr
+
+
+def test_two_processes_learn_it_under_ddp_and_fsdp2_alike(tmp_path):
+    """2 processes over gloo, 2 prompts each: DDP learns the task, and FSDP2 (every rank generating
+    together while the weights are sharded) gives the same rewards step by step."""
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    torchrun(ddp, *FULL, "data.batch_size=2")
+    assert_learned(ddp)
+    assert "FSDP2 full_shard over 2 shard(s)" in torchrun(fsdp, *FULL, "data.batch_size=2", "fsdp=full_shard")
+    assert reward_curve(fsdp) == pytest.approx(reward_curve(ddp), abs=1e-6)
+
+
+def test_lora_under_fsdp2_generates_and_takes_its_reference(tmp_path):
+    """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.fsdp marks
+    generate as a forward, so its embeddings are gathered; the KL's reference is the same sharded
+    model with its adapters disabled."""
+    run_dir = tmp_path / "lora"
+    torchrun(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", "fsdp=full_shard",
+                       "data.batch_size=2", "optimizer.lr=1e-2", "trainer.max_steps=3", "trainer.eval_every=3")
+    kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
+    assert len(kl) == 3 and kl[0] == 0.0 < kl[-1]
+    assert [r for r in read_metrics(run_dir) if "eval_reward" in r]
 
 
 def test_a_stopped_run_resumes_to_the_same_completions_and_losses(tmp_path):
