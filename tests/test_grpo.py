@@ -282,9 +282,18 @@ def test_a_tiny_model_learns_the_toy_task(tmp_path):
     assert line["rewards/letters"] == line["reward"] and line["reward_std"] > 0
     assert line["completion_length"] == line["completion_length_max"] == 6 and line["truncated_share"] == 1.0
     assert line["clip_ratio"] == 0.0 and "kl" not in line  # on-policy (num_iterations=1), and beta=0
+    assert line["generation_s"] > 0 and line["generated_tokens_per_s"] == pytest.approx(32 * 6 / line["generation_s"])
     shown = [r for r in lines if r.get("event") == "samples"]
     assert len(shown) == 14 and set(shown[-1]["samples"][0]) == {"prompt", "text", "rewards"}
     assert shown[-1]["samples"][0]["prompt"].startswith("Write ")
+
+
+def test_gradient_checkpointing_gives_the_same_rewards(tmp_path):
+    """Generation runs the model in eval mode with its cache; training recomputes the activations."""
+    plain = train(tmp_path / "plain", *FULL, "trainer.max_steps=5")
+    recomputed = train(tmp_path / "recomputed", *FULL, "trainer.max_steps=5", "model.gradient_checkpointing=true")
+    assert reward_curve(recomputed) == pytest.approx(reward_curve(plain), abs=1e-6)
+    assert len(set(reward_curve(plain))) > 1
 
 
 def test_lora_learns_with_a_kl_to_the_model_without_its_adapters(tmp_path):

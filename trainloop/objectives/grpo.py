@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -160,6 +161,7 @@ class GRPO(Objective):
         self.generated_at = None  # the step they were generated at
         self.sums = self.zero_sums()
         self.longest = 0  # the longest completion since the last train line, on this rank
+        self.generating_s = 0.0  # seconds spent generating since the last train line, on this rank
         self.shown: list[dict] = []
 
     def zero_sums(self):
@@ -228,8 +230,10 @@ class GRPO(Objective):
             return self.generated
         import torch
 
+        started = time.perf_counter()
         rollouts = [self.generate(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
                     for i, batch in enumerate(group)]
+        self.generating_s += time.perf_counter() - started
         rewards = self.agreed_scores(strategy, rollouts)
         weights = torch.tensor(self.rewards.weights, device=rewards.device)
         advantages, summed = group_advantages(rewards, weights, self.cfg.num_generations, self.cfg.scale_rewards,
@@ -385,10 +389,10 @@ class GRPO(Objective):
         import torch
 
         total = strategy.reduce_sum(self.sums).tolist()
-        longest = torch.zeros(strategy.dp_size, device=strategy.device)  # a max over the ranks, by a sum
-        longest[strategy.dp_rank] = self.longest
-        longest = strategy.reduce_sum(longest)
-        self.sums, self.longest = self.zero_sums(), 0
+        ranks = torch.zeros(strategy.dp_size, 2, device=strategy.device, dtype=torch.float64)  # maxima, by a sum
+        ranks[strategy.dp_rank] = torch.tensor([self.longest, self.generating_s], dtype=torch.float64)
+        longest, generating_s = strategy.reduce_sum(ranks).max(0).values.tolist()
+        self.sums, self.longest, self.generating_s = self.zero_sums(), 0, 0.0
         completions, scored, reward, squares = total[:4]
         lengths, truncated, tokens, clipped, kl = total[-5:]
         values = {}
@@ -398,8 +402,9 @@ class GRPO(Objective):
             for f, name in enumerate(self.rewards.names):  # over the completions it applied to (not None)
                 if total[5 + 2 * f]:
                     values[f"rewards/{name}"] = total[4 + 2 * f] / total[5 + 2 * f]
-            values.update({"completion_length": lengths / completions, "completion_length_max": longest.max().item(),
-                           "truncated_share": truncated / completions})
+            values.update({"completion_length": lengths / completions, "completion_length_max": longest,
+                           "truncated_share": truncated / completions, "generation_s": generating_s,
+                           "generated_tokens_per_s": lengths / max(generating_s, 1e-9)})
         values["clip_ratio"] = clipped / max(tokens, 1)
         if self.cfg.beta != 0.0:
             values["kl"] = kl / max(tokens, 1)
