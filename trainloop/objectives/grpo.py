@@ -27,6 +27,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.objectives.dpo import reference_model
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -41,6 +42,13 @@ SHOWN = 2  # completions (with their rewards) in each log interval's event=sampl
 def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
     """The generator seed of one micro-batch's sampling: a function of where it is in the run."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()[:8], "big") >> 1
+
+
+def generation_config(**settings):
+    """A generation config of these settings alone (transformers' defaults for the rest)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**settings)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos: int) -> torch.Tensor:
@@ -132,11 +140,6 @@ def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
     return logps.gather(-1, batch["input_ids"][:, -width:, None]).squeeze(-1)
 
 
-def reference_model(model):
-    """The peft model under a data-parallel wrapper (DDP's .module), whose adapters can be disabled."""
-    return model if hasattr(model, "disable_adapter") else model.module
-
-
 class GRPO(Objective):
     name = "grpo"
     prompts = True
@@ -154,11 +157,16 @@ class GRPO(Objective):
         self.rewards = Rewards(o.rewards, o.reward_weights)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)  # decodes the completions
         self.eos, self.pad = self.tokenizer.eos_token_id, pad_id(self.tokenizer)
+        # sampling as configured here, whatever a pretrained model's generation_config.json says
+        # (a repetition penalty there would sample from another distribution than the loss's), as TRL does
+        self.sampling = generation_config(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0,
+                                          max_new_tokens=o.max_new_tokens, pad_token_id=self.pad, eos_token_id=self.eos)
+        self.greedy = generation_config(do_sample=False, max_new_tokens=o.max_new_tokens, pad_token_id=self.pad,
+                                        eos_token_id=self.eos)
         self.epsilon_high = o.epsilon if o.epsilon_high is None else o.epsilon_high
         self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
         self.device = torch.device(device)
         self.generated: list[dict] | None = None  # the batches being trained on (num_iterations)
-        self.generated_at = None  # the step they were generated at
         self.sums = self.zero_sums()
         self.longest = 0  # the longest completion since the last train line, on this rank
         self.generating_s = 0.0  # seconds spent generating since the last train line, on this rank
@@ -265,10 +273,8 @@ class GRPO(Objective):
         try:
             with torch.no_grad(), eager, torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)  # inside fork_rng: training's own random numbers are not drawn from
-                out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
-                                      temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0,
-                                      max_new_tokens=self.cfg.max_new_tokens, pad_token_id=self.pad,
-                                      eos_token_id=self.eos, synced_gpus=strategy.world_size > 1)
+                out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.sampling,
+                                      synced_gpus=strategy.world_size > 1)
         finally:
             module.train()
         completion_ids = out[:, prompt_ids.shape[1]:]
@@ -433,9 +439,8 @@ class GRPO(Objective):
                 keep = batch["prompt_mask"].any(0)
                 ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
                 with torch.no_grad():
-                    out = module.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                          max_new_tokens=self.cfg.max_new_tokens, pad_token_id=self.pad,
-                                          eos_token_id=self.eos, synced_gpus=strategy.world_size > 1)
+                    out = module.generate(input_ids=ids, attention_mask=mask, generation_config=self.greedy,
+                                          synced_gpus=strategy.world_size > 1)
                 completion_ids = out[:, ids.shape[1]:]
                 cmask = completion_mask(completion_ids, self.eos)
                 rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "completion_mask": cmask,
