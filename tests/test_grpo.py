@@ -115,7 +115,6 @@ def test_csv_is_refused_as_its_columns_lose_their_types(tmp_path):
     ([*GRPO, "objective.scale_rewards=mean"], r"objective.scale_rewards=mean is not one of: group, batch, none"),
     ([*GRPO, "objective.num_generations=1"], r"objective.num_generations=1: a group needs at least 2 completions"),
     ([*GRPO, "objective.max_new_tokens=1000"], r"data.seq_len=64 \(the longest prompt\) \+ objective.max_new_tokens=1000"),
-    ([*GRPO, "deepspeed=zero2"], r"objective=grpo runs on one process, DDP or FSDP2 in this slice"),
     (["data=prompts"], r"data=prompts holds prompts alone, which objective=causal_lm does not train on: set objective=grpo"),
     (GRPO[1:], r"objective=grpo trains on prompts alone, and data=pydoc holds none: set data=prompts"),
 ])
@@ -326,22 +325,41 @@ def torchrun(run_dir: Path, *overrides: str) -> str:
     return done.stdout + done.stderr
 
 
-def test_two_processes_learn_it_under_ddp_and_fsdp2_alike(tmp_path):
-    """2 processes over gloo, 2 prompts each: DDP learns the task, and FSDP2 (every rank generating
-    together while the weights are sharded) gives the same rewards step by step."""
-    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    torchrun(ddp, *FULL, "data.batch_size=2")
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> Path:
+    """2 processes over gloo, 2 prompts each, under DDP: the run the sharded strategies must match."""
+    run_dir = tmp_path_factory.mktemp("grpo") / "ddp"
+    torchrun(run_dir, *FULL, "data.batch_size=2")
+    return run_dir
+
+
+def test_two_processes_learn_it_under_ddp(ddp):
     assert_learned(ddp)
+
+
+def test_fsdp2_gives_ddps_rewards(ddp, tmp_path):
+    """Every rank generates together while FSDP2 shards the weights: the same rewards, step by step."""
+    fsdp = tmp_path / "fsdp"
     assert "FSDP2 full_shard over 2 shard(s)" in torchrun(fsdp, *FULL, "data.batch_size=2", "fsdp=full_shard")
     assert reward_curve(fsdp) == pytest.approx(reward_curve(ddp), abs=1e-6)
 
 
-def test_lora_under_fsdp2_generates_and_takes_its_reference(tmp_path):
+def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
+    """ZeRO-3 partitions the parameters: each generation forward gathers them on every rank together."""
+    zero3 = tmp_path / "zero3"
+    assert "DeepSpeed ZeRO-3 engaged" in torchrun(zero3, *FULL, "data.batch_size=2", "deepspeed=zero3")
+    assert reward_curve(zero3) == pytest.approx(reward_curve(ddp), abs=1e-6)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp=full_shard", "deepspeed=zero3"])
+def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, request):
     """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.fsdp marks
     generate as a forward, so its embeddings are gathered; the KL's reference is the same sharded
-    model with its adapters disabled."""
+    model with its adapters disabled (under ZeRO-3, the engine's module)."""
+    if sharding.startswith("deepspeed"):
+        request.getfixturevalue("deepspeed_ops")
     run_dir = tmp_path / "lora"
-    torchrun(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", "fsdp=full_shard",
+    torchrun(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", sharding,
                        "data.batch_size=2", "optimizer.lr=1e-2", "trainer.max_steps=3", "trainer.eval_every=3")
     kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
     assert len(kl) == 3 and kl[0] == 0.0 < kl[-1]

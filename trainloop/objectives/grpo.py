@@ -209,8 +209,6 @@ class GRPO(Objective):
             problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
                             f"{o.max_new_tokens} is longer than model.max_position_embeddings="
                             f"{cfg.model.max_position_embeddings}; lower one of them")
-        if cfg.deepspeed.stage:
-            problems.append("objective=grpo runs on one process, DDP or FSDP2 in this slice: use deepspeed=none")
         if cfg.trainer.auto_batch_size:
             problems.append("objective=grpo does not search a batch size yet: set trainer.auto_batch_size=false")
         if cfg.compile.backend != "none":
