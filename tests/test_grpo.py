@@ -344,6 +344,7 @@ def test_fsdp2_gives_ddps_rewards(ddp, tmp_path):
     assert reward_curve(fsdp) == pytest.approx(reward_curve(ddp), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
     """ZeRO-3 partitions the parameters: each generation forward gathers them on every rank together."""
     zero3 = tmp_path / "zero3"
@@ -351,6 +352,7 @@ def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
     assert reward_curve(zero3) == pytest.approx(reward_curve(ddp), abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["fsdp=full_shard", "deepspeed=zero3"])
 def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, request):
     """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.fsdp marks
@@ -383,6 +385,7 @@ def test_a_stopped_run_resumes_to_the_same_completions_and_losses(tmp_path):
     assert lines(stopped, after=3) == lines(straight, after=3) and len(lines(straight, after=3)) >= 10
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewards(tmp_path):
     """Acceptance 4: SIGTERM after step 3 -> exit 75 with a checkpoint; the same command again
     resumes it, and the losses, rewards and completions of every later step are bitwise the ones
