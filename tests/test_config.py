@@ -23,6 +23,10 @@ NEEDS = {  # options whose required keys the user must give
     ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
     ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
     ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
+    ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
+                          "objective.rewards=[trainloop.rewards:exact_answer]"],
+    ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
+                            "objective.rewards=[trainloop.rewards:exact_answer]"],
 }
 
 

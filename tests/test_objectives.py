@@ -15,9 +15,13 @@ from trainloop.objectives import OBJECTIVES, build_objective
 
 # The config each objective needs on top of the smoke preset (a new row adds its own).
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
+DATA = Path(__file__).resolve().parent / "data"
 NEEDS = {"causal_lm": [],
          "dpo": ["data=preference", f"data.path={PAIRS}", "adapter=lora", "optimizer.lr=1e-2"],
-         "simpo": ["data=preference", f"data.path={PAIRS}"]}
+         "simpo": ["data=preference", f"data.path={PAIRS}"],
+         "grpo": ["data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "optimizer.lr=1e-2",
+                  f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]", "objective.num_generations=4",
+                  "objective.max_new_tokens=6", "data.validation_fraction=0.2"]}
 
 
 def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
@@ -30,10 +34,22 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     train_set, _, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
     items = [train_set[i] for i in range(4)]
-    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    batch = {key: torch.stack([item[key] for item in items]) if isinstance(items[0][key], torch.Tensor)
+             else [item[key] for item in items] for key in items[0]}
     torch.manual_seed(0)
     model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
-    return batch, apply_adapter(cfg, model) if cfg.adapter.name != "none" else model
+    model = apply_adapter(cfg, model) if cfg.adapter.name != "none" else model
+    if OBJECTIVES[cfg.objective.name].prompts:  # its batch: completions it generates for the prompts
+        from accelerate import Accelerator
+
+        from conftest import reset_accelerate
+        from trainloop.parallel import build_strategy
+
+        reset_accelerate()
+        strategy = build_strategy(cfg, Accelerator(cpu=True))
+        batch = build_objective(cfg, "cpu").step_batches(strategy, model, [batch], step=0)[0]
+        batch = {key: value[::4] for key, value in batch.items()}  # one of each group: advantages that do not cancel
+    return batch, model
 
 
 def test_every_objective_has_its_config_and_its_test_needs():
@@ -55,7 +71,8 @@ def test_the_loss_and_its_units_add_up_over_micro_batches(name):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+# objective=grpo evaluates the reward of greedy completions, not a loss (tests/test_grpo.py)
+@pytest.mark.parametrize("name", sorted(name for name in OBJECTIVES if not OBJECTIVES[name].prompts))
 def test_evaluation_is_the_summed_loss_per_unit(name):
     from accelerate import Accelerator
 
@@ -78,4 +95,7 @@ def test_a_run_trains_on_the_objective(name, tmp_path):
     lines = [r for r in read_metrics(train(tmp_path / "run", f"objective={name}", *NEEDS[name],
                                            "trainer.max_steps=6")) if "loss" in r]
     assert lines and all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
-    assert lines[-1]["loss"] < lines[0]["loss"]
+    if OBJECTIVES[name].prompts:  # its loss is centred on 0 by the advantages: what it raises is the reward
+        assert lines[-1]["reward"] > lines[0]["reward"]
+    else:
+        assert lines[-1]["loss"] < lines[0]["loss"]

@@ -284,7 +284,7 @@ def validate(cfg: Any) -> None:
     problems += adapter.problems(cfg)
     problems += formats.problems(cfg)
     fmt = formats.FORMATS.get(cfg.data.name)
-    problems += objectives.problems(cfg, data_pairs=fmt is not None and fmt.pairs)
+    problems += objectives.problems(cfg, fmt)
 
     problems += parallel.problems(cfg)
     c = cfg.compile

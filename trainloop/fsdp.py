@@ -44,7 +44,7 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
     from trainloop.compile import transformer_blocks
 
@@ -65,6 +65,10 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)
+    # Generation (eval.prompts, objective=grpo) calls the root's generate: a PEFT model's reaches the
+    # inner model's forward, past the root's hooks, so its embeddings would stay sharded. Marked as a
+    # forward, generate gathers the root's parameters around it.
+    register_fsdp_forward_method(model, "generate")
     if from_main:
         _receive_from_main(model, whole, torch.device("cpu") if cfg.fsdp.offload == "cpu" else device)
     return model

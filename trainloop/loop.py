@@ -112,8 +112,9 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     try:
         while state.step < tc.max_steps:
             t_data = time.perf_counter()
-            group = step_batches(batches, accelerator.gradient_accumulation_steps)
+            group = step_batches(batches, accelerator.gradient_accumulation_steps) if objective.draws(state.step) else None
             wait += time.perf_counter() - t_data
+            group = objective.step_batches(strategy, model, group, state.step)  # objective=grpo: its completions
             step_count, step_source_tokens = step_units(strategy, objective, group, len(names))
             source_tokens += step_source_tokens
             for i, batch in enumerate(group):
@@ -163,6 +164,9 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                     **({"tokens_per_source": state.tokens_per_source} if names else {}),
                     **objective.window(strategy),
                 )
+                examples = objective.examples()  # objective=grpo: a few completions and their rewards
+                if examples:
+                    metrics.samples(state.step, examples)
                 loss_sum.zero_()
                 t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
             if state.step % tc.eval_every == 0 or last:

@@ -87,6 +87,23 @@ class PairBlocks(PackedBlocks):
         return self.tensors["chosen_input_ids"]
 
 
+class PromptRows(PackedBlocks):
+    """Prompts as [prompts, seq_len] tensors, padded on the left: prompt_ids, prompt_mask (1 on the
+    prompt's tokens), and row_digest (each row's hash, so the data fingerprint sees its other
+    columns); each item also carries `row`, the whole row as JSON, for the reward functions."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], rows: list[str]):
+        self.tensors, self.rows = tensors, rows
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["prompt_ids"]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
+        return {"prompt_ids": self.tensors["prompt_ids"][i], "prompt_mask": self.tensors["prompt_mask"][i],
+                "row": self.rows[i]}
+
+
 def materialize(blocks) -> PackedBlocks:
     """Planned blocks gathered into tensors: data the run tokenized itself fits in memory."""
     items = [blocks[b] for b in range(len(blocks))]

@@ -54,7 +54,7 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, prepared: data.path
+    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, preference, prompts, prepared: data.path
     path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet; prepared: the shards' folder
     # a mixture instead of data.path: [{path: P, weight: W, name: N}, ...]; each path read as data.path
     # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default: P's stem) keys
@@ -62,8 +62,8 @@ class DataConfig:
     sources: Optional[list[SourceConfig]] = None
     text_field: str = "text"  # the column that holds the text (data=files)
     messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
-    chat_template: Optional[str] = None  # data=chat and preference: a Jinja template file; None: the tokenizer's, else built-in
-    prompt_field: str = "prompt"  # data=prompt_completion and preference: the column holding the prompt
+    chat_template: Optional[str] = None  # data=chat, preference and prompts: a Jinja template file; None: the tokenizer's, else built-in
+    prompt_field: str = "prompt"  # data=prompt_completion, preference and prompts: the column holding the prompt
     completion_field: str = "completion"  # data=prompt_completion: the column holding the completion
     chosen_field: str = "chosen"  # data=preference: the column holding the preferred completion (text or messages)
     rejected_field: str = "rejected"  # data=preference: the column holding the other completion (text or messages)
@@ -190,14 +190,29 @@ class CompileConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo)
-    beta: float = 0.1  # dpo and simpo: the rewards are beta x (dpo) log-ratios to the reference, (simpo) log-prob per token
-    loss_type: str = "sigmoid"  # dpo only: sigmoid (the DPO paper's), ipo, hinge or robust, as TRL 1.16 defines them
+    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo; grpo)
+    # dpo: how far the policy may move from the reference (the rewards are beta x log-ratios); simpo: the
+    # rewards are beta x log-prob per token; grpo: the weight of the KL penalty to the reference (0: none, and no
+    # reference is built)
+    beta: float = 0.1
+    # dpo: sigmoid (the DPO paper's), ipo, hinge or robust; grpo: dapo, grpo or dr_grpo; as TRL 1.16 defines them
+    loss_type: str = "sigmoid"
     label_smoothing: float = 0.0  # dpo with loss_type=robust, and simpo: the assumed share of flipped labels, in [0, 0.5)
     gamma: float = 1.0  # simpo only: the target reward margin, in the rewards' units (SimPO's gamma, TRL's simpo_gamma)
     # dpo only: the reference's log-probabilities of every pair computed in one pass before training (kept in
     # RUN_DIR/reference_logps.pt for a resume), and a full fine-tune's frozen reference copy freed after it
     precompute_reference: bool = False
+    # grpo only: the reward functions, module:function or path/to/file.py:function (trainloop/rewards.py)
+    rewards: list[str] = field(default_factory=list)
+    reward_weights: Optional[list[float]] = None  # grpo only: one weight per reward function; null: each 1.0
+    num_generations: int = 8  # grpo only: completions sampled per prompt (a group)
+    temperature: float = 1.0  # grpo only: sampling temperature (the log-probabilities are taken at it too)
+    top_p: float = 1.0  # grpo only: nucleus sampling's probability mass, in (0, 1]
+    max_new_tokens: int = 128  # grpo only: the longest completion; a longer one is cut (truncated)
+    scale_rewards: str = "group"  # grpo only: divide the advantages by the std of the group's rewards, the batch's, or none
+    epsilon: float = 0.2  # grpo only: the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # grpo only: null: epsilon
+    num_iterations: int = 1  # grpo only: optimizer steps on each generated batch
 
 
 @dataclass

@@ -87,13 +87,16 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
 
     fmt = data_format(cfg.data.name)
     if not fmt.loads_rows:
-        loaders = sorted((name for name, f in FORMATS.items() if f.loads_rows and not f.pairs),
+        loaders = sorted((name for name, f in FORMATS.items() if f.loads_rows and not f.pairs and not f.prompts),
                          key=lambda n: not FORMATS[n].path)
         raise ConfigError(f"data={cfg.data.name} reads shards; prepare from the data itself "
                           f"(data={', '.join(loaders[:-1])} or {loaders[-1]}, with data.path)")
     if fmt.pairs:
         raise ConfigError(f"data={cfg.data.name}: preference pairs are not prepared into shards yet; a run "
                           "tokenizes them itself (drop python -m trainloop.prepare)")
+    if fmt.prompts:
+        raise ConfigError(f"data={cfg.data.name}: prompts are not prepared into shards; a run tokenizes them "
+                          "itself (drop python -m trainloop.prepare)")
     out = Path(out_dir).expanduser()
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     plan = {"format": FORMAT, "tokenizer": tokenizer_record(tokenizer), "data": token_options(cfg),

@@ -14,6 +14,7 @@ from trainloop.formats.chat import Chat
 from trainloop.formats.preference import Preference
 from trainloop.formats.prepared import Prepared
 from trainloop.formats.prompt_completion import PromptCompletion
+from trainloop.formats.prompts import Prompts
 from trainloop.formats.text import Files, Pydoc
 
 FORMATS: dict[str, DataFormat] = {
@@ -22,6 +23,7 @@ FORMATS: dict[str, DataFormat] = {
     "chat": Chat(),
     "prompt_completion": PromptCompletion(),
     "preference": Preference(),
+    "prompts": Prompts(),
     "prepared": Prepared(),
 }
 

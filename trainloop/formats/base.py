@@ -24,6 +24,7 @@ class DataFormat:
     - masked: whether its labels hide some tokens, so its tokens carry a target mask (and shards a mask.npy).
     - loads_rows: whether it reads rows and tokenizes them itself (data=prepared reads tokens).
     - pairs: whether its items are preference pairs (for objective=dpo) rather than token blocks.
+    - prompts: whether its items are prompts alone (for objective=grpo, which generates the completions).
     - path: what data.path holds for it, in a message; "" where it reads no data.path.
 
     How it builds (the run's data, `python -m trainloop.prepare`): rows(cfg) reads the fields;
@@ -39,6 +40,7 @@ class DataFormat:
     masked = False
     loads_rows = True
     pairs = False  # its items are preference pairs (objective=dpo), not blocks of target tokens
+    prompts = False  # its items are prompts alone, whose completions the objective generates (objective=grpo)
     path = "a file, directory or glob of your data"
 
     def reads(self) -> tuple[str, ...]:

@@ -11,12 +11,14 @@ from __future__ import annotations
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
 from trainloop.objectives.dpo import DPO
+from trainloop.objectives.grpo import GRPO
 from trainloop.objectives.simpo import SimPO
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "causal_lm": CausalLM,
     "dpo": DPO,
     "simpo": SimPO,
+    "grpo": GRPO,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "problems", "read_only_by"]
@@ -36,20 +38,36 @@ def read_only_by() -> dict[str, tuple]:
     return table
 
 
-def problems(cfg, data_pairs: bool) -> list[str]:
-    """The chosen objective's own checks, and whether the data (its format's `pairs`) is what it trains on."""
+# The items that only some formats hold (their row says so): what an objective that trains on them
+# says of other data, and what such data says of another objective.
+WANTS = {"pairs": "objective={objective} trains on preference pairs, and data={data} holds none: set data=preference",
+         "prompts": "objective={objective} trains on prompts alone, and data={data} holds none: set data=prompts"}
+HOLDS = {"pairs": "data={data} holds preference pairs, which objective={objective} does not train on: "
+                  "set objective={readers}",
+         "prompts": "data={data} holds prompts alone, which objective={objective} does not train on: "
+                    "set objective={readers}"}
+
+
+def items(row) -> str | None:
+    """What a data format's or an objective's row says its items are: pairs, prompts, or None (token blocks)."""
+    return "pairs" if row.pairs else "prompts" if row.prompts else None
+
+
+def problems(cfg, data_format=None) -> list[str]:
+    """The chosen objective's own checks, and whether the data (its format's row, trainloop.formats)
+    holds what it trains on."""
     objective = OBJECTIVES.get(cfg.objective.name)
     if objective is None:  # refused with the other choices
         return []
     problems = objective.problems(cfg)
     problems += loss_chunk_problems(cfg, objective)
-    if objective.pairs and not data_pairs:
-        problems.append(f"objective={objective.name} trains on preference pairs, and data={cfg.data.name} holds "
-                        "none: set data=preference")
-    if data_pairs and not objective.pairs:
-        on_pairs = " or ".join(name for name, row in OBJECTIVES.items() if row.pairs)
-        problems.append(f"data={cfg.data.name} holds preference pairs, which objective={objective.name} does not "
-                        f"train on: set objective={on_pairs}")
+    wants, holds = items(objective), items(data_format) if data_format is not None else None
+    names = {"objective": objective.name, "data": cfg.data.name}
+    if wants is not None and wants != holds:
+        problems.append(WANTS[wants].format(**names))
+    if holds is not None and wants != holds:
+        readers = " or ".join(name for name, row in OBJECTIVES.items() if items(row) == holds)
+        problems.append(HOLDS[holds].format(**names, readers=readers))
     return problems
 
 

@@ -28,6 +28,10 @@ class Objective:
       step's total (one reduce over its micro-batches and ranks) normalises every micro-batch.
     - batch_loss(model, batch): the BatchLoss of one training forward.
     - window(strategy): values for the train log line since the last one, over every rank.
+    - draws(step), step_batches(strategy, model, group, step): whether a step reads micro-batches
+      from the data, and the micro-batches it trains on, made from those (objective=grpo generates
+      completions for the prompts read); for most objectives, always and the ones read.
+    - examples(): a few of what it trained on since the last train line, for an event=samples record.
     - eval_sums(model, batch): (summed loss, units) of an evaluation forward; evaluate() adds them
       up over the validation batches and ranks into the eval line's values.
 
@@ -38,6 +42,7 @@ class Objective:
 
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
+    prompts = False  # trains on completions it generates for prompts (a data format whose row says prompts)
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
     chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.chunked_loss
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
@@ -59,6 +64,18 @@ class Objective:
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         """Called once the run is built, before any step: `frozen` is frozen_copy's, prepared."""
+    def draws(self, step: int) -> bool:
+        """Whether step `step` (the steps taken before it) reads new micro-batches from the data."""
+        return True
+
+    def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
+        """The micro-batches step `step` trains on, made from the ones it read (None if it read none),
+        before any is counted: the loop normalises by the count of what this returns."""
+        return group
+
+    def examples(self) -> list[dict]:
+        """[{"prompt": ..., "text": ..., more}] of what was trained on since the last train line."""
+        return []
 
     def count(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

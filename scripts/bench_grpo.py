@@ -1,0 +1,168 @@
+"""objective=grpo against TRL's GRPOTrainer: completions per second and step time (issue 26, item 6).
+
+The same tiny model (trainloop's tiny Llama, built from one seed, fp32), the same prompts, group
+size, completion length, batch, optimizer and loss (dapo, beta 0, one iteration), generation by
+Hugging Face `generate` in both (no vLLM), each variant in a fresh process of its own:
+  trainloop  `python -m trainloop data=prompts objective=grpo ...`
+  trl        trl.GRPOTrainer, a callback appending each step's wall-clock time
+A step is: generate num_generations completions of each prompt, score them, one forward and
+backward over them, the optimizer step. Its time is the gap between two steps' log lines; the
+first --warmup steps are left out; the median over the rest. completions/s = completions a step /
+the median step. Rounds alternate the two (trainloop, trl, trainloop, trl, ...): the machine's
+speed drifts, so the paired ratio per round is printed as well as the ratio of the medians.
+
+The reward is the share of lowercase letters in a completion: a random tiny model rarely writes
+its end-of-text token, so both generate the full --max-new-tokens in every step.
+
+    python scripts/bench_grpo.py                   # CPU: 2 rounds x 20 steps, about 4 minutes on 2 cores
+    python scripts/bench_grpo.py --rounds 3 --json /tmp/grpo_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4"]
+REWARD = '''def letters(prompts, completions, **columns):
+    return [sum("a" <= ch <= "z" for ch in c) / len(c) if c else 0.0 for c in completions]
+'''
+WORDS = ("apple river stone cloud green quick seven maple lantern copper ocean violet amber birch coral delta "
+         "ember frost grove harbor island jade kettle lemon meadow north olive pepper quartz raven").split()
+
+
+def write_task(folder: Path) -> tuple[Path, Path]:
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write {w}:"}) + "\n" for w in WORDS))
+    rewards = folder / "rewards.py"
+    rewards.write_text(REWARD)
+    return prompts, rewards
+
+
+def trainloop_command(args, folder: Path, prompts: Path, rewards: Path) -> list[str]:
+    return [sys.executable, "-m", "trainloop", *MODEL, "data=prompts", f"data.path={prompts}", "data.seq_len=16",
+            f"data.batch_size={args.prompts}", "data.validation_fraction=0.05", "objective=grpo",
+            f"objective.rewards=[{rewards}:letters]", f"objective.num_generations={args.generations}",
+            f"objective.max_new_tokens={args.max_new_tokens}", "objective.loss_type=dapo", "optimizer=adamw",
+            "optimizer.lr=1e-5", "scheduler=constant", "trainer.seed=0", f"trainer.max_steps={args.steps}",
+            "trainer.log_every=1", f"trainer.eval_every={args.steps * 10}", "trainer.eval_batches=1",
+            "checkpoint.save_final_model=false", "logging.progress_bar=false", "logging.trackers=[]",
+            f"hydra.run.dir={folder / 'trainloop'}"]
+
+
+def trl_child(args, folder: Path) -> None:
+    """The TRL variant, in this (child) process."""
+    import datasets
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainloop.config import compose_config
+    from trainloop.data import byte_level_tokenizer
+    from trainloop.model import build_model, build_model_config
+
+    sys.path.insert(0, str(folder))
+    from rewards import letters  # noqa: E402 - the same file trainloop loads by its path
+
+    cfg = compose_config(MODEL, check=False)
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    steps_file = open(folder / "trl_steps.jsonl", "w")
+    started = time.time()
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args_, state, control, **kwargs):
+            steps_file.write(json.dumps({"step": state.global_step, "time": time.time() - started}) + "\n")
+            steps_file.flush()
+
+    config = GRPOConfig(output_dir=str(folder / "trl"), report_to=[], use_cpu=not torch.cuda.is_available(),
+                        bf16=False, num_generations=args.generations, max_completion_length=args.max_new_tokens,
+                        per_device_train_batch_size=args.prompts * args.generations, loss_type="dapo", beta=0.0,
+                        learning_rate=1e-5, lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1,
+                        save_strategy="no", seed=0, top_k=0, disable_tqdm=True)
+    rows = datasets.Dataset.from_list([{"prompt": f"Write {w}:"} for w in WORDS])
+    trainer = GRPOTrainer(model=model, reward_funcs=[letters], args=config, train_dataset=rows,
+                          processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer.train()
+
+
+def step_times(lines: list[dict], warmup: int) -> list[float]:
+    """Each step's seconds: the gap between its log line and the previous one, after warm-up."""
+    times = [r["time"] for r in lines]
+    return [b - a for a, b in zip(times, times[1:])][warmup:]
+
+
+def run_variant(name: str, args, folder: Path, prompts: Path, rewards: Path) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if name == "trainloop":
+        command = trainloop_command(args, folder, prompts, rewards)
+        steps = folder / "trainloop" / "metrics.jsonl"
+    else:
+        command = [sys.executable, __file__, "--trl-child", str(folder), *sys.argv[1:]]
+        steps = folder / "trl_steps.jsonl"
+    started = time.time()
+    done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    lines = [json.loads(line) for line in steps.read_text().splitlines()]
+    lines = [r for r in lines if "loss" in r] if name == "trainloop" else lines
+    durations = step_times(lines, args.warmup)
+    median = statistics.median(durations)
+    return {"variant": name, "median_step_s": median, "completions_per_s": args.prompts * args.generations / median,
+            "steps_timed": len(durations), "wall_s": time.time() - started}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts a step (data.batch_size)")
+    parser.add_argument("--generations", type=int, default=8, help="completions a prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trl_child:
+        trl_child(args, Path(args.trl_child))
+        return 0
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    print(f"{where}; torch {torch.__version__}; {args.prompts} prompts x {args.generations} completions of "
+          f"{args.max_new_tokens} tokens a step, {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds; "
+          f"load average {os.getloadavg()[0]:.1f} at start")
+    results = []
+    for round_ in range(args.rounds):
+        for name in ("trainloop", "trl"):
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = Path(tmp)
+                prompts, rewards = write_task(folder)
+                result = {"round": round_ + 1, **run_variant(name, args, folder, prompts, rewards)}
+            results.append(result)
+            print(f"round {result['round']}  {name:9s}  step {result['median_step_s']:.3f} s (median of "
+                  f"{result['steps_timed']})  {result['completions_per_s']:7.1f} completions/s  "
+                  f"(process {result['wall_s']:.0f} s)", flush=True)
+    by = {name: [r for r in results if r["variant"] == name] for name in ("trainloop", "trl")}
+    medians = {name: statistics.median(r["median_step_s"] for r in rs) for name, rs in by.items()}
+    paired = [t["median_step_s"] / h["median_step_s"] for t, h in zip(by["trainloop"], by["trl"])]
+    print(f"step time trainloop / trl: x{medians['trainloop'] / medians['trl']:.3f} (ratio of medians); "
+          f"paired per round {', '.join(f'x{p:.3f}' for p in paired)}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "medians": medians, "paired": paired}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,16 @@
+"""Reward functions of the toy task that tests/test_grpo.py trains on, loaded by file path
+(objective.rewards=[tests/data/grpo_rewards.py:letters]), as a user's own file would be."""
+
+
+def letters(prompts, completions, **columns):
+    """The share of the completion's characters that are lowercase letters (0.0 for an empty one)."""
+    return [sum("a" <= ch <= "z" for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+def fails(prompts, completions, **columns):
+    """A reward function with a bug: it raises on a row whose completion holds a 'q'."""
+    return [1.0 / (0 if "q" in c else 1) for c in completions]
+
+
+def too_few(prompts, completions, **columns):
+    return [1.0] * (len(completions) - 1)

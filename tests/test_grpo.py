@@ -1,0 +1,438 @@
+"""Online RL with verifiable rewards, the first slice of issue 26: data=prompts reads TRL's
+prompt-only rows by documented rules; reward functions load by import or file path and fail in
+one line; objective=grpo's advantages and loss are TRL 1.16's on the same tensors (TRL's own code
+runs); and a tiny model learns a verifiable toy task on CPU, on one process, two and with LoRA.
+
+Real parts only: the composed config, `datasets` and pyarrow reading jsonl and parquet, the
+built-in byte-level tokenizer, a tiny transformers Llama (peft's LoRA), TRL's GRPOTrainer, torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, compose, launch, read_metrics, train
+from test_distributed import free_port
+from test_finetune_data import write_rows
+from test_resume import finish, start, wait_for_step
+from trainloop.config import ConfigError, check_command_line, validate
+
+DATA = Path(__file__).resolve().parent / "data"
+PROMPTS = DATA / "prompts.jsonl"
+REWARDS = DATA / "grpo_rewards.py"  # the toy task's reward function, loaded by its file path
+GRPO = ["data=prompts", "objective=grpo", f"objective.rewards=[{REWARDS}:letters]"]
+
+
+def build(path: Path, *overrides: str):
+    from trainloop.data import build_datasets, byte_level_tokenizer
+
+    cfg = compose("+preset=smoke", *GRPO, f"data.path={path}", *overrides)
+    validate(cfg)
+    return build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
+
+
+def prompt_text(tokenizer, item: dict) -> str:
+    return tokenizer.decode(item["prompt_ids"][item["prompt_mask"].bool()])
+
+
+# --- the format -------------------------------------------------------------------------------
+
+def test_text_and_conversational_prompts_keep_their_other_columns(tmp_path):
+    import pandas
+
+    from trainloop.data import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": {"hard": a > 5}} for a in range(10)]
+    train, valid = build(write_rows(tmp_path / "plain.jsonl", rows))
+    assert len(train) + len(valid) == 10 and len(valid) >= 1
+    item = train[0]
+    assert item["prompt_ids"].shape == item["prompt_mask"].shape == (64,)  # padded on the left to data.seq_len
+    assert item["prompt_mask"][-1] == 1 and item["prompt_mask"][0] == 0
+    row = json.loads(item["row"])
+    assert prompt_text(tokenizer, item) == row["prompt"] and row["answer"] == str(2 * int(row["prompt"].split("+")[0]))
+    assert isinstance(row["level"]["hard"], bool)  # a column keeps its JSON type for the reward functions
+
+    chats = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    pandas.DataFrame(chats).to_parquet(tmp_path / "chat.parquet")
+    for path in (write_rows(tmp_path / "chat.jsonl", chats), tmp_path / "chat.parquet"):
+        train, valid = build(path)
+        item = train[0]
+        row = json.loads(item["row"])
+        # rendered with the (built-in) chat template, ending with the generation prompt
+        assert prompt_text(tokenizer, item) == f"<|user|>\n{row['prompt'][0]['content']}{tokenizer.eos_token}\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"answer": "2"}, r"data.prompt_field='prompt' is missing or empty; every row needs a prompt"),
+    ({"prompt": 3}, r"data.prompt_field='prompt' is a number: give text, or a list of \{role, content\} messages"),
+    ({"prompt": [{"role": "user"}]}, r"message 1 \(user\) has no content"),
+    ({"prompt": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]},
+     r"last turn is the assistant's"),
+    ({"prompt": [{"role": "user", "content": "1+1="}]}, r"mixes text and conversations with .*plain.jsonl:1"),
+])
+def test_a_bad_row_is_refused_naming_its_file_and_line(tmp_path, row, says):
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(5)]
+    path = write_rows(tmp_path / "plain.jsonl", [*rows, row, *rows])
+    with pytest.raises(ConfigError, match=rf"^{path}:6: .*{says}.*; fix or remove that row$"):
+        build(path)
+
+
+def test_long_prompts_are_skipped_and_counted(tmp_path, caplog):
+    rows = [{"prompt": "short"}] * 4 + [{"prompt": "x" * 70}]
+    with caplog.at_level("WARNING", logger="trainloop"):
+        train, valid = build(write_rows(tmp_path / "p.jsonl", rows))
+    assert len(train) + len(valid) == 4
+    assert "skipped 1 of 5, whose prompt is longer than data.seq_len=64 tokens" in caplog.text
+    with pytest.raises(ConfigError, match=r"^data.seq_len=4: every one of the 5 prompts is longer"):
+        build(tmp_path / "p.jsonl", "data.seq_len=4")
+
+
+def test_csv_is_refused_as_its_columns_lose_their_types(tmp_path):
+    (tmp_path / "p.csv").write_text("prompt,answer\n1+1=,2\n")
+    with pytest.raises(ConfigError, match=r"data=prompts reads json, jsonl or parquet files"):
+        build(tmp_path / "p.csv")
+
+
+# --- the config -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data=prompts", "objective=grpo"], r"objective.rewards=\[\] names no reward function"),
+    ([*GRPO[:2], "objective.rewards=[no_such_module:f]"],
+     r"objective.rewards\[0\]='no_such_module:f': module no_such_module cannot be imported \(ModuleNotFoundError"),
+    ([*GRPO[:2], f"objective.rewards=[{REWARDS}:missing]"], rf"objective.rewards\[0\]='{REWARDS}:missing': .* has no function missing"),
+    ([*GRPO[:2], "objective.rewards=[tests/nowhere.py:f]"], r"objective.rewards\[0\]='tests/nowhere.py:f': no such file tests/nowhere.py"),
+    ([*GRPO, "objective.reward_weights=[1.0,2.0]"], r"objective.reward_weights has 2 weights for 1 reward functions"),
+    ([*GRPO, "objective.beta=0.04"], r"objective.beta=0.04 needs adapter=lora for now"),
+    ([*GRPO, "objective.loss_type=sigmoid"], r"objective.loss_type=sigmoid is not one of objective=grpo's: dapo, grpo, dr_grpo"),
+    ([*GRPO, "objective.scale_rewards=mean"], r"objective.scale_rewards=mean is not one of: group, batch, none"),
+    ([*GRPO, "objective.num_generations=1"], r"objective.num_generations=1: a group needs at least 2 completions"),
+    ([*GRPO, "objective.max_new_tokens=1000"], r"data.seq_len=64 \(the longest prompt\) \+ objective.max_new_tokens=1000"),
+    (["data=prompts"], r"data=prompts holds prompts alone, which objective=causal_lm does not train on: set objective=grpo"),
+    (GRPO[1:], r"objective=grpo trains on prompts alone, and data=pydoc holds none: set data=prompts"),
+])
+def test_what_cannot_work_is_refused_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=rf"\n  {says}"):
+        validate(compose("+preset=smoke", *overrides, f"data.path={PROMPTS}"))
+
+
+def test_the_objective_keys_are_read_only_by_grpo():
+    with pytest.raises(ConfigError, match="objective.num_generations=4 has no effect unless objective=grpo"):
+        check_command_line(compose("objective.num_generations=4"), ["objective.num_generations=4"])
+    check_command_line(compose(*GRPO, "objective.num_generations=4"), ["objective.num_generations=4"])
+
+
+# --- advantages and loss: TRL's own code on the same tensors ----------------------------------------
+
+G, N_PROMPTS, MAX_NEW = 4, 3, 8
+
+
+def preset_rewards() -> tuple[list, list]:
+    """Two reward functions' values for 12 completions: None where one does not apply, a group whose
+    rewards all tie (zero std), and a completion neither function scores."""
+    first = [1.0, 0.0, 0.5, None, 0.3, 0.3, 0.3, 0.3, 2.0, -1.0, None, 0.25]
+    second = [0.5, None, 1.0, 1.0, None, None, None, None, 0.0, 1.0, None, -0.5]
+    return first, second
+
+
+def trl_grpo(tmp_path, loss_type: str, scale: str):
+    """TRL's GRPOTrainer on the smoke preset's tiny model, whose two reward functions return the
+    preset values; and what _generate_and_score_completions made of 3 prompts x 4 completions."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainloop.data import byte_level_tokenizer
+    from trainloop.model import build_model, build_model_config
+
+    cfg = compose("+preset=smoke", *GRPO)
+    first, second = preset_rewards()
+
+    def reward_a(prompts, completions, **kwargs):
+        return first[:len(completions)]
+
+    def reward_b(prompts, completions, **kwargs):
+        return second[:len(completions)]
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    prompts = [{"prompt": f"Write {w}:"} for w in ("apple", "river", "stone")]  # one length: no left padding
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, num_generations=G,
+                      per_device_train_batch_size=G * N_PROMPTS, max_completion_length=MAX_NEW, loss_type=loss_type,
+                      scale_rewards=scale, beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=0.7,
+                      reward_weights=[1.0, 0.5], logging_steps=1, bf16=False)  # fp32 throughout, as ours
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_a, reward_b], args=args, processing_class=tokenizer,
+                          train_dataset=datasets.Dataset.from_list(prompts))
+    torch.manual_seed(1)
+    generated = trainer._generate_and_score_completions([p for p in prompts for _ in range(G)])
+    return trainer, generated
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_the_advantages_are_trls_for_the_same_rewards(tmp_path, scale):
+    from accelerate import Accelerator
+
+    from conftest import reset_accelerate
+    from trainloop.objectives import build_objective
+    from trainloop.objectives.grpo import group_advantages
+    from trainloop.parallel import build_strategy
+
+    _, generated = trl_grpo(tmp_path, "dapo", scale)
+    rewards = torch.tensor([[math.nan if v is None else v for v in col] for col in preset_rewards()]).T
+    cfg = compose("+preset=smoke", *GRPO, f"objective.scale_rewards={scale}")
+    reset_accelerate()
+    strategy = build_strategy(cfg, Accelerator(cpu=True))
+    objective = build_objective(cfg, "cpu")
+    ours, _ = group_advantages(rewards, torch.tensor([1.0, 0.5]), G, scale,
+                               lambda x: objective.batch_moments(strategy, x))
+    assert (ours - generated["advantages"]).abs().max().item() <= 1e-6, (ours, generated["advantages"])
+    print(f"scale_rewards={scale}: |advantages - TRL's| <= {(ours - generated['advantages']).abs().max().item():.1e}")
+    assert ours[10] == 0.0 and ours[4:8].abs().max() <= 1e-6  # unscored: 0; a tied group: 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
+    """TRL's _compute_loss and ours on the model TRL generated with, the completions and masks it
+    made, its advantages, and old and reference log-probabilities away from the policy's (so that
+    the ratio is clipped on some tokens and the KL is not 0)."""
+    from accelerate import Accelerator
+
+    from conftest import reset_accelerate
+    from trainloop.objectives import build_objective
+    from trainloop.objectives.grpo import completion_logps
+    from trainloop.parallel import build_strategy
+
+    trainer, generated = trl_grpo(tmp_path, loss_type, "group")
+    trainer.beta = beta  # built with beta=0 (no reference model); the reference log-probs are given below
+    trainer.current_gradient_accumulation_steps = 1
+    prompt_ids, completion_ids = generated["prompt_ids"], generated["completion_ids"]
+    mask = generated["completion_mask"]
+    attention = torch.cat([generated["prompt_mask"], mask], 1)
+    batch = {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention,
+             "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": mask,
+             "advantages": generated["advantages"]}
+    cfg = compose("+preset=smoke", *GRPO, f"objective.loss_type={loss_type}", f"objective.beta={beta}",
+                  "objective.epsilon_high=0.28", "objective.temperature=0.7", f"objective.max_new_tokens={MAX_NEW}")
+    objective = build_objective(cfg, "cpu")
+    model = trainer.model
+    model.train()
+    with torch.no_grad():
+        logps = completion_logps(model, batch, 0.7)
+    torch.manual_seed(2)
+    batch["old_logps"] = logps + 0.3 * torch.randn_like(logps)
+    batch["ref_logps"] = logps + 0.5 * torch.randn_like(logps)
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": generated["prompt_mask"], "completion_ids": completion_ids,
+              "completion_mask": mask, "advantages": generated["advantages"], "num_items_in_batch": mask.sum(),
+              "old_per_token_logps": batch["old_logps"], "ref_per_token_logps": batch["ref_logps"]}
+    trl_loss = trainer._compute_loss(model, inputs)
+    trl_loss.backward()
+    trl_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ours = objective.batch_loss(model, batch).summed / objective.count(batch)
+    ours.backward()
+    assert abs(ours.item() - trl_loss.item()) <= 1e-6, (ours.item(), trl_loss.item())
+    # the same gradient too (the KL's ratio factor moves it even where the ratio is 1)
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), trl_grads))
+    assert worst <= 1e-6 * max(g.abs().max().item() for g in trl_grads), worst
+    print(f"{loss_type} beta={beta}: |loss - TRL's| = {abs(ours.item() - trl_loss.item()):.1e}, gradient {worst:.1e}")
+    metrics = trainer._metrics["train"]
+    reset_accelerate()
+    window = objective.window(build_strategy(cfg, Accelerator(cpu=True)))
+    assert window["clip_ratio"] == pytest.approx(metrics["clip_ratio/region_mean"][-1], abs=1e-6)
+    assert 0 < window["clip_ratio"] < 1
+    if beta:
+        assert window["kl"] == pytest.approx(metrics["kl"][-1], abs=1e-6) and window["kl"] > 0
+
+
+# --- it learns --------------------------------------------------------------------------------
+
+# The toy task: whatever the prompt, write lowercase letters (tests/data/grpo_rewards.py:letters, the
+# share of a completion's characters that are). A random tiny model writes about 1 in 10.
+TASK = [*GRPO, f"data.path={PROMPTS}", "objective.num_generations=8", "objective.max_new_tokens=6",
+        "data.validation_fraction=0.2", "scheduler=constant", "checkpoint.save_final_model=false"]
+FULL = [*TASK, "data.batch_size=4", "optimizer.lr=1e-2", "trainer.max_steps=14", "trainer.eval_every=14"]
+
+
+def reward_curve(run_dir: Path) -> list[float]:
+    return [r["reward"] for r in read_metrics(run_dir) if "reward" in r]
+
+
+def assert_learned(run_dir: Path) -> None:
+    curve = reward_curve(run_dir)
+    print(f"{run_dir.name}: reward by step {[round(r, 2) for r in curve]}")
+    assert curve[0] < 0.2 <= 0.8 <= curve[-1], curve  # the step-0 completions' reward, then the last step's
+    held_out = [r for r in read_metrics(run_dir) if "eval_reward" in r][-1]
+    assert held_out["eval_reward"] >= 0.8 and held_out["eval_loss"] == -held_out["eval_reward"]
+
+
+def test_a_tiny_model_learns_the_toy_task(tmp_path):
+    run_dir = train(tmp_path / "full", *FULL)
+    assert_learned(run_dir)
+    lines = read_metrics(run_dir)
+    line = next(r for r in lines if "reward" in r)
+    assert line["rewards/letters"] == line["reward"] and line["reward_std"] > 0
+    assert line["completion_length"] == line["completion_length_max"] == 6 and line["truncated_share"] == 1.0
+    assert line["clip_ratio"] == 0.0 and "kl" not in line  # on-policy (num_iterations=1), and beta=0
+    assert line["generation_s"] > 0 and line["generated_tokens_per_s"] == pytest.approx(32 * 6 / line["generation_s"])
+    shown = [r for r in lines if r.get("event") == "samples"]
+    assert len(shown) == 14 and set(shown[-1]["samples"][0]) == {"prompt", "text", "rewards"}
+    assert shown[-1]["samples"][0]["prompt"].startswith("Write ")
+
+
+def test_gradient_checkpointing_gives_the_same_rewards(tmp_path):
+    """Generation runs the model in eval mode with its cache; training recomputes the activations."""
+    plain = train(tmp_path / "plain", *FULL, "trainer.max_steps=5")
+    recomputed = train(tmp_path / "recomputed", *FULL, "trainer.max_steps=5", "model.gradient_checkpointing=true")
+    assert reward_curve(recomputed) == pytest.approx(reward_curve(plain), abs=1e-6)
+    assert len(set(reward_curve(plain))) > 1
+
+
+def test_lora_learns_with_a_kl_to_the_model_without_its_adapters(tmp_path):
+    """beta > 0: the reference is the model with its adapters disabled. A frozen random head bounds
+    the logits, so the adapters cover the head too (and sampling is sharper)."""
+    run_dir = train(tmp_path / "lora", *TASK, "adapter=lora", "objective.beta=0.04", "objective.temperature=0.25",
+                    "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
+                    "data.batch_size=4", "optimizer.lr=2e-2", "trainer.max_steps=8", "trainer.eval_every=8")
+    assert_learned(run_dir)
+    kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
+    assert kl[0] == 0.0 < kl[-1]  # the policy starts as its reference, then moves away
+
+
+def test_num_iterations_trains_each_generated_batch_that_many_steps(tmp_path):
+    """objective.num_iterations=2: prompts are read every other step (an epoch of 16 prompts, 4 a
+    step, lasts 8 steps, not 4); the second step trains on the same completions, its ratio to the
+    policy that sampled them moved by the first update, so some tokens are clipped."""
+    run_dir = train(tmp_path / "twice", *FULL, "objective.num_iterations=2", "trainer.max_steps=10")
+    lines = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [("reward" in r) for r in lines] == [True, False] * 5  # generated on odd steps only
+    assert all(r["clip_ratio"] == 0.0 for r in lines[::2]) and all(r["clip_ratio"] > 0 for r in lines[1::2])
+    assert [r["epoch"] for r in lines] == [0] * 8 + [1] * 2
+
+
+def torchrun(run_dir: Path, *overrides: str) -> str:
+    """A 2-process run's log."""
+    done = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                   "-m", "trainloop", *SMALL, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> Path:
+    """2 processes over gloo, 2 prompts each, under DDP: the run the sharded strategies must match."""
+    run_dir = tmp_path_factory.mktemp("grpo") / "ddp"
+    torchrun(run_dir, *FULL, "data.batch_size=2")
+    return run_dir
+
+
+def test_two_processes_learn_it_under_ddp(ddp):
+    assert_learned(ddp)
+
+
+def test_fsdp2_gives_ddps_rewards(ddp, tmp_path):
+    """Every rank generates together while FSDP2 shards the weights: the same rewards, step by step."""
+    fsdp = tmp_path / "fsdp"
+    assert "FSDP2 full_shard over 2 shard(s)" in torchrun(fsdp, *FULL, "data.batch_size=2", "fsdp=full_shard")
+    assert reward_curve(fsdp) == pytest.approx(reward_curve(ddp), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
+    """ZeRO-3 partitions the parameters: each generation forward gathers them on every rank together."""
+    zero3 = tmp_path / "zero3"
+    assert "DeepSpeed ZeRO-3 engaged" in torchrun(zero3, *FULL, "data.batch_size=2", "deepspeed=zero3")
+    assert reward_curve(zero3) == pytest.approx(reward_curve(ddp), abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp=full_shard", "deepspeed=zero3"])
+def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, request):
+    """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.fsdp marks
+    generate as a forward, so its embeddings are gathered; the KL's reference is the same sharded
+    model with its adapters disabled (under ZeRO-3, the engine's module)."""
+    if sharding.startswith("deepspeed"):
+        request.getfixturevalue("deepspeed_ops")
+    run_dir = tmp_path / "lora"
+    torchrun(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", sharding,
+                       "data.batch_size=2", "optimizer.lr=1e-2", "trainer.max_steps=3", "trainer.eval_every=3")
+    kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
+    assert len(kl) == 3 and kl[0] == 0.0 < kl[-1]
+    assert [r for r in read_metrics(run_dir) if "eval_reward" in r]
+
+
+def test_a_stopped_run_resumes_to_the_same_completions_and_losses(tmp_path):
+    """Stopped after step 3 (saved) and resumed: steps 4 to 6 sample the same completions (their
+    generator is seeded by the step) and give bitwise the losses and rewards of a straight run."""
+    steps = [*FULL, "trainer.max_steps=6", "trainer.eval_every=3"]
+    straight = train(tmp_path / "straight", *steps)
+    stopped = tmp_path / "stopped"
+    train(stopped, *steps, "trainer.stop_at_step=3")
+    train(stopped, *steps)
+
+    def lines(run_dir, after=0):
+        keys = ("loss", "reward", "reward_std", "eval_reward", "samples")
+        return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r and r["step"] > after]
+
+    assert [step for step, key, _ in lines(stopped) if key == "loss"] == [1, 2, 3, 4, 5, 6]  # resumed, not restarted
+    assert lines(stopped, after=3) == lines(straight, after=3) and len(lines(straight, after=3)) >= 10
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewards(tmp_path):
+    """Acceptance 4: SIGTERM after step 3 -> exit 75 with a checkpoint; the same command again
+    resumes it, and the losses, rewards and completions of every later step are bitwise the ones
+    of a run that was not stopped."""
+    command = ["python", "-m", "trainloop", *SMALL, *FULL, "trainer.max_steps=10", "trainer.eval_every=5"]
+    straight = tmp_path / "straight"
+    launch([*command, f"hydra.run.dir={straight}"])
+    run = tmp_path / "run"
+    args = [sys.executable, *command[1:], f"hydra.run.dir={run}"]
+    proc = start(args, tmp_path / "output.txt")
+    try:
+        wait_for_step(run, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        code = finish(proc, timeout=120)
+    finally:
+        finish(proc, timeout=0)
+    assert code == 75, (tmp_path / "output.txt").read_text()[-3000:]
+    stopped_at = max(r["step"] for r in read_metrics(run) if "loss" in r)
+    assert 3 <= stopped_at < 10
+    launch([*command, f"hydra.run.dir={run}"])
+
+    def after(run_dir, step):
+        keys = ("loss", "reward", "reward_std", "completion_length", "eval_reward", "samples")
+        return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys
+                if key in r and r["step"] > step]
+
+    assert after(run, stopped_at) == after(straight, stopped_at) and len(after(straight, stopped_at)) >= 12
+
+
+# --- a reward function that fails -------------------------------------------------------------------
+
+def test_a_reward_function_that_raises_ends_the_run_in_one_line_keeping_its_checkpoints(tmp_path):
+    """grpo_rewards.py:fails raises on a completion holding a 'q': the run exits 2 with one line
+    naming the function and the row; the checkpoints saved before it are complete."""
+    run_dir = tmp_path / "run"
+    done = launch(["python", "-m", "trainloop", *SMALL, *FULL, f"objective.rewards=[{REWARDS}:letters,{REWARDS}:fails]",
+                   "checkpoint.every_steps=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"the reward function {REWARDS}:fails raised ZeroDivisionError: float division by zero (on completion " in last
+    assert "q" in last.split("completion ")[-1] and "Traceback" not in done.stderr
+    failed_at = len([r for r in read_metrics(run_dir) if "loss" in r])
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert failed_at >= 1 and saved == [f"step_{s:07d}" for s in range(1, failed_at + 1)][-2:]  # keep_last=2
+
+
+def test_a_reward_function_of_the_wrong_length_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^the reward function {REWARDS}:too_few returned 31 values for 32 "
+                                          r"completions: it must return a list with one number \(or None\) per"):
+        train(tmp_path / "run", *FULL, f"objective.rewards=[{REWARDS}:too_few]")

@@ -1,0 +1,455 @@
+"""Group relative policy optimisation with verifiable rewards (data=prompts), as TRL 1.16's
+GRPOTrainer computes it (`_generate_and_score_completions`, `_compute_loss`).
+
+Each step, every rank samples objective.num_generations completions for each of its prompts with
+the current policy (objective.temperature, top_p, max_new_tokens), scores them with the reward
+functions (trainloop.rewards: weighted, None skipped) and normalises each completion's reward
+within its group of the same prompt (objective.scale_rewards: by the group's std, the step's
+global batch's, or none). The loss is the clipped policy ratio times the advantage per completion
+token, plus beta x the KL to the reference (the model with its LoRA adapters disabled), summed as
+objective.loss_type says: dapo over the tokens of the global batch, grpo over each completion's
+tokens then the completions, dr_grpo over the completions x max_new_tokens.
+
+The loop hands a step's prompt micro-batches to step_batches, which returns the completion
+micro-batches trained on; with objective.num_iterations = k, each generated batch is trained on
+for k steps (the ratio to the log-probabilities it was sampled with then moves from 1). Sampling
+draws from a generator seeded by (trainer.seed, step, rank, micro-batch): a resumed run samples the
+completions a straight one did, without a state to save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.objectives.dpo import reference_model
+
+if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
+    import torch
+
+log = logging.getLogger("trainloop")
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+SCALES = ("group", "batch", "none")
+SHOWN = 2  # completions (with their rewards) in each log interval's event=samples record
+
+
+def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """The generator seed of one micro-batch's sampling: a function of where it is in the run."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()[:8], "big") >> 1
+
+
+def generation_config(**settings):
+    """A generation config of these settings alone (transformers' defaults for the rest)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**settings)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos: int) -> torch.Tensor:
+    """1 on each completion's tokens up to and with its first EOS (TRL's), 0 after."""
+    import torch
+
+    is_eos = completion_ids == eos
+    first = torch.full((is_eos.shape[0],), is_eos.shape[1], dtype=torch.long, device=completion_ids.device)
+    found = is_eos.any(1)
+    first[found] = is_eos.int().argmax(1)[found]
+    return (torch.arange(is_eos.shape[1], device=completion_ids.device).expand_as(is_eos) <= first[:, None]).long()
+
+
+def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str,
+                     batch_moments=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages (multi_objective_aggregation=sum_then_normalize): rewards [completions,
+    functions] (NaN where a function returned None), consecutive `group` rows per prompt. The
+    weighted sum per completion (NaN where no function applied), minus its group's mean, divided by
+    the group's or the batch's std + 1e-4 unless scale is none; 0 for an unscored completion.
+    `batch_moments(rewards)` -> (mean, std) over every rank's rewards of the step (scale=batch).
+    Returns (advantages, the summed rewards)."""
+    import torch
+
+    unscored = torch.isnan(rewards).all(1)
+    summed = (rewards * weights[None]).nansum(1)
+    summed[unscored] = torch.nan
+    grouped = summed.view(-1, group)
+    mean = torch.nanmean(grouped, 1).repeat_interleave(group)
+    if scale == "group":
+        std = nanstd(grouped, 1).repeat_interleave(group)
+    elif scale == "batch":
+        std = batch_moments(summed)[1].expand_as(summed)
+    advantages = summed - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), summed
+
+
+def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """The std of the values that are not NaN, with Bessel's correction (NaN for fewer than 2): TRL's."""
+    import torch
+
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, torch.nan))
+    return variance.sqrt().squeeze(dim) if dim is not None else variance.sqrt().squeeze()
+
+
+def policy_loss(logps, old_logps, advantages, mask, epsilon: float, epsilon_high: float, beta: float,
+                ref_logps=None) -> tuple[torch.Tensor, dict]:
+    """The per-token loss (TRL's, importance_sampling_level=token): -min(r A, clip(r) A) with r the
+    ratio to the sampling policy, plus beta x r x the k3 estimate of the KL to the reference; and
+    the clipped tokens and the KL, per token (detached)."""
+    import torch
+
+    advantages = advantages[:, None]
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    parts = {"clipped": (((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0)))
+             .float()}
+    if beta != 0.0:  # times the ratio, TRL's default (use_bias_correction_kl): the unbiased reverse-KL gradient
+        kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
+        per_token = per_token + beta * kl
+        parts["kl"] = kl.detach()
+    return per_token, parts
+
+
+def summed_loss(per_token, mask, loss_type: str, max_new_tokens: int) -> torch.Tensor:
+    """The batch's loss summed over its units (count): completion tokens for dapo, completions for
+    grpo (each one's token mean) and dr_grpo (its token sum / max_new_tokens)."""
+    if loss_type == "dapo":
+        return (per_token * mask).sum()
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
+    return (per_token * mask).sum() / max_new_tokens
+
+
+def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
+    """Each completion token's log-probability [completions, tokens] at the sampling temperature
+    (TRL divides the logits by it), from one forward of prompt + completion."""
+    import torch
+
+    width = batch["completion_mask"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False).logits[:, -width - 1:-1]
+    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logps.gather(-1, batch["input_ids"][:, -width:, None]).squeeze(-1)
+
+
+class GRPO(Objective):
+    name = "grpo"
+    prompts = True
+    reads = ("objective.beta", "objective.loss_type", "objective.rewards", "objective.reward_weights",
+             "objective.num_generations", "objective.temperature", "objective.top_p", "objective.max_new_tokens",
+             "objective.scale_rewards", "objective.epsilon", "objective.epsilon_high", "objective.num_iterations")
+
+    def __init__(self, cfg, device):
+        import torch
+
+        from trainloop.rewards import Rewards
+        from trainloop.tokenizer import build_tokenizer, pad_id
+
+        o = self.cfg = cfg.objective
+        self.rewards = Rewards(o.rewards, o.reward_weights)
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)  # decodes the completions
+        self.eos, self.pad = self.tokenizer.eos_token_id, pad_id(self.tokenizer)
+        # sampling as configured here, whatever a pretrained model's generation_config.json says
+        # (a repetition penalty there would sample from another distribution than the loss's), as TRL does
+        self.sampling = generation_config(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0,
+                                          max_new_tokens=o.max_new_tokens, pad_token_id=self.pad, eos_token_id=self.eos)
+        self.greedy = generation_config(do_sample=False, max_new_tokens=o.max_new_tokens, pad_token_id=self.pad,
+                                        eos_token_id=self.eos)
+        self.epsilon_high = o.epsilon if o.epsilon_high is None else o.epsilon_high
+        self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
+        self.device = torch.device(device)
+        self.generated: list[dict] | None = None  # the batches being trained on (num_iterations)
+        self.sums = self.zero_sums()
+        self.longest = 0  # the longest completion since the last train line, on this rank
+        self.generating_s = 0.0  # seconds spent generating since the last train line, on this rank
+        self.shown: list[dict] = []
+
+    def zero_sums(self):
+        import torch
+
+        # completions, scored ones, reward sum and squares; per function: sum, count; length sum,
+        # truncated; trained tokens, clipped ones, KL sum
+        return torch.zeros(4 + 2 * len(self.rewards.names) + 5, dtype=torch.float64, device=self.device)
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        from trainloop.rewards import reward_problems
+
+        o, problems = cfg.objective, []
+        problems += reward_problems(o.rewards, o.reward_weights)
+        if o.loss_type not in LOSS_TYPES:
+            problems.append(f"objective.loss_type={o.loss_type} is not one of objective=grpo's: {', '.join(LOSS_TYPES)}")
+        if o.scale_rewards not in SCALES:
+            problems.append(f"objective.scale_rewards={o.scale_rewards} is not one of: {', '.join(SCALES)}")
+        if o.num_generations < 2:
+            problems.append(f"objective.num_generations={o.num_generations}: a group needs at least 2 completions "
+                            "to compare (its advantages are relative to their mean)")
+        for key in ("temperature", "max_new_tokens", "num_iterations"):
+            if not getattr(o, key) > 0:
+                problems.append(f"objective.{key}={getattr(o, key)} must be greater than 0")
+        if not 0 < o.top_p <= 1:
+            problems.append(f"objective.top_p={o.top_p} must be in (0, 1]")
+        if not o.epsilon >= 0 or (o.epsilon_high is not None and not o.epsilon_high >= 0):
+            problems.append(f"objective.epsilon={o.epsilon} and epsilon_high={o.epsilon_high} must be 0 or more")
+        if o.beta < 0:
+            problems.append(f"objective.beta={o.beta} must be 0 (no KL penalty) or more")
+        if o.beta > 0 and cfg.adapter.name != "lora":
+            problems.append(f"objective.beta={o.beta} needs adapter=lora for now: the reference is the model with its "
+                            "adapters disabled (a full fine-tune's frozen reference copy is the next slice); or set "
+                            "objective.beta=0")
+        if cfg.model.name == "tiny" and cfg.data.seq_len + o.max_new_tokens > cfg.model.max_position_embeddings:
+            problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
+                            f"{o.max_new_tokens} is longer than model.max_position_embeddings="
+                            f"{cfg.model.max_position_embeddings}; lower one of them")
+        if cfg.trainer.auto_batch_size:
+            problems.append("objective=grpo does not search a batch size yet: set trainer.auto_batch_size=false")
+        if cfg.compile.backend != "none":
+            problems.append("objective=grpo generates with the model, which a compiled one would recompile for each "
+                            "length: set compile=none in this slice")
+        return problems
+
+    # --- the step: prompts in, completions out ---------------------------------------------------
+
+    def draws(self, step: int) -> bool:
+        """A new batch of prompts every num_iterations steps; a run resumed inside such a window (its
+        generated batch was not saved) draws anew, and says so."""
+        if step % self.cfg.num_iterations == 0:
+            return True
+        if self.generated is None:
+            log.warning("resumed at step %d, inside a window of objective.num_iterations=%d steps whose generated "
+                        "batch is not in the checkpoint: generating a new one", step, self.cfg.num_iterations)
+            return True
+        return False
+
+    def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
+        """The completion micro-batches of a step: generated for the prompts of `group`, or, inside a
+        num_iterations window (group None), the ones generated at its start."""
+        if group is None:
+            return self.generated
+        import torch
+
+        started = time.perf_counter()
+        rollouts = [self.generate(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
+                    for i, batch in enumerate(group)]
+        self.generating_s += time.perf_counter() - started
+        rewards = self.agreed_scores(strategy, rollouts)
+        weights = torch.tensor(self.rewards.weights, device=rewards.device)
+        advantages, summed = group_advantages(rewards, weights, self.cfg.num_generations, self.cfg.scale_rewards,
+                                              lambda x: self.batch_moments(strategy, x))
+        self.record(rollouts, rewards, summed)
+        batches, start = [], 0
+        for rollout in rollouts:
+            n = rollout["completion_mask"].shape[0]
+            batch = {key: rollout[key] for key in ("input_ids", "attention_mask", "position_ids", "completion_mask")}
+            batch["advantages"] = advantages[start:start + n]
+            start += n
+            batches.append(self.with_logps(model, batch))
+        if self.cfg.num_iterations > 1:  # trained on again by the window's next steps
+            self.generated = batches
+        return batches
+
+    def generate(self, strategy, model, batch: dict, seed: int) -> dict:
+        """num_generations completions of each prompt of the batch, sampled from `seed`'s generator,
+        every rank taking part in every forward (trainloop.samples says why)."""
+        import torch
+
+        keep = batch["prompt_mask"].any(0)  # the columns where some prompt has a token: the rest is padding
+        prompt_ids = batch["prompt_ids"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
+        prompt_mask = batch["prompt_mask"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
+        module = strategy.accelerator.unwrap_model(model)
+        eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+        devices = [strategy.device.index or 0] if strategy.device.type == "cuda" else []
+        module.eval()
+        try:
+            with torch.no_grad(), eager, torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)  # inside fork_rng: training's own random numbers are not drawn from
+                out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.sampling,
+                                      synced_gpus=strategy.world_size > 1)
+        finally:
+            module.train()
+        completion_ids = out[:, prompt_ids.shape[1]:]
+        mask = completion_mask(completion_ids, self.eos)
+        attention = torch.cat([prompt_mask, mask], 1)
+        rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
+        return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention,
+                "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": mask, "rows": rows,
+                "truncated": ~(completion_ids == self.eos).any(1)}
+
+    def score(self, rollout: dict):
+        """[completions, functions] rewards (NaN for None), or the ConfigError a function raised."""
+        import torch
+
+        from trainloop.errors import ConfigError
+
+        rows, mask = rollout["rows"], rollout["completion_mask"]
+        ids = rollout["input_ids"][:, -mask.shape[1]:]
+        texts = [self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True) for i in range(len(rows))]
+        prompts = [row[self.prompt_field] for row in rows]
+        chat = not isinstance(prompts[0], str)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        keys = dict.fromkeys(key for row in rows for key in row if key != self.prompt_field)
+        columns = {key: [row.get(key) for row in rows] for key in keys}
+        columns["completion_ids"] = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
+        rollout["texts"] = texts
+        try:
+            values = self.rewards.score(prompts, completions, columns)
+        except ConfigError as err:
+            return err
+        return torch.tensor(values, dtype=torch.float32, device=mask.device).T
+
+    def agreed_scores(self, strategy, rollouts: list[dict]) -> torch.Tensor:
+        """The rollouts' rewards [completions, functions]; if a reward function failed on any rank,
+        every rank stops here together (no rank is left waiting in a collective), the one it
+        failed on naming it and the row."""
+        import torch
+
+        from trainloop.errors import ConfigError
+
+        scores = [self.score(r) for r in rollouts]
+        failed = torch.tensor([float(sum(isinstance(s, Exception) for s in scores))], device=strategy.device)
+        if strategy.sum_over_all(failed).item():
+            raise next((s for s in scores if isinstance(s, Exception)), None) or ConfigError(
+                "a reward function failed on another rank: its message is in that rank's output")
+        return torch.cat(scores)
+
+    def batch_moments(self, strategy, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and std (NaN skipped, Bessel's correction) of every rank's rewards of the step, in two passes."""
+        import torch
+
+        scored = ~torch.isnan(rewards)
+        first = strategy.reduce_sum(torch.stack([rewards[scored].double().sum(), scored.sum().double()]))
+        mean = first[0] / first[1]
+        second = strategy.reduce_sum(((rewards[scored].double() - mean) ** 2).sum().view(1))
+        std = (second[0] / (first[1] - 1)).sqrt() if first[1] > 1 else torch.tensor(torch.nan, device=rewards.device)
+        return mean.float(), std.float()
+
+    def with_logps(self, model, batch: dict) -> dict:
+        """The batch with the log-probabilities it needs from before any update: the sampling policy's
+        (num_iterations > 1) and the reference's (beta > 0)."""
+        import torch
+
+        with torch.no_grad():
+            if self.cfg.num_iterations > 1:
+                batch["old_logps"] = completion_logps(model, batch, self.cfg.temperature)
+            if self.cfg.beta != 0.0:
+                reference = reference_model(model)
+                with reference.disable_adapter():
+                    batch["ref_logps"] = completion_logps(reference, batch, self.cfg.temperature)
+        return batch
+
+    def record(self, rollouts: list[dict], rewards: torch.Tensor, summed: torch.Tensor) -> None:
+        """The step's completions into the window's sums, and a few shown with their rewards."""
+        import torch
+
+        mask = torch.cat([r["completion_mask"].sum(1) for r in rollouts]).double()
+        truncated = torch.cat([r["truncated"] for r in rollouts]).double()
+        scored = ~torch.isnan(summed)
+        per_function = [torch.stack([torch.nansum(rewards[:, f].double()), (~torch.isnan(rewards[:, f])).sum().double()])
+                        for f in range(rewards.shape[1])]
+        values = torch.stack([torch.tensor(float(len(summed)), dtype=torch.float64, device=summed.device),
+                              scored.sum().double(), summed[scored].double().sum(), (summed[scored].double() ** 2).sum(),
+                              *torch.cat(per_function), mask.sum(), truncated.sum()])
+        self.sums[:len(values)] += values.to(self.sums.device)
+        self.longest = max(self.longest, int(mask.max().item()))
+        first = rollouts[0]
+        self.shown = [{"prompt": json.dumps(row[self.prompt_field]) if not isinstance(row[self.prompt_field], str)
+                       else row[self.prompt_field], "text": text,
+                       "rewards": {n: None if torch.isnan(v) else v.item() for n, v in zip(self.rewards.names, r)}}
+                      for row, text, r in list(zip(first["rows"], first["texts"], rewards))[:SHOWN]]
+
+    # --- the loss ---------------------------------------------------------------------------------
+
+    def count(self, batch: dict) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        if self.cfg.loss_type == "dapo":
+            return mask.sum()
+        import torch
+
+        return torch.tensor(mask.shape[0], device=mask.device)
+
+    def batch_loss(self, model, batch: dict) -> BatchLoss:
+        import torch
+
+        logps = completion_logps(model, batch, self.cfg.temperature)
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        mask = batch["completion_mask"]
+        per_token, parts = policy_loss(logps, old, batch["advantages"], mask, self.cfg.epsilon, self.epsilon_high,
+                                       self.cfg.beta, batch.get("ref_logps"))
+        tokens = mask.sum().double()
+        kl = (parts["kl"] * mask).sum().double() if "kl" in parts else tokens.new_zeros(())
+        self.sums[-3:] += torch.stack([tokens, (parts["clipped"] * mask).sum().double(), kl]).to(self.sums.device)
+        return BatchLoss(summed_loss(per_token, mask, self.cfg.loss_type, self.cfg.max_new_tokens))
+
+    def window(self, strategy) -> dict:
+        """The train line's values since the last one, over every rank."""
+        import torch
+
+        total = strategy.reduce_sum(self.sums).tolist()
+        ranks = torch.zeros(strategy.dp_size, 2, device=strategy.device, dtype=torch.float64)  # maxima, by a sum
+        ranks[strategy.dp_rank] = torch.tensor([self.longest, self.generating_s], dtype=torch.float64)
+        longest, generating_s = strategy.reduce_sum(ranks).max(0).values.tolist()
+        self.sums, self.longest, self.generating_s = self.zero_sums(), 0, 0.0
+        completions, scored, reward, squares = total[:4]
+        lengths, truncated, tokens, clipped, kl = total[-5:]
+        values = {}
+        if completions:  # none inside a num_iterations window: its steps train on earlier completions
+            values["reward"] = reward / max(scored, 1)
+            values["reward_std"] = (max(squares - reward ** 2 / scored, 0.0) / (scored - 1)) ** 0.5 if scored > 1 else 0.0
+            for f, name in enumerate(self.rewards.names):  # over the completions it applied to (not None)
+                if total[5 + 2 * f]:
+                    values[f"rewards/{name}"] = total[4 + 2 * f] / total[5 + 2 * f]
+            values.update({"completion_length": lengths / completions, "completion_length_max": longest,
+                           "truncated_share": truncated / completions, "generation_s": generating_s,
+                           "generated_tokens_per_s": lengths / max(generating_s, 1e-9)})
+        values["clip_ratio"] = clipped / max(tokens, 1)
+        if self.cfg.beta != 0.0:
+            values["kl"] = kl / max(tokens, 1)
+        return values
+
+    def examples(self) -> list[dict]:
+        """A few of the last step's completions on this rank, with their rewards (event=samples)."""
+        shown, self.shown = self.shown, []
+        return shown
+
+    # --- evaluation: greedy completions of the validation prompts ----------------------------------
+
+    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
+        """The mean reward of one greedy completion per validation prompt (all ranks): eval_reward,
+        and eval_loss = -eval_reward (lower is better, as for every objective's eval_loss)."""
+        import torch
+
+        module = strategy.accelerator.unwrap_model(model)
+        total = torch.zeros(2, dtype=torch.float64, device=strategy.device)
+        weights = torch.tensor(self.rewards.weights)
+        module.eval()
+        try:
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                keep = batch["prompt_mask"].any(0)
+                ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
+                with torch.no_grad():
+                    out = module.generate(input_ids=ids, attention_mask=mask, generation_config=self.greedy,
+                                          synced_gpus=strategy.world_size > 1)
+                completion_ids = out[:, ids.shape[1]:]
+                cmask = completion_mask(completion_ids, self.eos)
+                rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "completion_mask": cmask,
+                           "rows": [json.loads(r) for r in batch["row"]]}
+                scores = self.agreed_scores(strategy, [rollout])
+                summed = (scores.cpu() * weights[None]).nansum(1)
+                summed[torch.isnan(scores.cpu()).all(1)] = torch.nan
+                scored = ~torch.isnan(summed)
+                total += torch.tensor([summed[scored].double().sum(), scored.sum().double()], device=total.device)
+        finally:
+            module.train()
+        total = strategy.reduce_sum(total)
+        reward = (total[0] / total[1].clamp(min=1)).item()
+        return {"eval_loss": -reward, "eval_reward": reward}
