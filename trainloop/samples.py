@@ -13,7 +13,6 @@ from contextlib import nullcontext
 import torch
 
 from trainloop.errors import ConfigError
-from trainloop.parallel.tensors import is_fsdp2
 
 
 class Samples:
@@ -46,11 +45,6 @@ class Samples:
         eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         outputs = []
-        # FSDP2 gathers the root's own parameters (embeddings, output layer) in the root's forward,
-        # which a peft model's generate goes around (it calls the inner model's): gather them here
-        root = module if is_fsdp2(module) else None
-        if root is not None:
-            root.unshard()
         module.eval()
         try:
             with eager:
@@ -61,7 +55,5 @@ class Samples:
                                                    synced_gpus=strategy.world_size > 1))
         finally:
             module.train()
-            if root is not None:
-                root.reshard()
         return [{"prompt": prompt, "text": self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
                 for prompt, ids, out in zip(self.prompts, self.ids, outputs)]
