@@ -37,7 +37,8 @@ SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "pre
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """Two local models, two jsonl corpora, a second tokenizer and a DeepSpeed JSON."""
+    """Two local models, two jsonl corpora of each data format, a second tokenizer, a DeepSpeed JSON
+    and a file of reward functions."""
     from pydoc_data.topics import topics
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -85,6 +86,19 @@ def files(tmp_path_factory) -> dict[str, Path]:
                                     "rejected": turn("assistant", key), "question": turn("user", topics[key][:9]),
                                     "better": turn("assistant", key[::-1]),
                                     "worse": turn("assistant", topics[key][-20:])}) + "\n")
+    for name, part in (("prompts_a", keys[:15]), ("prompts_b", keys[15:])):  # conversations: the template shows
+        with (root / f"{name}.jsonl").open("w") as f:
+            for key in part:
+                f.write(json.dumps({"prompt": [{"role": "user", "content": key[:3]}],
+                                    "question": [{"role": "user", "content": topics[key][:9]}],
+                                    "answer": key}) + "\n")
+    # two reward functions that score a random model's completions unlike each other (objective=grpo)
+    (root / "rewards.py").write_text(
+        "def letters(prompts, completions, **columns):\n"
+        "    return [sum(ch.isalpha() for ch in c[-1]['content']) / max(len(c[-1]['content']), 1) for c in completions]\n"
+        "\n\n"
+        "def printable(prompts, completions, **columns):\n"
+        "    return [sum(ch.isprintable() for ch in c[-1]['content']) / max(len(c[-1]['content']), 1) for c in completions]\n")
     (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                      "{% if add_generation_prompt %}assistant: {% endif %}")
     for name in ("corpus_a", "corpus_b"):  # the same corpora, prepared (data=prepared)
@@ -95,17 +109,28 @@ def files(tmp_path_factory) -> dict[str, Path]:
             "model_b": root / "model_b", "bpe": root / "bpe", "ds.json": root / "ds.json",
             "chat_a": root / "chat_a.jsonl", "chat_b": root / "chat_b.jsonl", "pairs_a": root / "pairs_a.jsonl",
             "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja",
-            "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl"}
+            "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl",
+            "prompts_a": root / "prompts_a.jsonl", "prompts_b": root / "prompts_b.jsonl", "rewards.py": root / "rewards.py"}
 
 
 # The corpus each data option reads (a, the base) and its probe for data.path (b).
 CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs", "prepared": "prepared",
-          "preference": "preference"}
-PAIRED = {"preference": ["objective=dpo", "adapter=lora"]}  # what trains on the option's pairs
+          "preference": "preference", "prompts": "prompts"}
+PAIRED = {"preference": ["objective=dpo", "adapter=lora"],  # what trains on the option's pairs, or prompts
+          "prompts": ["objective=grpo", "objective.rewards=[trainloop.rewards:exact_answer]"]}
 
 
-def probes(files, data_option: str = "files") -> dict[str, object]:
-    """A value for each key of each group, unlike its default (for data keys: the data option's)."""
+def generating(files) -> list[str]:
+    """What objective=grpo's probe generates from: real prompts, two reward functions (so that their
+    weights show), LoRA (objective.beta > 0 needs it) and a rollout small enough for a few seconds."""
+    rewards = files["rewards.py"]
+    return [f"data.path={files['prompts_a']}", f"objective.rewards=[{rewards}:letters,{rewards}:printable]",
+            "adapter=lora", "objective.num_generations=2", "objective.max_new_tokens=4"]
+
+
+def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[str, object]:
+    """A value for each key of each group, unlike its default (for data keys: the data option's; for
+    objective keys that several objectives read: one the objective accepts)."""
     fine_tuning = data_option in ("chat", "prompt_completion", "preference")
     return {
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
@@ -136,7 +161,12 @@ def probes(files, data_option: str = "files") -> dict[str, object]:
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
-        "objective.beta": 0.5, "objective.loss_type": "ipo", "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
+        "objective.beta": 0.5, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
+        "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
+        "objective.rewards": [f"{files['rewards.py']}:printable"], "objective.reward_weights": [1.0, 3.0],
+        "objective.num_generations": 3, "objective.temperature": 0.7, "objective.top_p": 0.5,
+        "objective.max_new_tokens": 3, "objective.scale_rewards": "batch", "objective.epsilon": 0.05,
+        "objective.epsilon_high": 0.5, "objective.num_iterations": 2,
     }
 
 
@@ -181,6 +211,7 @@ def built(group: str, cfg):
         loader, _ = build_dataloaders(cfg.data, train, valid, pin_memory=False)
         context = type(loader.multiprocessing_context).__name__ if loader.multiprocessing_context else None
         blocks = [digest(torch.stack([part[b][key] for b in range(len(part))]))  # prepared blocks are gathered lazily
+                  if isinstance(part[0][key], torch.Tensor) else [part[b][key] for b in range(len(part))]  # prompts' rows
                   for part in (train, valid) for key in sorted(part[0])]
         return (blocks, loader.batch_size, loader.num_workers,
                 loader.persistent_workers, loader.prefetch_factor, context)
@@ -213,11 +244,13 @@ def built(group: str, cfg):
     return None  # precision: what it changes is applied by the Accelerator
 
 
-def objective_loss(cfg) -> float:
+def objective_loss(cfg):
     from trainloop.adapter import apply_adapter
     from trainloop.model import build_model, build_model_config
     from trainloop.objectives import OBJECTIVES, build_objective
 
+    if OBJECTIVES[cfg.objective.name].prompts:
+        return generated_loss(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
     if cfg.adapter.name != "none":
@@ -231,6 +264,60 @@ def objective_loss(cfg) -> float:
               "rejected_labels": labels[2:]} if OBJECTIVES[cfg.objective.name].pairs else {"input_ids": ids, "labels": labels})
     with torch.no_grad():
         return build_objective(cfg, "cpu").batch_loss(model, batch).summed.item()
+
+
+def generated_loss(cfg):
+    """An objective that generates its batches (grpo), run as a step runs it on one process: the
+    completions it samples for two prompts of the real data, scored by the reward functions, with
+    their advantages and the log-probabilities kept from before the update; then, after an update
+    moved the policy (so that the ratio to the sampling policy is not 1), the loss and its gradient;
+    and which of the next steps draw new prompts."""
+    from conftest import reset_accelerate
+    from trainloop.accelerator import build_accelerator
+    from trainloop.adapter import apply_adapter
+    from trainloop.data import build_datasets, build_tokenizer
+    from trainloop.model import build_model, build_model_config
+    from trainloop.objectives import build_objective
+    from trainloop.parallel import build_strategy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of a launched run (conftest.clean_env): 2 threads spin on 2 shared cores
+    reset_accelerate()
+    try:
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+        train, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+        items = [train[0], train[1]]
+        batch = {"prompt_ids": torch.stack([i["prompt_ids"] for i in items]),
+                 "prompt_mask": torch.stack([i["prompt_mask"] for i in items]), "row": [i["row"] for i in items]}
+        torch.manual_seed(0)
+        model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+        if cfg.adapter.name != "none":
+            model = apply_adapter(cfg, model)
+        moved = torch.Generator().manual_seed(0)
+
+        def move(scale: float):  # the policy away from the reference (adapters off), or from the sampling policy
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    if parameter.requires_grad and ("lora_B" in name or cfg.adapter.name == "none"):
+                        parameter.add_(torch.randn(parameter.shape, generator=moved) * scale)
+
+        strategy = build_strategy(cfg, build_accelerator(cfg))
+        objective = build_objective(cfg, "cpu")
+        if cfg.adapter.name != "none":
+            move(0.2)
+        generated = objective.step_batches(strategy, model, [batch], 0)
+        move(1.0)  # an update: far enough that some ratios leave [1 - epsilon, 1 + epsilon_high]
+        losses = []
+        for micro in generated:
+            loss = objective.batch_loss(model, micro).summed
+            loss.backward()
+            losses.append(loss.item())
+        gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        rollouts = [{key: digest(value.detach().float()) for key, value in sorted(micro.items())} for micro in generated]
+        return losses, digest(gradient), rollouts, [objective.draws(step) for step in range(3)]
+    finally:
+        reset_accelerate()
+        torch.set_num_threads(threads)
 
 
 def sharded_settings(cfg):
@@ -282,14 +369,19 @@ def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, fi
     elif group == "model":
         base = [f"model={option}", *([f"model.name_or_path={files['model_a']}"] if option == "hf" else [])]
     else:
-        base = [f"{group}={option}", *NEEDS.get((group, option), [])]
+        base = [f"{group}={option}", *NEEDS.get((group, option), []),
+                *(generating(files) if (group, option) == ("objective", "grpo") else [])]
     base = ["+preset=smoke", *base]
     before = built(group, compose(*base))
+    if group == "objective":  # seeded: a loss that moved by itself would make every key look read
+        assert built(group, compose(*base)) == before
     silently_ignored, over_refused = [], []
-    for key, value in probes(files, option if group == "data" else "files").items():
-        if not key.startswith(group + ".") or f"{key}=" in " ".join(base):
-            continue
-        overrides = [*base, f"{key}={json.dumps(value) if isinstance(value, list) else value}"]
+    for key, value in probes(files, option if group == "data" else "files",
+                             option if group == "objective" else "dpo").items():
+        override = f"{key}={json.dumps(value) if isinstance(value, list) else value}"
+        if not key.startswith(group + ".") or override in base:
+            continue  # a key the option needs (data.path, objective.rewards) is probed with another value
+        overrides = [*base, override]
         cfg = compose(*overrides)
         refused = refusal(cfg, overrides)
         if refused and refused.startswith("validate:"):
