@@ -87,6 +87,9 @@ class Prompts(DataFormat):
         d, problems = cfg.data, []
         if d.sources:
             problems.append("data=prompts reads data.path, not a mixture (data.sources): set data.sources=null")
+        if d.overlong != "drop":
+            problems.append(f"data.overlong={d.overlong}: data=prompts skips (and counts) a prompt longer than "
+                            "data.seq_len, as a completion must follow it whole; set data.overlong=drop")
         if d.packing != "none":
             problems.append(f"data.packing={d.packing}: data=prompts makes one item of each prompt and packs none "
                             "together; set data.packing=none")

@@ -31,10 +31,13 @@ def build_objective(cfg, device) -> Objective:
 
 def read_only_by() -> dict[str, tuple]:
     """config.read_only_by's rows for the objective.* keys: KEY -> (does this config read it?, who reads it)."""
+    always = (lambda c: True, "")
     table = {}
     for key in dict.fromkeys(key for objective in OBJECTIVES.values() for key in objective.reads):
-        readers = tuple(name for name, objective in OBJECTIVES.items() if key in objective.reads)
-        table[key] = (lambda c, readers=readers: c.objective.name in readers, "objective=" + " or ".join(readers))
+        readers = {name: row.read_when.get(key, always) for name, row in OBJECTIVES.items() if key in row.reads}
+        table[key] = (lambda c, readers=readers: c.objective.name in readers and readers[c.objective.name][0](c),
+                      " or ".join(f"objective={name}" + (f" with {when[1]}" if when[1] else "")
+                                  for name, when in readers.items()))
     return table
 
 

@@ -44,6 +44,8 @@ class Objective:
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     prompts = False  # trains on completions it generates for prompts (a data format whose row says prompts)
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
+    # KEY of reads -> (does this config read it?, what makes it read): a key it reads only in some settings
+    read_when: dict = {}
     chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.chunked_loss
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
 

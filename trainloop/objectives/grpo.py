@@ -146,6 +146,9 @@ class GRPO(Objective):
     reads = ("objective.beta", "objective.loss_type", "objective.rewards", "objective.reward_weights",
              "objective.num_generations", "objective.temperature", "objective.top_p", "objective.max_new_tokens",
              "objective.scale_rewards", "objective.epsilon", "objective.epsilon_high", "objective.num_iterations")
+    # the ratio to the policy that generated is 1 on the one update of a generated batch: nothing to clip
+    read_when = {key: (lambda c: c.objective.num_iterations > 1, "objective.num_iterations > 1")
+                 for key in ("objective.epsilon", "objective.epsilon_high")}
 
     def __init__(self, cfg, device):
         import torch
