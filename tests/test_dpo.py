@@ -255,10 +255,14 @@ def test_two_processes_give_the_step_of_one(tmp_path):
 FULL = [*(o for o in STEP if o != "adapter=lora"), "adapter=none"]  # a full fine-tune: a frozen reference copy
 
 
-def test_the_chunked_loss_gives_the_log_probs_of_the_full_logits(tmp_path):
-    """trainer.loss_chunk_tokens (issue 28): the policy's and the frozen reference's completion
-    log-probs scored 16 tokens at a time, never the full logits: the same losses within 1e-6."""
+def test_a_full_fine_tune_precomputed_or_chunked_gives_the_losses_of_its_reference_copy(tmp_path):
+    """A full fine-tune's frozen reference copy, against: objective.precompute_reference (no copy:
+    the policy scores every pair before its first step), and trainer.loss_chunk_tokens (issue 28:
+    the policy's and the copy's log-probs 16 tokens at a time, never the full logits). The same
+    losses within 1e-6."""
     full = train(tmp_path / "full", *FULL, "data.batch_size=4")
+    precomputed = train(tmp_path / "precomputed", *FULL, "data.batch_size=4", "objective.precompute_reference=true")
+    assert_same_losses(precomputed, full)
     chunked = train(tmp_path / "chunked", *FULL, "data.batch_size=4", "trainer.loss_chunk_tokens=16")
     assert_same_losses(chunked, full)
 

@@ -287,7 +287,8 @@ def test_dpo_full_fine_tune_memory_counts_the_reference_copy_within_15_percent_o
     """objective=dpo on a full fine-tune holds a frozen reference copy (a line as large as the
     parameters) and runs chosen and rejected in one forward (twice the micro-batch's sequences):
     predicted within 15% of the measured peak RSS of 2 real steps; with
-    objective.precompute_reference the copy is freed before training and the plan drops it."""
+    objective.precompute_reference there is no copy (the policy scores the pairs before its first
+    step) and the plan has none."""
     dpo = ["data=preference", "objective=dpo", f"data.path={Path(__file__).parent / 'data' / 'preference.jsonl'}",
            "data.validation_fraction=0.2", "model.num_layers=10", "model.hidden_size=768", "model.num_heads=12",
            "data.seq_len=64", "data.batch_size=2"]
@@ -302,4 +303,5 @@ def test_dpo_full_fine_tune_memory_counts_the_reference_copy_within_15_percent_o
     precomputed = plan_memory(compose(*dpo, "objective.precompute_reference=true"),
                               model_shape(compose(*dpo)), 1, "cpu")
     assert "reference model" not in {x.what for x in precomputed.lines}
-    assert any("held only during the pass before training" in note for note in precomputed.notes)
+    assert any("no reference copy; the policy scores every pair before its first step" in note
+               for note in precomputed.notes)

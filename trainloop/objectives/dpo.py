@@ -7,8 +7,9 @@ The reference is the starting model, frozen. With adapter=lora it is the policy 
 disabled: no second copy. A full fine-tune keeps a frozen copy of the model as built, which the
 strategy shards like the policy (ZeRO-3, FSDP2) and which no optimizer or checkpoint sees. With
 objective.precompute_reference=true the reference's log-probabilities of every pair are computed in
-one pass before training, carried by the data from then on (and kept in RUN_DIR/reference_logps.pt,
-so a resumed run reads them back), and the copy is freed. Chosen and rejected go through the model
+one pass before training by the policy itself (before its first step it is the reference), carried
+by the data from then on (and kept in RUN_DIR/reference_logps.pt, so a resumed run reads them
+back): no copy is made. Chosen and rejected go through the model
 in one forward, concatenated on the batch dimension. A batch's units are its pairs, so a step's loss
 is the mean over the pairs of the global batch.
 """
@@ -88,8 +89,8 @@ class DPO(PairObjective):
     @staticmethod
     def memory_lines(plan, cfg) -> None:
         """A full fine-tune's reference copy: the policy's parameters once more, held as the strategy
-        holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision; with
-        objective.precompute_reference only during the pass before training."""
+        holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision; none with
+        objective.precompute_reference."""
         from trainloop.parallel.memory import Line
 
         if cfg.adapter.name != "none":
@@ -97,10 +98,9 @@ class DPO(PairObjective):
                               "no copy")
             return
         held = [x for x in plan.lines if x.what == "parameters"]
-        copy = sum(x.bytes for x in held)
         if cfg.objective.precompute_reference:
-            plan.notes.append(f"objective.precompute_reference: the reference copy ({copy / 2**30:.2f} GiB) is held "
-                              "only during the pass before training, then freed")
+            plan.notes.append("objective.precompute_reference: no reference copy; the policy scores every pair "
+                              "before its first step")
             return
         for x in held:
             plan.lines.append(Line("reference model", x.bytes, x.where, exact=x.exact,
@@ -108,23 +108,24 @@ class DPO(PairObjective):
 
     # -- the reference -----------------------------------------------------------------------------
     def frozen_copy(self, model):
-        """A full fine-tune's reference: the model as built (pretrained or initialised), frozen."""
-        if self.cfg.adapter.name != "none":
-            return None  # the policy with its adapters disabled
+        """A full fine-tune's reference: the model as built (pretrained or initialised), frozen. None
+        with an adapter (the policy with its adapters disabled) or objective.precompute_reference
+        (the policy before its first step is the reference: it scores every pair in start())."""
+        if self.cfg.adapter.name != "none" or self.cfg.objective.precompute_reference:
+            return None
         import copy
 
         return copy.deepcopy(model).requires_grad_(False)
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         """Keep the reference copy; or, with objective.precompute_reference, put the reference's
-        log-probabilities into the data (read back from the run dir when a resumed run has them)
-        and free the copy."""
+        log-probabilities into the data, computed by the policy before its first step (adapters
+        disabled), or read back from the run dir when a resumed run has them."""
         self.frozen = frozen
         if frozen is not None:
             log.info("objective=dpo: the reference is a frozen copy of the starting model, %s", held(frozen))
         if not self.cfg.objective.precompute_reference:
             return
-        import gc
         from pathlib import Path
 
         import torch
@@ -149,11 +150,6 @@ class DPO(PairObjective):
                 partial.replace(path)
             log.info("objective.precompute_reference: the reference's log-probabilities of %d + %d pairs computed "
                      "in one pass%s", len(train_set), len(valid_set), "" if path is None else f", kept in {path}")
-        self.frozen = None  # the batches carry the reference from here on: its copy is freed
-        del frozen
-        gc.collect()
-        if strategy.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def reference_key(self, sets: dict) -> str:
         """What the precomputed log-probabilities depend on: the pairs' tokens and the reference
@@ -188,26 +184,32 @@ class DPO(PairObjective):
         for r in range(math.ceil(math.ceil(n / size) / batch_size)):
             index = mine[r * batch_size:(r + 1) * batch_size]
             batch = {key: t[index or [0]].to(strategy.device) for key, t in pair_tensors(dataset).items()}
-            logps = self.reference_logps(model, batch)  # a rank out of pairs computes one it will not keep
+            logps = self.reference_logps(model, batch, starting=True)  # a rank out of pairs: one it will not keep
             if index:
                 out[index] = torch.stack(logps.chunk(2), dim=1).double()
         return strategy.reduce_sum(out).float().cpu()
 
-    def reference_logps(self, model, batch: dict) -> torch.Tensor:
+    def reference_logps(self, model, batch: dict, starting: bool = False) -> torch.Tensor:
         """The reference's summed completion log-probabilities, chosen rows then rejected: precomputed
-        and carried by the batch, or from the frozen copy, or from the policy with its adapters off.
+        and carried by the batch, or from the frozen copy, or from the policy with its adapters off,
+        or (`starting`: before the first step, a full fine-tune precomputing) the policy itself.
         In eval mode, without gradients: the same reference every step."""
+        from contextlib import nullcontext
+
         import torch
 
         if PRECOMPUTED in batch:
             return batch[PRECOMPUTED].T.reshape(-1)
+        adapted = self.cfg.adapter.name != "none"
+        if self.frozen is None and not adapted and not starting:
+            raise RuntimeError("objective=dpo: a full fine-tune's policy is its reference only before its first step")
         with torch.no_grad():
             if self.frozen is not None:
                 return completion_logps(self.frozen, batch, self.chunk)[0]
-            policy, training = reference_model(model), model.training
+            policy, training = reference_model(model) if adapted else model, model.training
             model.eval()
             try:
-                with policy.disable_adapter():
+                with policy.disable_adapter() if adapted else nullcontext():
                     return completion_logps(policy, batch, self.chunk)[0]
             finally:
                 model.train(training)
