@@ -9,6 +9,7 @@ take), and with precision.fp8_skip_small=true the layers torchao's own threshold
 to gain (`torchao.float8._auto_filter_for_recipe`, measured on H100). Everything else computes in
 bf16 autocast, and the master weights stay fp32, so checkpoints and the export hold plain tensors
 under the nn.Linear names: Float8Linear is a subclass of nn.Linear with the same parameters.
+Mixtral's experts (stacked weights, not nn.Linear) and its router stay in bf16 too.
 
 Where no float8 matmul runs (a CPU; a GPU below compute capability 8.9 with
 precision.fp8_emulate=true), torchao's own emulation (`Float8LinearConfig(emulate=True)`) does the
@@ -106,8 +107,8 @@ def layer_filter(model, skip_small: bool):
     from trainloop.compile import transformer_blocks
 
     float8 = _import_torchao()
-    blocks = transformer_blocks(model, "precision=fp8", "precision=bf16")
-    inside = {name for name, m in model.named_modules() for block in blocks if m is block}
+    blocks = {id(block) for block in transformer_blocks(model, "precision=fp8", "precision=bf16")}
+    inside = [name for name, m in model.named_modules() if id(m) in blocks]
     big_enough = float8._auto_filter_for_recipe("tensorwise", filter_fqns=[]) if skip_small else None
 
     def converts(module, fqn: str) -> bool:
@@ -142,9 +143,9 @@ def convert(cfg, model, device) -> list[str]:
     config = float8.Float8LinearConfig(emulate=emulate)
     float8.convert_to_float8_training(model, module_filter_fn=converts, config=config)
     kept = [name for name in linear if name not in chosen]
-    log.info("precision=fp8: %d of %d linear layers compute in float8 (torchao, tensorwise scaling%s); "
+    log.info("precision=fp8: %d of %d linear layers compute in float8 (torchao, tensorwise scaling, %s); "
              "left in bf16: %s", len(chosen), len(linear),
-             ", emulated in fp32 on this CPU" if device.type != "cuda" else ", emulated" if emulate else "",
+             "emulated: float8 rounding, fp32 matmuls" if emulate else "float8 tensor cores",
              ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "") or "none")
     return chosen
 
