@@ -59,10 +59,14 @@ def test_a_failed_check_is_reported_with_the_end_of_its_output(tmp_path):
 PENDING = {"activation_offload": "trainer.activation_offload", "loss_chunk_tokens": "trainer.loss_chunk_tokens"}
 
 
-@pytest.mark.parametrize("check", [c for c in gpu_check.CHECKS if not c.command], ids=lambda c: c.name)
-def test_every_gpu_command_composes_into_a_config_trainloop_accepts(check):
-    machine = gpu_check.Machine(True, "a GPU", (9, 0), flash_attn=True)
-    overrides = [*(gpu_check.GPU_BASE if check.base else []), *check.gpu, *gpu_check.EVERY_RUN]
+FORMS = [(c, gpu) for c in gpu_check.CHECKS if not c.command for gpu in (True, False) if gpu or c.cpu is not None]
+
+
+@pytest.mark.parametrize("check,gpu", FORMS, ids=[f"{c.name}-{'gpu' if gpu else 'cpu'}" for c, gpu in FORMS])
+def test_every_command_composes_into_a_config_trainloop_accepts(check, gpu):
+    machine = gpu_check.Machine(gpu, "a GPU" if gpu else "a CPU", (9, 0) if gpu else None, flash_attn=gpu)
+    base = (gpu_check.GPU_BASE if gpu else gpu_check.CPU_BASE) if check.base else []
+    overrides = [*base, *(check.gpu if gpu else check.cpu), *gpu_check.EVERY_RUN]
     if check.adapt is not None:
         overrides, _ = check.adapt(machine, overrides)
     overrides = [o.replace("MODEL_DIR", "/some/model") for o in overrides]
