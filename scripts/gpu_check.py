@@ -67,6 +67,7 @@ class Check:
     quick: bool = False  # in the --quick CPU form
     adapt: Callable[[Machine, list[str]], tuple[list[str], str]] | None = None  # overrides and a note, per machine
     figures: Callable[[Path], dict] | None = None  # for a command: its figures, from its output dir
+    compare_to: str | None = None  # the check whose peak memory this one's is put against
 
 
 def _flash(machine: Machine, overrides: list[str]) -> tuple[list[str], str]:
@@ -128,12 +129,14 @@ CHECKS = [
     Check("fp8", "torchao float8 linear layers in the blocks (precision=fp8), compiled on a GPU",
           ["precision=fp8", "compile=inductor"], cpu=["precision=fp8"], adapt=_fp8, quick=True, timeout=300),
     Check("activation offload", "saved activations in pinned host memory (trainer.activation_offload)",
-          ["precision=bf16", "trainer.activation_offload=true"], cpu=["precision=bf16", "trainer.activation_offload=true"]),
-    Check("full loss, vocab 128k", "the reference for the chunked loss: the whole logits at once", BIG_VOCAB_GPU,
+          ["precision=bf16", "trainer.activation_offload=true"], cpu=["precision=bf16", "trainer.activation_offload=true"],
+          compare_to="bf16"),
+    Check("full loss, big vocabulary", "the reference for the chunked loss: the whole logits at once, "
+          "vocabulary 128,256 x 2,048 tokens on a GPU (32,768 x 256 on a CPU)", BIG_VOCAB_GPU,
           cpu=BIG_VOCAB_CPU, base=False),
-    Check("chunked loss, vocab 128k", "the output layer and cross-entropy 1,024 tokens at a time "
-          "(trainer.loss_chunk_tokens)", [*BIG_VOCAB_GPU, "trainer.loss_chunk_tokens=1024"],
-          cpu=[*BIG_VOCAB_CPU, "trainer.loss_chunk_tokens=64"], base=False),
+    Check("chunked loss, big vocabulary", "the output layer and cross-entropy 1,024 tokens at a time "
+          "(trainer.loss_chunk_tokens; 64 on a CPU), the same shape", [*BIG_VOCAB_GPU, "trainer.loss_chunk_tokens=1024"],
+          cpu=[*BIG_VOCAB_CPU, "trainer.loss_chunk_tokens=64"], base=False, compare_to="full loss, big vocabulary"),
     Check("gpt2 MFU", "the GPT-2 124M shape of scripts/bench.py --size gpt2, through trainloop: MFU",
           [*GPT2, "trainer.max_steps=40", "trainer.log_every=20", "trainer.eval_batches=2", "logging.telemetry_every=20"],
           base=False, cpu_why="MFU needs a GPU's known peak; the gpt2 shape is a GPU size"),
@@ -176,9 +179,9 @@ def run_figures(run_dir: Path) -> dict:
     gpu = [m["gpu_mem_peak_allocated_bytes"] for m in lines if "gpu_mem_peak_allocated_bytes" in m]
     rss = [m["rss_bytes"] for m in lines if "rss_bytes" in m]
     if gpu:
-        figures["peak memory"] = f"{max(gpu) / 2**30:.2f} GiB allocated"
+        figures["peak memory"], figures["peak bytes"] = f"{max(gpu) / 2**30:.2f} GiB allocated", max(gpu)
     elif rss:
-        figures["peak memory"] = f"{max(rss) / 2**20:,.0f} MiB RSS (sampled)"
+        figures["peak memory"], figures["peak bytes"] = f"{max(rss) / 2**20:,.0f} MiB RSS (sampled)", max(rss)
     return figures
 
 
@@ -306,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(Outcome(check, "skipped", "not in --only"))
             continue
         outcome = run_check(check, machine, args.out, args.quick, args.budget - (time.monotonic() - start))
+        reference = next((o for o in outcomes if o.check.name == check.compare_to), None)
+        if reference is not None and "peak bytes" in reference.figures and "peak bytes" in outcome.figures:
+            ratio = f"peak memory x{outcome.figures['peak bytes'] / reference.figures['peak bytes']:.2f} of {reference.check.name}'s"
+            outcome.figures["note"] = "; ".join(filter(None, [outcome.figures.get("note"), ratio]))
         print(f"{check.name:28s} {outcome.status:8s} {outcome.seconds:5.0f} s  {outcome.why}", flush=True)
         outcomes.append(outcome)
     path = args.out / "gpu_check_report.md"
