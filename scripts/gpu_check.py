@@ -98,11 +98,12 @@ def _methods_figures(out: Path) -> dict:
     return {"note": "; ".join(rows)}
 
 
-# bench_methods' rows that only a GPU shows, as that script names them
-GPU_METHODS = ["fp16", "tf32", "adamw fused", "adamw8bit", "pinned memory", "flash_attention_2",
-               "qlora r=16 (4-bit NF4, bf16)", "fp8"]
+# bench_methods' GPU rows that the checks above do not already run, as that script names them
+GPU_METHODS = ["pinned memory", "paged_adamw8bit", "+preset=memory_saver", "+preset=speed"]
 GPT2 = [*BENCH_SIZES["gpt2"], *BENCH_COMMON]
 
+# In this order: the quick trainloop paths first, compile, DeepSpeed's op build and the benchmark
+# scripts last; a check the rest of the budget cannot hold is reported as skipped, saying so.
 CHECKS = [
     Check("bf16", "bf16 autocast; the reference the memory figures below compare with", ["precision=bf16"],
           cpu=["precision=bf16"], quick=True),
@@ -113,19 +114,9 @@ CHECKS = [
           cpu=["precision=bf16", "optimizer.impl=fused"]),
     Check("adamw8bit", "bitsandbytes' 8-bit AdamW (CUDA kernels)", ["precision=bf16", "optimizer=adamw8bit"],
           cpu=["precision=bf16", "optimizer=adamw8bit"]),
-    Check("qlora 4-bit", "a pretrained base in 4-bit NF4 (bitsandbytes) under LoRA adapters",
-          ["+preset=qlora", "model.name_or_path=MODEL_DIR", *GPU_RUN], base=False,  # the GPU model, saved
-          cpu_why="bitsandbytes' 4-bit matmul on a CPU is the slow reference path (bench_methods' qlora row: 0.05x)"),
     Check("flash attention", "flash-attn's FlashAttention-2 (sdpa where flash-attn is not installed)",
           ["precision=bf16", "model.attn_implementation=flash_attention_2"], adapt=_flash,
           cpu_why="flash-attn runs on CUDA GPUs only"),
-    Check("compile", "torch.compile (inductor, Triton kernels on a GPU)", ["precision=bf16", "compile=inductor"],
-          cpu=["precision=bf16", "compile=inductor"], timeout=300),
-    Check("fsdp2", "FSDP2 on one device (DTensor shards, bf16 gathers)", ["precision=bf16", "fsdp=full_shard"],
-          cpu=["precision=bf16", "fsdp=full_shard"]),
-    Check("zero3 offload", "DeepSpeed ZeRO-3, parameters and optimizer state offloaded to CPU",
-          ["precision=bf16", "+preset=zero3_offload"], timeout=300,
-          cpu_why="DeepSpeed's CPU Adam compiles on first use (minutes on 2 cores); tests/ cover ZeRO-3 on CPU"),
     Check("fp8", "torchao float8 linear layers in the blocks (precision=fp8), compiled on a GPU",
           ["precision=fp8", "compile=inductor"], cpu=["precision=fp8"], adapt=_fp8, quick=True, timeout=300),
     Check("activation offload", "saved activations in pinned host memory (trainer.activation_offload)",
@@ -137,14 +128,24 @@ CHECKS = [
     Check("chunked loss, big vocabulary", "the output layer and cross-entropy 1,024 tokens at a time "
           "(trainer.loss_chunk_tokens; 64 on a CPU), the same shape", [*BIG_VOCAB_GPU, "trainer.loss_chunk_tokens=1024"],
           cpu=[*BIG_VOCAB_CPU, "trainer.loss_chunk_tokens=64"], base=False, compare_to="full loss, big vocabulary"),
+    Check("fsdp2", "FSDP2 on one device (DTensor shards, bf16 gathers)", ["precision=bf16", "fsdp=full_shard"],
+          cpu=["precision=bf16", "fsdp=full_shard"]),
+    Check("qlora 4-bit", "a pretrained base in 4-bit NF4 (bitsandbytes) under LoRA adapters",
+          ["+preset=qlora", "model.name_or_path=MODEL_DIR", *GPU_RUN], base=False,  # the GPU model, saved
+          cpu_why="bitsandbytes' 4-bit matmul on a CPU is the slow reference path (bench_methods' qlora row: 0.05x)"),
     Check("gpt2 MFU", "the GPT-2 124M shape of scripts/bench.py --size gpt2, through trainloop: MFU",
           [*GPT2, "trainer.max_steps=40", "trainer.log_every=20", "trainer.eval_batches=2", "logging.telemetry_every=20"],
           base=False, cpu_why="MFU needs a GPU's known peak; the gpt2 shape is a GPU size"),
+    Check("compile", "torch.compile (inductor, Triton kernels on a GPU)", ["precision=bf16", "compile=inductor"],
+          cpu=["precision=bf16", "compile=inductor"], timeout=300),
+    Check("zero3 offload", "DeepSpeed ZeRO-3, parameters and optimizer state offloaded to CPU",
+          ["precision=bf16", "+preset=zero3_offload"], timeout=300,
+          cpu_why="DeepSpeed's CPU Adam compiles on first use (minutes on 2 cores); tests/ cover ZeRO-3 on CPU"),
     Check("bench.py --size gpt2", "trainloop against a raw PyTorch loop and HF Trainer, one round",
           ["scripts/bench.py", "--size", "gpt2", "--rounds", "1", "--steps", "30", "--warmup", "8",
            "--json", "OUT/bench.json"], command=True, figures=_bench_figures, timeout=240,
           cpu_why="--size gpt2 is a GPU shape (the CPU figures are BENCHMARKS.md's, from --size cpu)"),
-    Check("bench_methods.py", "each GPU-only efficiency method against fp32 AdamW",
+    Check("bench_methods.py", "the GPU rows of bench_methods.py the checks above do not run, against fp32 AdamW",
           ["scripts/bench_methods.py", "--steps", "6", "--warmup", "2", "--only", *GPU_METHODS,
            "--json", "OUT/methods.json"], command=True, figures=_methods_figures, timeout=300,
           cpu_why="its GPU-only rows say 'not run' on a CPU (its CPU table is BENCHMARKS.md's)"),

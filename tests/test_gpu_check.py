@@ -79,3 +79,9 @@ def test_every_command_composes_into_a_config_trainloop_accepts(check, gpu):
         return
     validate(cfg)
     check_command_line(cfg, overrides)
+
+
+def test_the_bench_methods_rows_it_asks_for_exist():
+    import bench_methods
+
+    assert set(gpu_check.GPU_METHODS) <= {m.name for m in bench_methods.METHODS}
