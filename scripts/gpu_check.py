@@ -39,7 +39,7 @@ CPU_BASE = ["+preset=smoke", "data.seq_len=32", "data.batch_size=2", "trainer.ma
             "trainer.eval_batches=1", "logging.telemetry_every=2"]
 EVERY_RUN = ["logging.progress_bar=false", "logging.trackers=[]"]
 # the chunked loss at a Llama-3 vocabulary: 2,048 tokens x 128,256 x 4 bytes is 1 GiB of logits
-BIG_VOCAB_GPU = ["model.vocab_multiple=128256", "model.num_layers=4", "model.hidden_size=1024", "model.num_heads=16",
+BIG_VOCAB_GPU = ["model.vocab_multiple=128256", "model.max_position_embeddings=2048", "model.num_layers=4", "model.hidden_size=1024", "model.num_heads=16",
                  "data.seq_len=2048", "data.batch_size=1", "trainer.max_steps=10", "trainer.log_every=5",
                  "trainer.eval_batches=1", "logging.telemetry_every=5", "precision=bf16"]
 BIG_VOCAB_CPU = ["+preset=smoke", "model.vocab_multiple=32768", "data.seq_len=256", "data.batch_size=1",

@@ -79,6 +79,8 @@ def test_every_command_composes_into_a_config_trainloop_accepts(check, gpu):
         return
     validate(cfg)
     check_command_line(cfg, overrides)
+    if cfg.model.name == "tiny":  # the build's own check: a sequence the model has positions for
+        assert cfg.data.seq_len <= cfg.model.max_position_embeddings
 
 
 def test_the_bench_methods_rows_it_asks_for_exist():
