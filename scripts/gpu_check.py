@@ -248,6 +248,8 @@ def run_check(check: Check, machine: Machine, out: Path, quick: bool, left: floa
         except subprocess.TimeoutExpired:
             code = None
     seconds = time.monotonic() - start
+    for written in ("checkpoints", "final"):  # ~1.5 GB a check at the GPU size; the figures are in metrics.jsonl
+        shutil.rmtree(work / written, ignore_errors=True)
     tail = "\n".join((work / "output.log").read_text(errors="replace").splitlines()[-15:])
     if code != 0:
         why = f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}"
