@@ -161,7 +161,7 @@ def run_cli(*overrides: str, cwd: Path):
     (["data.seq_len=4096", "+preset=smoke"], "data.seq_len"),
     (["data=files", "data.path=/no/such/file.jsonl"], "data.path"),
     (["model=hf"], "model.name_or_path"),
-    (["precision.name=fp8"], "precision.name"),
+    (["precision.name=fp4"], "precision.name"),
 ])
 def test_bad_input_exits_nonzero_naming_the_key(tmp_path, overrides, key):
     proc = run_cli(*overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

@@ -28,6 +28,7 @@ NOT_PROBED = {
     "data.num_proc": "processes of datasets.map: the same blocks, only faster",
     "data.pin_memory": "takes effect only on a CUDA device; configs stay portable to CPU",
     "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
+    "precision.fp8_emulate": "takes effect only on a GPU (a CPU always emulates float8); warns elsewhere",
     "objective.precompute_reference": "when dpo's reference is computed, not the loss (tests/test_dpo.py: the same "
                                       "losses within 1e-6, read back on a resume; test_plan.py: the copy freed)",
 }
@@ -161,6 +162,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
+        "precision.fp8_skip_small": True,
         "objective.beta": 0.5, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
         "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
         "objective.rewards": [f"{files['rewards.py']}:printable"], "objective.reward_weights": [1.0, 3.0],
@@ -241,7 +243,15 @@ def built(group: str, cfg):
         return sharded_settings(cfg)
     if group == "objective":  # its loss on one batch, of a model whose adapters moved off the reference
         return objective_loss(cfg)
-    return None  # precision: what it changes is applied by the Accelerator
+    if group == "precision" and cfg.precision.name == "fp8":  # the layers it swaps for torchao's float8
+        from trainloop import fp8
+
+        model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+        try:
+            return fp8.convert(cfg, model, torch.device("cpu"))
+        except ConfigError as err:
+            return f"refused by the build: {err}"
+    return None  # precision: the rest of what it changes is applied by the Accelerator
 
 
 def objective_loss(cfg):

@@ -28,7 +28,9 @@ from trainloop.errors import ConfigError
 
 log = logging.getLogger("trainloop")
 
-MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+# precision group -> accelerate's mixed_precision. fp8 is bf16 autocast to accelerate: trainloop swaps
+# the float8 layers itself (trainloop.fp8 says why not through accelerate's "fp8").
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
 
 
 def world_size_from_env() -> int:
@@ -93,6 +95,8 @@ def check_single_process_accelerate_launch(env: dict[str, str]) -> None:
 
 def check_device_support(cfg, on_cuda: bool) -> None:
     """Refuse precisions the hardware cannot run, before anything is built."""
+    from trainloop import fp8
+
     name = cfg.precision.name
     if name == "fp16" and not on_cuda:
         raise ConfigError("precision=fp16 needs a CUDA GPU (fp16 autocast with loss scaling); "
@@ -105,6 +109,7 @@ def check_device_support(cfg, on_cuda: bool) -> None:
     elif cfg.precision.tf32 and torch.cuda.get_device_capability()[0] < 8:
         log.warning("precision.tf32=true has no effect on %s: TF32 needs an Ampere or newer GPU",
                     torch.cuda.get_device_name())
+    fp8.check_device(cfg, on_cuda)
     if cfg.compile.backend == "cudagraphs" and not on_cuda:
         raise ConfigError("compile=cudagraphs records CUDA graphs and needs a CUDA GPU; "
                           "on this machine use compile=inductor (or aot_eager to debug)")
@@ -165,7 +170,8 @@ def check_launcher_env(cfg, env: dict[str, str]) -> None:
     launcher_precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     # `accelerate launch` always exports "no" when not told otherwise: only a precision it was
     # given on purpose can contradict the precision group.
-    if launcher_precision != "no" and launcher_precision != MIXED_PRECISION[cfg.precision.name]:
+    agrees = "fp8" if cfg.precision.name == "fp8" else MIXED_PRECISION[cfg.precision.name]
+    if launcher_precision not in ("no", agrees):
         problems.append(f"the launcher sets --mixed_precision {launcher_precision} (ACCELERATE_MIXED_PRECISION) "
                         f"but the config has precision={cfg.precision.name}")
     launcher_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")

@@ -33,7 +33,7 @@ def tensor_core_multiple(precision: str, device: torch.device) -> int | None:
     None off a GPU, which has no tensor cores to feed."""
     if device.type != "cuda":
         return None
-    if precision in ("fp16", "bf16"):
+    if precision in ("fp16", "bf16", "fp8"):
         major, minor = torch.cuda.get_device_capability(device)
         if major >= 8 and minor == 0:  # data-centre parts: A100 (8.0), H100 (9.0), B200 (10.0)
             return 64

@@ -1,7 +1,7 @@
 """The one build: tokenizer, data, model, adapter, compile, sharding, optimizer and scheduler, in
 the one order that works, for the run, the planner's measurement and the benchmarks alike.
 
-The order matters: the adapter wraps the model before compile, compile comes before sharding
+The order matters: the adapter wraps the model (or precision=fp8 swaps its linear layers) before compile, compile comes before sharding
 (torchtitan's order: the compiled blocks are sharded), the optimizer is built on the sharded
 parameters, and accelerate prepares what the strategy leaves to it. What differs between callers
 is given, not branched on: a run's checkpointer checks the data against its checkpoint, a
@@ -53,6 +53,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     import torch
     from accelerate.utils import set_seed
 
+    from trainloop import fp8
     from trainloop.adapter import apply_adapter, check_targets
     from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.compile import compile_model
@@ -95,6 +96,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
         model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model)
+        if fp8.enabled(cfg):  # before compile and sharding, as torchtitan converts
+            fp8.convert(cfg, model, strategy.device)
     objective = build_objective(cfg, strategy.device)
     frozen = objective.frozen_copy(model)  # a reference copy of the model as built: sharded like it below
     flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters

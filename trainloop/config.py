@@ -76,7 +76,7 @@ CHOICES = {
     "data.multiprocessing_context": ("forkserver", "spawn", "fork"),
     "optimizer.impl": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("cosine", "linear", "constant"),
-    "precision.name": ("fp32", "bf16", "fp16"),
+    "precision.name": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.on_nonfinite": ("skip", "stop"),
     "deepspeed.stage": (0, 1, 2, 3),
     "deepspeed.offload_optimizer": ("none", "cpu", "nvme"),
@@ -104,6 +104,7 @@ _MIXTRAL = (lambda c: c.model.name == "tiny" and c.model.arch == "mixtral", "mod
 _FSDP = (lambda c: c.fsdp.name != "none", "fsdp=full_shard (or +preset=fsdp)")
 _LORA = (lambda c: c.adapter.name == "lora", "adapter=lora")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
+_FP8 = (lambda c: c.precision.name == "fp8", "precision=fp8")
 
 # Keys that only some choices read: KEY -> (does this config read it?, the choice that reads it).
 # A key given on the command line that the composed config does not read is refused, so that
@@ -133,6 +134,8 @@ _READ_ONLY_BY = {
     "deepspeed.nvme_path": (lambda c: "nvme" in (c.deepspeed.offload_optimizer, c.deepspeed.offload_param),
                             "deepspeed.offload_optimizer=nvme or deepspeed.offload_param=nvme"),
     **{f"fsdp.{key}": _FSDP for key in ("reshard_after_forward", "offload")},
+    "precision.fp8_emulate": _FP8,
+    "precision.fp8_skip_small": _FP8,
     "checkpoint.async_save": _FSDP,  # DCP's async_save: the other strategies save through accelerate
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
     "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
@@ -265,7 +268,7 @@ def validate(cfg: Any) -> None:
     Each module states its own checks (model, adapter, data formats, objectives, strategies,
     trackers: their problems(cfg)); the compile and profiler keys are checked here because those
     modules import torch when loaded, and validating a config must stay quick."""
-    from trainloop import adapter, formats, model, objectives, parallel
+    from trainloop import adapter, formats, fp8, model, objectives, parallel
     from trainloop.trackers import tracker_problems
 
     problems = []
@@ -282,6 +285,7 @@ def validate(cfg: Any) -> None:
 
     problems += model.problems(cfg)
     problems += adapter.problems(cfg)
+    problems += fp8.problems(cfg)
     problems += formats.problems(cfg)
     fmt = formats.FORMATS.get(cfg.data.name)
     problems += objectives.problems(cfg, fmt)

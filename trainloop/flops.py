@@ -133,6 +133,8 @@ def matmul_precision(precision: str) -> str:
 
     if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
+    if precision == "fp8":  # MFU against the bf16 peak: the layers left in bf16 and the attention run at it
+        return "bf16"
     return precision
 
 

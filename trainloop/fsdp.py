@@ -21,7 +21,7 @@ import torch
 log = logging.getLogger("trainloop")
 
 # precision group -> the dtype FSDP2 gathers the parameters in for compute (None: as stored, fp32)
-PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def mixed_precision_policy(precision: str):

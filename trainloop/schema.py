@@ -105,8 +105,10 @@ class SchedulerConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32, bf16, fp16
+    name: str = "fp32"  # fp32, bf16, fp16, fp8
     tf32: bool = False  # TF32 matmuls and convolutions on Ampere and newer GPUs
+    fp8_emulate: bool = False  # fp8 only: emulate the float8 matmuls on a GPU (needed below compute capability 8.9; a CPU always emulates)
+    fp8_skip_small: bool = False  # fp8 only: leave in bf16 the layers torchao's thresholds call too small to gain
 
 
 @dataclass

@@ -116,7 +116,7 @@ def examine(overrides: list[str]) -> dict:
         "versions": {
             "torch": torch_facts(),
             **{name: _version(name) for name in ("accelerate", "transformers", "datasets", "hydra-core",
-                                                  "nvidia-ml-py", "flash-attn")},
+                                                  "nvidia-ml-py", "flash-attn", "torchao")},
             "deepspeed": deepspeed_facts(bool(gpus.gpus)),
             "bitsandbytes": bitsandbytes_facts(),
         },
@@ -143,6 +143,10 @@ def warnings(facts: dict, gpus: hardware.GpuReport, cfg) -> list[str]:
     if cfg.precision.name == "bf16" and gpus.gpus and any(g.bf16 is False for g in gpus.gpus):
         found.append("precision=bf16 is chosen, but some GPU has no bf16 (compute capability "
                      "below 8.0): use precision=fp16")
+    old_gpus = [g for g in gpus.gpus if g.compute_capability is not None and tuple(g.compute_capability) < (8, 9)]
+    if cfg.precision.name == "fp8" and old_gpus and not cfg.precision.fp8_emulate:
+        found.append("precision=fp8 is chosen, but some GPU has no float8 matmuls (compute capability below "
+                     "8.9): use precision=bf16, or precision.fp8_emulate=true for the numerics only")
     io = facts["async_io"]
     if "nvme" in (cfg.deepspeed.offload_optimizer, cfg.deepspeed.offload_param):
         if io["deepspeed_async_io_op"] is False:
@@ -179,7 +183,7 @@ def render(facts: dict) -> str:
                      f"NCCL {t['nccl'] or '-'}")
     else:
         lines.append(f"  torch MISSING: {t.get('error')}")
-    for name in ("accelerate", "transformers", "datasets", "hydra-core", "nvidia-ml-py", "flash-attn"):
+    for name in ("accelerate", "transformers", "datasets", "hydra-core", "nvidia-ml-py", "flash-attn", "torchao"):
         lines.append(f"  {name} {v[name] or 'missing'}")
     ds = v["deepspeed"]
     if ds.get("ops"):

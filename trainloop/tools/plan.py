@@ -241,7 +241,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     n, t = shape.num_params, shape.num_trainable  # all, and those with gradients and optimizer state
     dev = "gpu" if device == "cuda" else "cpu"
     plan = MemoryPlan(label, world_size, procs_per_node or world_size, device, n)
-    half = cfg.precision.name in ("bf16", "fp16")
+    half = cfg.precision.name in ("bf16", "fp16", "fp8")
     add = plan.lines.append
     if shape.trainable is not None:
         plan.notes.append(f"adapter={cfg.adapter.name}: {t / 1e6:,.2f}M parameters train, "
