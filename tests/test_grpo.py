@@ -110,7 +110,6 @@ def test_csv_is_refused_as_its_columns_lose_their_types(tmp_path):
     ([*GRPO[:2], f"objective.rewards=[{REWARDS}:missing]"], rf"objective.rewards\[0\]='{REWARDS}:missing': .* has no function missing"),
     ([*GRPO[:2], "objective.rewards=[tests/nowhere.py:f]"], r"objective.rewards\[0\]='tests/nowhere.py:f': no such file tests/nowhere.py"),
     ([*GRPO, "objective.reward_weights=[1.0,2.0]"], r"objective.reward_weights has 2 weights for 1 reward functions"),
-    ([*GRPO, "objective.beta=0.04"], r"objective.beta=0.04 needs adapter=lora for now"),
     ([*GRPO, "objective.loss_type=sigmoid"], r"objective.loss_type=sigmoid is not one of objective=grpo's: dapo, grpo, dr_grpo"),
     ([*GRPO, "objective.scale_rewards=mean"], r"objective.scale_rewards=mean is not one of: group, batch, none"),
     ([*GRPO, "objective.num_generations=1"], r"objective.num_generations=1: a group needs at least 2 completions"),
@@ -304,6 +303,19 @@ def test_lora_learns_with_a_kl_to_the_model_without_its_adapters(tmp_path):
     assert_learned(run_dir)
     kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
     assert kl[0] == 0.0 < kl[-1]  # the policy starts as its reference, then moves away
+
+
+def test_a_full_fine_tune_with_a_kl_keeps_a_frozen_reference_copy(tmp_path, caplog):
+    """beta > 0 without an adapter: the reference is a frozen copy of the starting model (as DPO's,
+    placed by the strategy). The first step's KL is 0, then it grows; the task is still learned."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        run_dir = train(tmp_path / "full", *FULL, "objective.beta=0.04")
+    kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
+    assert kl[0] == 0.0 < kl[-1]
+    assert "objective=grpo: the KL's reference is a frozen copy of the starting model, whole on each rank" in caplog.text
+    assert_learned(run_dir)
 
 
 def test_num_iterations_trains_each_generated_batch_that_many_steps(tmp_path):

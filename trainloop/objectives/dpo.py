@@ -39,6 +39,16 @@ def pair_tensors(dataset) -> dict:
     return {key: t for key, t in dataset.tensors.items() if key != PRECOMPUTED}
 
 
+def plan_copy(plan, who: str) -> None:
+    """The planner's line for a frozen copy of the model: the policy's parameters once more, held
+    as the strategy holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision."""
+    from trainloop.parallel.memory import Line
+
+    for x in [x for x in plan.lines if x.what == "parameters"]:
+        plan.lines.append(Line("reference model", x.bytes, x.where, exact=x.exact,
+                               note=f"{who}: a frozen copy of the parameters, held like them"))
+
+
 def held(frozen) -> str:
     """How the ranks hold a frozen copy, read back from it (FSDP2's DTensors, DeepSpeed's engine)."""
     from trainloop.parallel.tensors import is_fsdp2
@@ -91,20 +101,15 @@ class DPO(PairObjective):
         """A full fine-tune's reference copy: the policy's parameters once more, held as the strategy
         holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision; none with
         objective.precompute_reference."""
-        from trainloop.parallel.memory import Line
-
         if cfg.adapter.name != "none":
             plan.notes.append("objective=dpo with an adapter: the reference is the model with its adapters disabled, "
                               "no copy")
             return
-        held = [x for x in plan.lines if x.what == "parameters"]
         if cfg.objective.precompute_reference:
             plan.notes.append("objective.precompute_reference: no reference copy; the policy scores every pair "
                               "before its first step")
             return
-        for x in held:
-            plan.lines.append(Line("reference model", x.bytes, x.where, exact=x.exact,
-                                   note="objective=dpo: a frozen copy of the parameters, held like them"))
+        plan_copy(plan, "objective=dpo")
 
     # -- the reference -----------------------------------------------------------------------------
     def frozen_copy(self, model):

@@ -6,7 +6,8 @@ the current policy (objective.temperature, top_p, max_new_tokens), scores them w
 functions (trainloop.rewards: weighted, None skipped) and normalises each completion's reward
 within its group of the same prompt (objective.scale_rewards: by the group's std, the step's
 global batch's, or none). The loss is the clipped policy ratio times the advantage per completion
-token, plus beta x the KL to the reference (the model with its LoRA adapters disabled), summed as
+token, plus beta x the KL to the reference (the model with its LoRA adapters disabled, or a full
+fine-tune's frozen copy of the starting model, sharded like the policy), summed as
 objective.loss_type says: dapo over the tokens of the global batch, grpo over each completion's
 tokens then the completions, dr_grpo over the completions x max_new_tokens.
 
@@ -167,6 +168,7 @@ class GRPO(Objective):
         self.greedy = generation_config(do_sample=False, max_new_tokens=o.max_new_tokens, pad_token_id=self.pad,
                                         eos_token_id=self.eos)
         self.epsilon_high = o.epsilon if o.epsilon_high is None else o.epsilon_high
+        self.adapted, self.frozen = cfg.adapter.name != "none", None  # frozen: a full fine-tune's reference
         self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
         self.device = torch.device(device)
         self.generated: list[dict] | None = None  # the batches being trained on (num_iterations)
@@ -204,10 +206,6 @@ class GRPO(Objective):
             problems.append(f"objective.epsilon={o.epsilon} and epsilon_high={o.epsilon_high} must be 0 or more")
         if o.beta < 0:
             problems.append(f"objective.beta={o.beta} must be 0 (no KL penalty) or more")
-        if o.beta > 0 and cfg.adapter.name != "lora":
-            problems.append(f"objective.beta={o.beta} needs adapter=lora for now: the reference is the model with its "
-                            "adapters disabled (a full fine-tune's frozen reference copy is the next slice); or set "
-                            "objective.beta=0")
         if cfg.model.name == "tiny" and cfg.data.seq_len + o.max_new_tokens > cfg.model.max_position_embeddings:
             problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
                             f"{o.max_new_tokens} is longer than model.max_position_embeddings="
@@ -342,11 +340,37 @@ class GRPO(Objective):
         with torch.no_grad():
             if self.cfg.num_iterations > 1:
                 batch["old_logps"] = completion_logps(model, batch, self.cfg.temperature)
-            if self.cfg.beta != 0.0:
+            if self.cfg.beta != 0.0 and self.frozen is not None:  # a full fine-tune's frozen copy
+                batch["ref_logps"] = completion_logps(self.frozen, batch, self.cfg.temperature)
+            elif self.cfg.beta != 0.0:  # the policy with its adapters disabled
                 reference = reference_model(model)
                 with reference.disable_adapter():
                     batch["ref_logps"] = completion_logps(reference, batch, self.cfg.temperature)
         return batch
+
+    @staticmethod
+    def memory_lines(plan, cfg) -> None:
+        """With beta > 0, a full fine-tune's reference copy (an adapter's is the policy without it)."""
+        from trainloop.objectives.dpo import plan_copy
+
+        if cfg.objective.beta != 0.0 and cfg.adapter.name == "none":
+            plan_copy(plan, "objective=grpo with objective.beta > 0")
+
+    def frozen_copy(self, model):
+        """With beta > 0, a full fine-tune's reference: the model as built, frozen (an adapter's
+        reference is the policy with its adapters disabled; beta 0 needs none)."""
+        if self.cfg.beta == 0.0 or self.adapted:
+            return None
+        import copy
+
+        return copy.deepcopy(model).requires_grad_(False)
+
+    def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
+        from trainloop.objectives.dpo import held
+
+        self.frozen = frozen  # placed and sharded like the policy by the strategy (prepare_frozen)
+        if frozen is not None:
+            log.info("objective=grpo: the KL's reference is a frozen copy of the starting model, %s", held(frozen))
 
     def record(self, rollouts: list[dict], rewards: torch.Tensor, summed: torch.Tensor) -> None:
         """The step's completions into the window's sums, and a few shown with their rewards."""
