@@ -89,3 +89,46 @@ def test_a_tp2_checkpoint_resumes_on_one_process(tmp_path, tp2, reference):
     run_dir = train(tmp_path, "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", f"checkpoint.resume={checkpoint}",
                     "checkpoint.save_final_model=false", small=False)
     assert_same_losses(run_dir, reference, range(11, STEPS + 1))
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["fsdp=none"], "parallel.tp_size=2 with fsdp=none"),
+    (["deepspeed=zero2", "fsdp=none"], "parallel.tp_size=2 with deepspeed.stage=2"),
+    (["model.arch=gpt2"], "parallel.tp_size=2 with model.arch=gpt2"),
+    (["model.arch=mixtral"], "parallel.tp_size=2 with model.arch=mixtral"),
+    (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
+    (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
+    (["adapter=lora"], "parallel.tp_size=2 with adapter=lora"),
+    (["compile=inductor"], "parallel.tp_size=2 with compile=inductor"),
+    (['eval.prompts=["Hello"]'], "parallel.tp_size=2 with eval.prompts"),
+    (["model.gradient_checkpointing=true"], "parallel.tp_size=2 with model.gradient_checkpointing=true"),
+])
+def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
+    from conftest import compose
+    from trainloop.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("[", r"\[")):
+        validate(compose("+preset=[smoke,tp]", *overrides))
+    validate(compose("+preset=[smoke,tp]"))
+
+
+def test_a_pretrained_models_plan_and_widths_are_checked_when_it_is_built():
+    """model=hf: what the config cannot tell (the plan transformers declares for the model type,
+    its heads and widths) is refused when the model is split, naming the key."""
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+
+    from trainloop.errors import ConfigError
+    from trainloop.tensor_parallel import tensor_parallel_plan
+
+    llama = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1)
+    plan = tensor_parallel_plan(LlamaConfig(**llama, num_key_value_heads=2), 2)
+    assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["layers.*.mlp.down_proj"] == "rowwise"
+    for config, says in [
+        (LlamaConfig(**llama, num_key_value_heads=1), "does not divide the model's key/value heads 1"),
+        (GPT2Config(n_embd=64, n_head=4), "declares no tensor-parallel plan for model type gpt2"),
+        (MixtralConfig(**llama), "uses moe_tp_experts, packed_colwise"),
+    ]:
+        with pytest.raises(ConfigError, match=r"parallel\.tp_size=2"):
+            tensor_parallel_plan(config, 2)
+        with pytest.raises(ConfigError, match=says):
+            tensor_parallel_plan(config, 2)
