@@ -132,3 +132,27 @@ def test_a_pretrained_models_plan_and_widths_are_checked_when_it_is_built():
             tensor_parallel_plan(config, 2)
         with pytest.raises(ConfigError, match=says):
             tensor_parallel_plan(config, 2)
+
+
+@pytest.mark.slow
+def test_the_planner_counts_each_tp_ranks_shards_exactly():
+    """trainloop.plan on 2 tp ranks: the parameters, gradients and optimizer states each process
+    holds, counted on its live DTensor shards after 2 real steps, are the plan's exact lines:
+    less than the whole model, more than FSDP2 alone over 2 processes plans (with one dp_shard
+    rank the blocks' matrices are split 2 ways, the embeddings and norms are whole on each)."""
+    import json
+
+    from trainloop.tools.plan import model_shape, plan_memory
+    from conftest import compose
+
+    proc = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                   str(free_port()), "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2",
+                   "+preset=[smoke,tp]", "model.hidden_size=128", "data.batch_size=2"], timeout=300)
+    report = json.loads(proc.stdout)
+    exact = {x["what"]: x["bytes"] for x in report["config"]["plan"]["lines"] if x["exact"]}
+    assert sorted(m["rank"] for m in report["measured"]["per_process"]) == [0, 1]
+    for measured in report["measured"]["per_process"]:
+        assert measured["shard_bytes"] == {k: exact[k] for k in ("parameters", "gradients", "optimizer states")}
+    fsdp = compose("+preset=[smoke,fsdp]", "model.hidden_size=128")
+    shape = model_shape(fsdp)
+    assert plan_memory(fsdp, shape, 2, "cpu").get("parameters") < exact["parameters"] < 4 * shape.num_params

@@ -17,6 +17,14 @@ from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.tensors import is_dtensor
 
 
+def layout_problem(tp_size: int, processes: int) -> str | None:
+    """Why `processes` cannot form a dp_shard x tp mesh with `tp_size`, or None."""
+    if processes % tp_size == 0:
+        return None
+    return (f"parallel.tp_size={tp_size} does not divide the {processes} process(es): "
+            "launch a multiple of tp_size processes, or change parallel.tp_size")
+
+
 class FSDP2xTP(FSDP2):
     """FSDP2's answers on the dp_shard dimension (subclassed: every one of them holds there), with
     the tensor-parallel split before the sharding and the data-parallel questions answered per tp group."""
@@ -27,9 +35,8 @@ class FSDP2xTP(FSDP2):
     def __init__(self, cfg, accelerator):
         super().__init__(cfg, accelerator)
         self.tp_size, processes = cfg.parallel.tp_size, accelerator.num_processes
-        if processes % self.tp_size or processes < self.tp_size:
-            raise ConfigError(f"parallel.tp_size={self.tp_size} does not divide the {processes} process(es): "
-                              "launch a multiple of tp_size processes, or change parallel.tp_size")
+        if layout_problem(self.tp_size, processes):
+            raise ConfigError(layout_problem(self.tp_size, processes))
         from torch.distributed.device_mesh import init_device_mesh
 
         # row-major: ranks 0..tp-1 are one tp group (the fastest links on a node), as torchtitan lays it out
@@ -107,6 +114,34 @@ class FSDP2xTP(FSDP2):
         return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard x {tp} tp, {split} linear layers split "
                 f"column-/row-wise over tp; {describe_sharding(model)} ({self.world_size} process(es), "
                 f"{self.device}, backend {dist.get_backend()})")
+
+    @staticmethod
+    def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
+        """A tp rank holds the model with its planned matrices split tp ways (shape.tp_split: q/k/v,
+        gate/up on their rows, o/down on their columns; norms, embeddings and the output head
+        whole); FSDP2 shards that over the world_size / tp_size dp_shard ranks: its lines
+        (FSDP2.memory_lines) for that smaller model and dp_shard size. Activations are counted by
+        the planner as without tensor parallelism: an upper bound (the split attention and MLP
+        activations are 1/tp_size on each rank; the residual stream, the norms and the logits are
+        whole)."""
+        import dataclasses
+        import math
+
+        tp = cfg.parallel.tp_size
+        split = shape.tp_split or [None] * len(shape.shapes)
+        local = [s if d is None else tuple(n // tp if i == d else n for i, n in enumerate(s))
+                 for s, d in zip(shape.shapes, split)]
+        removed = (sum(math.prod(s) for s in shape.shapes) - sum(math.prod(s) for s in local)) // max(1, shape.num_layers)
+        on_rank = dataclasses.replace(shape, shapes=local, largest_layer_params=shape.largest_layer_params - removed)
+        dp = max(1, world_size // tp)
+        first = len(plan.lines)
+        FSDP2.memory_lines(plan, cfg, on_rank, dp, dev, half)
+        for line in plan.lines[first:]:  # FSDP2 speaks of its processes: here they are dp_shard ranks of tp ranks
+            line.note = line.note.replace("one process: the shard is everything", "no dp sharding (1 dp_shard rank)")
+            line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
+        plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
+                          f"({sum(d is not None for d in split)} tensors), FSDP2 shards over {dp} dp_shard rank(s); "
+                          "activations counted as without it (an upper bound)")
 
     @staticmethod
     def problems(cfg) -> list[str]:
