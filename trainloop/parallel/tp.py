@@ -169,9 +169,6 @@ class FSDP2xTP(FSDP2):
         not_yet = {
             "adapter": (cfg.adapter.name != "none", f"adapter={cfg.adapter.name}", "use adapter=none"),
             "compile": (cfg.compile.backend != "none", f"compile={cfg.compile.backend}", "use compile=none"),
-            "prompts": (bool(cfg.eval.prompts), "eval.prompts", "drop eval.prompts"),
-            "checkpointing": (m.gradient_checkpointing, "model.gradient_checkpointing=true",
-                              "use model.gradient_checkpointing=false"),
         }
         found += [f"{key} with {what}: not supported with tensor parallelism yet; {instead} or parallel.tp_size=1"
                   for refused, what, instead in not_yet.values() if refused]
