@@ -97,6 +97,18 @@ def test_a_tp2_checkpoint_resumes_on_one_process(tmp_path, tp2, reference):
     assert_same_losses(run_dir, reference, range(11, STEPS + 1))
 
 
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
+    """Acceptance 3, tp 2 -> 2 x 2: the same checkpoint on 4 processes (2 dp_shard ranks at batch 4,
+    the same global batch): each tensor is resharded onto both mesh dimensions, each new rank takes
+    rank 0's random state, and steps 11 to 20 continue the reference's curve."""
+    checkpoint = tp2 / "checkpoints" / "step_0000010"
+    run_dir = launch_tp(tmp_path / "run", 4, "data.batch_size=4", f"checkpoint.resume={checkpoint}",
+                        "checkpoint.save_final_model=false")
+    assert "at another world size (world_size: 1 -> 2)" in run_log(run_dir)  # data-parallel ranks, not processes
+    assert_same_losses(run_dir, reference, range(11, STEPS + 1))
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["fsdp=none"], "parallel.tp_size=2 with fsdp=none"),
     (["deepspeed=zero2", "fsdp=none"], "parallel.tp_size=2 with deepspeed.stage=2"),
