@@ -6,7 +6,9 @@ trainloop shards the model here, the same way on CPU (gloo) and on GPUs, and nev
 model to `accelerator.prepare` (which would wrap it in DDP as well). accelerate still prepares the
 optimizer and the validation loader and does reduce and backward.
 
-The parameters become DTensors sharded on dim 0 over a 1-D mesh of all processes; each block is
+The parameters become DTensors sharded on dim 0 over a 1-D mesh of all processes (with
+parallel.tp_size, over the dp_shard dimension of a 2-D mesh, after trainloop.tensor_parallel has
+split the blocks' matrices over its tp dimension); each block is
 gathered just before it runs (and freed after it with fsdp.reshard_after_forward). Precision comes
 from the precision group: bf16 computes with bf16 parameters and reduces gradients in fp32, the
 sharded parameters and the optimizer state stay fp32.

@@ -1,10 +1,10 @@
 """Which parallelism runs, and every question that depends on it, answered by one Strategy.
 
 A row of STRATEGIES is chosen from the config (parallel.tp_size > 1, deepspeed=zero*,
-fsdp=full_shard, else data parallel, which is also the one-process case): how the model is wrapped or sharded, gradients
-synchronised and clipped, state saved and loaded, the full state dict gathered for export, the
-log line, its own config checks, and the data-parallel size and rank that the sample order, the
-loss normalisation, the batch and the checkpoint fingerprint read. A parameter's full shape and
+fsdp=full_shard, else data parallel, which is also the one-process case): how the model is
+wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full state
+dict gathered for export, the log line, its own config checks, and the data-parallel size and
+rank that the sample order, the loss normalisation, the batch and the checkpoint fingerprint read. A parameter's full shape and
 local shard are asked in trainloop.parallel.tensors, never by probing parameters elsewhere. A new
 strategy is one module with a Strategy subclass and one row here (docs/extending.md).
 """
