@@ -5,7 +5,10 @@ Which matrix is split how is the model's own declaration: transformers' `base_mo
 (LlamaConfig: q/k/v and gate/up column-wise, o and down row-wise). The split itself is torch's
 `parallelize_module` with `ColwiseParallel`/`RowwiseParallel`, as torchtitan's `apply_tp` does:
 those compose with FSDP2 (2-D DTensors) and DCP, where transformers' own TP path is tied to
-`from_pretrained` and builds its own mesh. Outputs are local tensors (`use_local_output`): a
+`from_pretrained` (a model built from a config, model=tiny, has none) and builds its own mesh.
+accelerate's ParallelismConfig does not serve: 1.15 refuses it on CPU processes ("only compatible
+DistributedType.FSDP ... but got DistributedType.MULTI_CPU", seen under torchrun over gloo), and
+its TP expects a model transformers already split; the mesh is one init_device_mesh call here. Outputs are local tensors (`use_local_output`): a
 column-wise q/k/v projection gives this rank's heads, and HF's attention reshapes with `-1`
 heads, so the attention runs on the local heads unchanged; the row-wise projections all-reduce
 their output, so what leaves a block (and the embeddings, norms, output head and loss, which stay
