@@ -18,6 +18,8 @@ run whole on each rank.
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 from trainloop.errors import ConfigError
 
 # transformers' plan style -> what it means here; a plan holding any other style is not run
@@ -48,14 +50,30 @@ def tensor_parallel_plan(model_config, tp_size: int) -> dict[str, str]:
 
 
 def apply_tensor_parallel(model, tp_mesh, plan: dict[str, str]) -> int:
-    """Split `model`'s base model in place as `plan` says over `tp_mesh`; returns the modules split."""
+    """Split `model`'s base model in place as `plan` says over `tp_mesh`; returns the modules split.
+
+    A LoRA layer (peft) in the plan is split like the weight it adapts: column-wise, its frozen
+    base and lora_B column-wise (lora_A sees the whole input and stays whole); row-wise, its base
+    and lora_A row-wise (both read this rank's slice of the input and all-reduce their output;
+    lora_B stays whole). Base and adapter outputs then have the same layout and add up."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    base = model.base_model
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # inside peft's wrapper
+    base = inner.base_model
+    lora = {name for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+    parallel = {}
+    for pattern, style in plan.items():
+        adapted = [name for name in lora if fnmatch(name, pattern)]
+        if not adapted:
+            parallel[pattern] = styles[style]()
+            continue
+        for name in adapted:
+            parallel[f"{name}.base_layer"] = styles[style]()
+            parallel[f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.*"] = styles[style]()
     # src_data_rank=None: each rank keeps its own slice, no scatter: ranks that built on the meta
     # device hold no weights to send; the main process's whole weights are scattered once FSDP2 has sharded
-    parallelize_module(base, tp_mesh, {name: styles[style]() for name, style in plan.items()}, src_data_rank=None)
+    parallelize_module(base, tp_mesh, parallel, src_data_rank=None)
     split = [m for m in base.modules() if any(is_tp(p) for p in m.parameters(recurse=False))]
     if not split:
         raise RuntimeError(f"parallel.tp_size: the plan {plan} matched no module of {type(base).__name__}")

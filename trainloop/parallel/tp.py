@@ -141,7 +141,9 @@ class FSDP2xTP(FSDP2):
             line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
         plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
                           f"({sum(d is not None for d in split)} tensors), FSDP2 shards over {dp} dp_shard rank(s); "
-                          "activations counted as without it (an upper bound)")
+                          "activations counted as without it (an upper bound)"
+                          + ("; the adapters' gradients and optimizer state counted whole on each tp rank (an "
+                             "upper bound: lora_B or lora_A is split beside a split weight)" if shape.trainable else ""))
 
     @staticmethod
     def problems(cfg) -> list[str]:
@@ -167,7 +169,6 @@ class FSDP2xTP(FSDP2):
             found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "
                       f"MLP width; choose a tp_size that divides it" for name, n in widths.items() if n % tp]
         not_yet = {
-            "adapter": (cfg.adapter.name != "none", f"adapter={cfg.adapter.name}", "use adapter=none"),
             "compile": (cfg.compile.backend != "none", f"compile={cfg.compile.backend}", "use compile=none"),
         }
         found += [f"{key} with {what}: not supported with tensor parallelism yet; {instead} or parallel.tp_size=1"
