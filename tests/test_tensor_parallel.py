@@ -1,9 +1,10 @@
 """Tensor parallelism (parallel.tp_size) for real: torchrun over gloo on CPU, each block's matrices
 split column-/row-wise over the tp ranks, FSDP2 over the rest, compared with one process.
 
-One 1-process run at batch 8 (no FSDP, no TP, 20 steps) is what every layout must reproduce with
-the same global batch of 8: tp=2 on 2 processes (one data-parallel rank at batch 8), 2 x 2 on 4
-processes (two data-parallel ranks at batch 4), and a tp=2 checkpoint resumed on one process.
+One 1-process run at batch 8 (no FSDP, no TP, 20 steps; and one with LoRA) is what every layout
+must reproduce with the same global batch of 8: tp=2 on 2 processes (one data-parallel rank at
+batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and tp=2's
+checkpoint resumed on one process and on 2 x 2.
 fp32, no dropout: the losses must agree to 1e-5 and the exported weights to 1e-4 (relative, per
 tensor, as tests/test_fsdp.py measures them). Ranks of a tp group that read different batches, a
 loss counted once per tp rank, or an export of one rank's slices are off by far more.
