@@ -117,10 +117,12 @@ def test_a_tp2_checkpoint_resumes_on_one_process(tmp_path, tp2, reference):
 def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
     """Acceptance 3, tp 2 -> 2 x 2: the same checkpoint on 4 processes (2 dp_shard ranks at batch 4,
     the same global batch): each tensor is resharded onto both mesh dimensions, each new rank takes
-    rank 0's random state, and steps 11 to 20 continue the reference's curve."""
+    rank 0's random state, and steps 11 to 20 continue the reference's curve; each block compiled
+    (aot_eager: dynamo traces the split blocks without inductor's code generation)."""
     checkpoint = tp2 / "checkpoints" / "step_0000010"
     run_dir = launch_tp(tmp_path / "run", 4, "data.batch_size=4", f"checkpoint.resume={checkpoint}",
-                        "checkpoint.save_final_model=false")
+                        "checkpoint.save_final_model=false", "compile=aot_eager", "compile.regional=true")
+    assert "torch.compile: 2 LlamaDecoderLayer blocks, backend aot_eager" in run_log(run_dir)
     assert "at another world size (world_size: 1 -> 2)" in run_log(run_dir)  # data-parallel ranks, not processes
     assert_same_losses(run_dir, reference, range(11, STEPS + 1))
 
@@ -132,7 +134,6 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
     (["model.arch=mixtral"], "parallel.tp_size=2 with model.arch=mixtral"),
     (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
-    (["compile=inductor"], "parallel.tp_size=2 with compile=inductor"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
     from conftest import compose

@@ -168,9 +168,4 @@ class FSDP2xTP(FSDP2):
             widths = {"model.num_heads": m.num_heads, "model.intermediate_size": m.intermediate_size or 4 * m.hidden_size}
             found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "
                       f"MLP width; choose a tp_size that divides it" for name, n in widths.items() if n % tp]
-        not_yet = {
-            "compile": (cfg.compile.backend != "none", f"compile={cfg.compile.backend}", "use compile=none"),
-        }
-        found += [f"{key} with {what}: not supported with tensor parallelism yet; {instead} or parallel.tp_size=1"
-                  for refused, what, instead in not_yet.values() if refused]
         return found
