@@ -1,9 +1,10 @@
-"""DDP, ZeRO-3 and FSDP2 on N processes, measured in one invocation on this machine.
+"""DDP, ZeRO-3, FSDP2 and FSDP2 x TP on N processes, measured in one invocation on this machine.
 
     python scripts/bench_parallel.py [--nproc 2] [--warmup 2] [--steps 3] [--only ddp fsdp]
                                      [--json OUT] [overrides ...]
 
-Each strategy (DDP, ZeRO-3 with DeepSpeed's default buckets and with 5M-element ones, FSDP2) is
+Each strategy (DDP, ZeRO-3 with DeepSpeed's default buckets and with 5M-element ones, FSDP2, FSDP2
+with tensor parallelism over 2 of the processes) is
 one `torchrun --nproc_per_node N` launch of this script (gloo on CPU, NCCL on
 GPUs) training the same model (default: a 57M-parameter Llama, 6 blocks of 768, fp32 AdamW) on
 the same batch of 2 x 128 tokens per process, through trainloop's own builders
@@ -45,6 +46,8 @@ STRATEGIES = {
     "zero3_small_buckets": ("DeepSpeed ZeRO-3, buckets of 5M elements", "zero3",
                             ["deepspeed.reduce_bucket_size=5000000", "deepspeed.stage3_prefetch_bucket_size=5000000"]),
     "fsdp": ("FSDP2 (fully_shard)", "fsdp", []),
+    # parallel.tp_size=2: on 2 processes 1 dp_shard x 2 tp, on 4 processes 2 x 2
+    "tp": ("FSDP2 x TP (parallel.tp_size=2)", "tp", []),
 }
 
 

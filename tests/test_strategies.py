@@ -12,7 +12,8 @@ from trainloop.config import validate
 from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
 
 # A config that chooses each row (a new row adds its own).
-CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"]}
+CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"], "fsdp2_tp": ["+preset=tp"]}
+ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp"})  # tensor parallelism needs tp_size processes
 
 
 def test_every_strategy_is_chosen_by_a_config():
@@ -23,7 +24,7 @@ def test_every_strategy_is_chosen_by_a_config():
         assert chosen(cfg) == name
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", ONE_PROCESS)
 def test_one_process_is_one_data_parallel_rank(name):
     from accelerate import Accelerator
 
@@ -39,8 +40,21 @@ def test_one_process_is_one_data_parallel_rank(name):
     (["+preset=fsdp", "precision=fp16"], "fsdp=full_shard with precision=fp16"),
     (["+preset=zero3", "compile=inductor"], "compile.backend with DeepSpeed is not supported"),
     (["deepspeed.offload_optimizer=cpu"], "needs DeepSpeed: choose deepspeed=zero1, zero2 or zero3"),
+    (["parallel.tp_size=2"], "parallel.tp_size=2 with fsdp=none"),
+    (["+preset=tp", "deepspeed=zero2"], "parallel.tp_size=2 with deepspeed.stage=2"),
 ])
 def test_each_strategy_states_its_own_problems(overrides, says):
     found = problems(compose(*overrides))
     assert any(says in p for p in found), found
     assert problems(compose()) == []
+
+
+def test_tensor_parallel_on_one_process_is_refused_naming_the_key():
+    """tp_size must divide the processes: checked when the strategy is built, before any model."""
+    from accelerate import Accelerator
+
+    from trainloop.errors import ConfigError
+
+    reset_accelerate()
+    with pytest.raises(ConfigError, match=r"parallel\.tp_size=2 does not divide the 1 process"):
+        build_strategy(compose("+preset=tp"), Accelerator(cpu=True))

@@ -93,7 +93,7 @@ POSITIVE = (
     "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
-    "model.num_experts", "model.experts_per_token", "eval.max_new_tokens",
+    "model.num_experts", "model.experts_per_token", "eval.max_new_tokens", "parallel.tp_size",
 )
 
 

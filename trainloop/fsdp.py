@@ -6,7 +6,9 @@ trainloop shards the model here, the same way on CPU (gloo) and on GPUs, and nev
 model to `accelerator.prepare` (which would wrap it in DDP as well). accelerate still prepares the
 optimizer and the validation loader and does reduce and backward.
 
-The parameters become DTensors sharded on dim 0 over a 1-D mesh of all processes; each block is
+The parameters become DTensors sharded on dim 0 over a 1-D mesh of all processes (with
+parallel.tp_size, over the dp_shard dimension of a 2-D mesh, after trainloop.tensor_parallel has
+split the blocks' matrices over its tp dimension); each block is
 gathered just before it runs (and freed after it with fsdp.reshard_after_forward). Precision comes
 from the precision group: bf16 computes with bf16 parameters and reduces gradients in fp32, the
 sharded parameters and the optimizer state stay fp32.
@@ -33,11 +35,13 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) -> torch.nn.Module:
     """Shard `model` in place with fully_shard over every process (a process group must exist:
     a launcher's, or accelerator.single_process_group_env's for one process); returns it.
     A model built on the meta device (trainloop.parallel.fsdp2's builds_on_meta) gets its shards from
-    the main process.
+    the main process. `mesh`: a 2-D ("dp_shard", "tp") mesh (parallel.tp_size): the blocks' matrices
+    are first split over "tp" (trainloop.tensor_parallel), then FSDP2 shards over "dp_shard"; None:
+    a 1-D mesh of every process.
 
     An adapter is applied and torch.compile (regional: each block) set up before this, as
     torchtitan does: the blocks are compiled, then sharded.
@@ -48,9 +52,9 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
 
     from trainloop.compile import transformer_blocks
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     options = {
-        "mesh": mesh,
+        "mesh": mesh if mesh.ndim == 1 else mesh["dp_shard"],
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,
         "mp_policy": mixed_precision_policy(cfg.precision.name),
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -62,6 +66,10 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device) -> torch.nn.M
     from_main = dist.get_world_size() > 1
     whole = model.state_dict() if from_main and dist.get_rank() == 0 else {}
     blocks = transformer_blocks(model, "fsdp=full_shard", "fsdp=none")
+    if mesh.ndim == 2:  # split before sharding: FSDP2 shards the tp shards over dp_shard (2-D DTensors)
+        from trainloop.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
+
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model.config, mesh["tp"].size()))
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)

@@ -182,6 +182,14 @@ class FsdpConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # processes that split each transformer block's matrices (tensor parallelism, on a 2-D mesh with
+    # fsdp=full_shard on the other dimension); 1: none. Must divide the process count; data-parallel
+    # ranks are processes / tp_size
+    tp_size: int = 1
+
+
+@dataclass
 class CompileConfig:
     backend: str = "none"  # none, inductor, aot_eager, eager, cudagraphs
     mode: str = "default"  # default, reduce-overhead, max-autotune
@@ -232,4 +240,5 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -1,10 +1,10 @@
 """Which parallelism runs, and every question that depends on it, answered by one Strategy.
 
-A row of STRATEGIES is chosen from the config (deepspeed=zero*, fsdp=full_shard, else data
-parallel, which is also the one-process case): how the model is wrapped or sharded, gradients
-synchronised and clipped, state saved and loaded, the full state dict gathered for export, the
-log line, its own config checks, and the data-parallel size and rank that the sample order, the
-loss normalisation, the batch and the checkpoint fingerprint read. A parameter's full shape and
+A row of STRATEGIES is chosen from the config (parallel.tp_size > 1, deepspeed=zero*,
+fsdp=full_shard, else data parallel, which is also the one-process case): how the model is
+wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full state
+dict gathered for export, the log line, its own config checks, and the data-parallel size and
+rank that the sample order, the loss normalisation, the batch and the checkpoint fingerprint read. A parameter's full shape and
 local shard are asked in trainloop.parallel.tensors, never by probing parameters elsewhere. A new
 strategy is one module with a Strategy subclass and one row here (docs/extending.md).
 """
@@ -15,12 +15,14 @@ from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.tensors import full_numel, full_shape, local_shard
+from trainloop.parallel.tp import FSDP2xTP
 from trainloop.parallel.zero import DeepSpeedZeRO
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DataParallel,  # deepspeed=none, fsdp=none: DistributedDataParallel, or one process
     "zero": DeepSpeedZeRO,  # deepspeed=zero1, zero2, zero3
     "fsdp2": FSDP2,  # fsdp=full_shard
+    "fsdp2_tp": FSDP2xTP,  # parallel.tp_size > 1 (with fsdp=full_shard): a dp_shard x tp mesh
 }
 
 __all__ = ["STRATEGIES", "Strategy", "build_strategy", "chosen", "full_numel", "full_shape", "local_shard",
@@ -29,6 +31,8 @@ __all__ = ["STRATEGIES", "Strategy", "build_strategy", "chosen", "full_numel", "
 
 def chosen(cfg) -> str:
     """The row the config chooses."""
+    if cfg.parallel.tp_size > 1:
+        return "fsdp2_tp"
     if cfg.fsdp.name != "none":
         return "fsdp2"
     return "zero" if cfg.deepspeed.stage else "ddp"

@@ -41,6 +41,7 @@ from trainloop.objectives import OBJECTIVES
 from trainloop.optim import hidden_matrices
 from trainloop.parallel import STRATEGIES, chosen
 from trainloop.parallel.memory import Line, MemoryPlan
+from trainloop.parallel.tp import layout_problem
 
 GIB = 1024**3
 
@@ -70,6 +71,9 @@ class ModelShape:
     experts_per_token: int = 0  # experts the router sends each token to
     expert_params: int = 0  # in all blocks' experts (the routers not counted)
     hidden_matrix: list[bool] | None = None  # for each trainable shape: a hidden layer's matrix? (optim.hidden_matrices)
+    # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise) as the model's
+    # transformers plan (base_model_tp_plan) says, or None (whole on every tp rank)
+    tp_split: list[int | None] | None = None
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -114,6 +118,7 @@ def model_shape(cfg) -> ModelShape:
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     family = "gpt2" if config.model_type in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "gpt_bigcode") else "llama"
     shapes = [tuple(p.shape) for p in model.parameters()]
+    tp_split = [_tp_split(model, name) for name, _ in model.named_parameters()]
     experts = [m for m in model.modules() if _is_experts(m)]  # e.g. Mixtral's, a 3-D weight per projection
     trainable, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
     return ModelShape(
@@ -123,8 +128,25 @@ def model_shape(cfg) -> ModelShape:
         trainable=trainable, quantized_params=quantized, family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
         shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
-        largest_layer_params=max(layer_sizes),
+        largest_layer_params=max(layer_sizes), tp_split=tp_split,
     )
+
+
+def _tp_split(model, name: str) -> int | None:
+    """The dimension of parameter `name` that the model's tensor-parallel plan splits, or None."""
+    from fnmatch import fnmatch
+
+    module, _, kind = name.rpartition(".")
+    prefix = model.base_model_prefix + "."
+    if not module.startswith(prefix):
+        return None
+    module = module[len(prefix):]
+    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
+        if fnmatch(module, pattern):
+            if style == "colwise":
+                return 0  # the weight's and the bias's output rows
+            return 1 if style == "rowwise" and kind == "weight" else None  # a row-wise bias is replicated
+    return None
 
 
 def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, int]:
@@ -525,6 +547,8 @@ def build_report(overrides: list[str], world_size: int, procs_per_node: int | No
         return cache[key]
 
     def one(c, label: str) -> dict:
+        if layout_problem(c.parallel.tp_size, world_size):  # a mesh these processes cannot form
+            raise ConfigError(layout_problem(c.parallel.tp_size, world_size))
         plan = plan_memory(c, shape_of(c), world_size, machine.device, procs_per_node, label)
         fits, lines = verdict(plan, machine)
         return {"plan": plan, "fits": fits, "verdict": lines, "shape": shape_of(c)}
@@ -535,10 +559,9 @@ def build_report(overrides: list[str], world_size: int, procs_per_node: int | No
         for name in presets():
             try:
                 c = compose_config(base + [f"+preset={name}"])
+                report["presets"][name] = one(c, f"+preset={name}")
             except ConfigError as err:
                 report["presets"][name] = {"error": str(err).replace("\n", " ")}
-                continue
-            report["presets"][name] = one(c, f"+preset={name}")
     return report
 
 

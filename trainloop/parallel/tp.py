@@ -1,0 +1,171 @@
+"""FSDP2 x tensor parallelism (parallel.tp_size > 1, with fsdp=full_shard): the processes form a
+2-D mesh (dp_shard x tp); each block's matrices are split over tp (trainloop/tensor_parallel.py),
+then FSDP2 shards everything over dp_shard, as torchtitan's parallelize_llama does.
+
+The ranks of one tp group compute one replica together: they read the same batch, hold the same
+loss, and count as one data-parallel rank. So dp_size is processes / tp_size, dp_rank the position
+on the dp_shard dimension, and reduce_sum sums over dp_shard only. The rest is FSDP2's: DCP
+checkpoints (which reshard to any layout), the gathered full state dict (full_tensor over both
+dimensions), the gradient-sync switch; only the gradient norm differs (the parameters live on two
+meshes: tp-split ones on the 2-D mesh, the others on dp_shard alone).
+"""
+
+from __future__ import annotations
+
+from trainloop.errors import ConfigError
+from trainloop.parallel.fsdp2 import FSDP2
+from trainloop.parallel.tensors import is_dtensor
+
+
+def layout_problem(tp_size: int, processes: int) -> str | None:
+    """Why `processes` cannot form a dp_shard x tp mesh with `tp_size`, or None."""
+    if processes % tp_size == 0:
+        return None
+    return (f"parallel.tp_size={tp_size} does not divide the {processes} process(es): "
+            "launch a multiple of tp_size processes, or change parallel.tp_size")
+
+
+class FSDP2xTP(FSDP2):
+    """FSDP2's answers on the dp_shard dimension (subclassed: every one of them holds there), with
+    the tensor-parallel split before the sharding and the data-parallel questions answered per tp group."""
+
+    name = "fsdp2_tp"
+    saves_async = True
+
+    def __init__(self, cfg, accelerator):
+        super().__init__(cfg, accelerator)
+        self.tp_size, processes = cfg.parallel.tp_size, accelerator.num_processes
+        if layout_problem(self.tp_size, processes):
+            raise ConfigError(layout_problem(self.tp_size, processes))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # row-major: ranks 0..tp-1 are one tp group (the fastest links on a node), as torchtitan lays it out
+        self.mesh = init_device_mesh(self.device.type, (processes // self.tp_size, self.tp_size),
+                                     mesh_dim_names=("dp_shard", "tp"))
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp_shard")
+
+    def reduce_sum(self, tensor):
+        """Summed over the dp_shard dimension: a tp group's ranks hold the same loss and units."""
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return tensor
+        summed = tensor.clone()
+        dist.all_reduce(summed, group=self.mesh.get_group("dp_shard"))
+        return summed
+
+    def shard(self, model):
+        from trainloop.fsdp import shard_model
+
+        return shard_model(self.cfg, model, self.device, self.mesh)
+
+    def prepare_frozen(self, model):
+        from trainloop.fsdp import shard_model
+
+        return shard_model(self.cfg, model, self.device, self.mesh).eval()
+
+    def prepare(self, model, optimizer, valid_loader):
+        """The validation loader is split over the data-parallel ranks (accelerate would split it
+        over every process, giving the ranks of one tp group different batches)."""
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        optimizer = acc.prepare(optimizer)
+        valid_loader = prepare_data_loader(valid_loader, self.device, num_processes=self.dp_size,
+                                           process_index=self.dp_rank, put_on_device=True,
+                                           even_batches=acc.even_batches, non_blocking=acc.non_blocking)
+        return model, optimizer, valid_loader
+
+    def clip_grad_norm(self, model, max_norm: float):
+        """The global L2 norm over both meshes' gradients: one norm per mesh (DTensor placements make
+        each exact, a replicated shard counted once), combined; then each mesh's gradients clipped."""
+        import torch
+
+        by_mesh: dict = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
+        norms = []
+        for params in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            norms.append(norm.to(self.device).full_tensor() if is_dtensor(norm) else norm.to(self.device))
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.device)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def describe(self, model) -> str:
+        import torch.distributed as dist
+
+        from trainloop.fsdp import describe_sharding
+        from trainloop.tensor_parallel import is_tp
+
+        split = sum(1 for m in model.modules() if any(is_tp(p) for p in m.parameters(recurse=False)))
+        if not split:
+            raise RuntimeError(f"parallel.tp_size={self.tp_size} but no parameter is split over a tp mesh")
+        dp, tp = self.mesh.shape
+        return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard x {tp} tp, {split} linear layers split "
+                f"column-/row-wise over tp; {describe_sharding(model)} ({self.world_size} process(es), "
+                f"{self.device}, backend {dist.get_backend()})")
+
+    @staticmethod
+    def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
+        """A tp rank holds the model with its planned matrices split tp ways (shape.tp_split: q/k/v,
+        gate/up on their rows, o/down on their columns; norms, embeddings and the output head
+        whole); FSDP2 shards that over the world_size / tp_size dp_shard ranks: its lines
+        (FSDP2.memory_lines) for that smaller model and dp_shard size. Activations are counted by
+        the planner as without tensor parallelism: an upper bound (the split attention and MLP
+        activations are 1/tp_size on each rank; the residual stream, the norms and the logits are
+        whole)."""
+        import dataclasses
+        import math
+
+        tp = cfg.parallel.tp_size
+        split = shape.tp_split or [None] * len(shape.shapes)
+        local = [s if d is None else tuple(n // tp if i == d else n for i, n in enumerate(s))
+                 for s, d in zip(shape.shapes, split)]
+        removed = (sum(math.prod(s) for s in shape.shapes) - sum(math.prod(s) for s in local)) // max(1, shape.num_layers)
+        on_rank = dataclasses.replace(shape, shapes=local, largest_layer_params=shape.largest_layer_params - removed)
+        dp = max(1, world_size // tp)
+        first = len(plan.lines)
+        FSDP2.memory_lines(plan, cfg, on_rank, dp, dev, half)
+        for line in plan.lines[first:]:  # FSDP2 speaks of its processes: here they are dp_shard ranks of tp ranks
+            line.note = line.note.replace("one process: the shard is everything", "no dp sharding (1 dp_shard rank)")
+            line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
+        plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
+                          f"({sum(d is not None for d in split)} tensors), FSDP2 shards over {dp} dp_shard rank(s); "
+                          "activations counted as without it (an upper bound)"
+                          + ("; the adapters' gradients and optimizer state counted whole on each tp rank (an "
+                             "upper bound: lora_B or lora_A is split beside a split weight)" if shape.trainable else ""))
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        """What parallel.tp_size > 1 cannot run, known from the config alone (a pretrained model's
+        heads and widths are checked when it is built: trainloop.tensor_parallel)."""
+        tp = cfg.parallel.tp_size
+        if tp <= 1:
+            return []
+        key, m = f"parallel.tp_size={tp}", cfg.model
+        found = []
+        if cfg.deepspeed.stage:
+            found.append(f"{key} with deepspeed.stage={cfg.deepspeed.stage}: tensor parallelism runs on FSDP2's "
+                         "2-D mesh, not under DeepSpeed; choose deepspeed=none fsdp=full_shard (+preset=tp)")
+        elif cfg.fsdp.name == "none":
+            found.append(f"{key} with fsdp=none: tensor parallelism runs with FSDP2 on the data-parallel dimension; "
+                         "add fsdp=full_shard (+preset=tp)")
+        if m.name == "tiny" and m.arch != "llama":
+            why = {"gpt2": "GPT-2's fused Conv1D q/k/v projection has no column-/row-wise plan here",
+                   "mixtral": "its routed experts' plan (packed_colwise, moe_tp_experts) is not run here"}[m.arch]
+            found.append(f"{key} with model.arch={m.arch}: {why}; use model.arch=llama or parallel.tp_size=1")
+        if m.name == "tiny" and m.arch == "llama":
+            widths = {"model.num_heads": m.num_heads, "model.intermediate_size": m.intermediate_size or 4 * m.hidden_size}
+            found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "
+                      f"MLP width; choose a tp_size that divides it" for name, n in widths.items() if n % tp]
+        return found

@@ -1,0 +1,87 @@
+"""Tensor parallelism (parallel.tp_size): each transformer block's matrices split over the `tp`
+dimension of a 2-D device mesh, before FSDP2 shards them over the other (trainloop/fsdp.py).
+
+Which matrix is split how is the model's own declaration: transformers' `base_model_tp_plan`
+(LlamaConfig: q/k/v and gate/up column-wise, o and down row-wise). The split itself is torch's
+`parallelize_module` with `ColwiseParallel`/`RowwiseParallel`, as torchtitan's `apply_tp` does:
+those compose with FSDP2 (2-D DTensors) and DCP, where transformers' own TP path is tied to
+`from_pretrained` (a model built from a config, model=tiny, has none) and builds its own mesh.
+accelerate's ParallelismConfig does not serve: 1.15 refuses it on CPU processes ("only compatible
+DistributedType.FSDP ... but got DistributedType.MULTI_CPU", seen under torchrun over gloo), and
+its TP expects a model transformers already split; the mesh is one init_device_mesh call here. Outputs are local tensors (`use_local_output`): a
+column-wise q/k/v projection gives this rank's heads, and HF's attention reshapes with `-1`
+heads, so the attention runs on the local heads unchanged; the row-wise projections all-reduce
+their output, so what leaves a block (and the embeddings, norms, output head and loss, which stay
+whole on every rank of a tp group) is the same on every rank. No sequence parallelism: the norms
+run whole on each rank.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+from trainloop.errors import ConfigError
+
+# transformers' plan style -> what it means here; a plan holding any other style is not run
+STYLES = ("colwise", "rowwise")
+
+
+def tensor_parallel_plan(model_config, tp_size: int) -> dict[str, str]:
+    """The model's column-/row-wise plan for its base model's modules (wildcards for the layer
+    index), checked against `tp_size`. Raises ConfigError naming parallel.tp_size."""
+    key = f"parallel.tp_size={tp_size}"
+    kind = getattr(model_config, "model_type", type(model_config).__name__)
+    plan = dict(getattr(model_config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError(f"{key}: transformers declares no tensor-parallel plan for model type {kind} "
+                          "(base_model_tp_plan); use parallel.tp_size=1 with fsdp=full_shard")
+    other = sorted({style for style in plan.values() if style not in STYLES})
+    if other:
+        raise ConfigError(f"{key}: the tensor-parallel plan of model type {kind} uses {', '.join(other)}, which "
+                          f"trainloop does not run (only {' and '.join(STYLES)}); use parallel.tp_size=1")
+    widths = {"attention heads": model_config.num_attention_heads,
+              "key/value heads": getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads,
+              "MLP width (intermediate_size)": model_config.intermediate_size}
+    uneven = [f"{what} {n}" for what, n in widths.items() if n % tp_size]
+    if uneven:
+        raise ConfigError(f"{key} does not divide the model's {', '.join(uneven)}: each rank takes an equal share; "
+                          "choose a tp_size that divides them")
+    return plan
+
+
+def apply_tensor_parallel(model, tp_mesh, plan: dict[str, str]) -> int:
+    """Split `model`'s base model in place as `plan` says over `tp_mesh`; returns the modules split.
+
+    A LoRA layer (peft) in the plan is split like the weight it adapts: column-wise, its frozen
+    base and lora_B column-wise (lora_A sees the whole input and stays whole); row-wise, its base
+    and lora_A row-wise (both read this rank's slice of the input and all-reduce their output;
+    lora_B stays whole). Base and adapter outputs then have the same layout and add up."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # inside peft's wrapper
+    base = inner.base_model
+    lora = {name for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+    parallel = {}
+    for pattern, style in plan.items():
+        adapted = [name for name in lora if fnmatch(name, pattern)]
+        if not adapted:
+            parallel[pattern] = styles[style]()
+            continue
+        for name in adapted:
+            parallel[f"{name}.base_layer"] = styles[style]()
+            parallel[f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.*"] = styles[style]()
+    # src_data_rank=None: each rank keeps its own slice, no scatter: ranks that built on the meta
+    # device hold no weights to send; the main process's whole weights are scattered once FSDP2 has sharded
+    parallelize_module(base, tp_mesh, parallel, src_data_rank=None)
+    split = [m for m in base.modules() if any(is_tp(p) for p in m.parameters(recurse=False))]
+    if not split:
+        raise RuntimeError(f"parallel.tp_size: the plan {plan} matched no module of {type(base).__name__}")
+    return len(split)
+
+
+def is_tp(param) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    mesh = getattr(param, "device_mesh", None) if isinstance(param, DTensor) else None
+    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
