@@ -305,3 +305,14 @@ def test_dpo_full_fine_tune_memory_counts_the_reference_copy_within_15_percent_o
     assert "reference model" not in {x.what for x in precomputed.lines}
     assert any("no reference copy; the policy scores every pair before its first step" in note
                for note in precomputed.notes)
+
+
+def test_fp8_keeps_float8_weight_copies_where_bf16_keeps_16_bit_ones():
+    """precision=fp8 (issue 28, item 4): the blocks' linear weights are cast to float8 for the
+    matmuls, 1 byte per parameter kept for the backward where bf16's autocast keeps 2."""
+    bf16, fp8 = (compose("+preset=smoke", f"precision={p}") for p in ("bf16", "fp8"))
+    shape = model_shape(bf16)
+    saved = {p: next(x.bytes for x in plan_memory(c, shape, 1, "cuda").lines if x.what == "activations")
+             for p, c in (("bf16", bf16), ("fp8", fp8))}
+    assert saved["bf16"] - saved["fp8"] == shape.num_layers * shape.layer_linear_params > 0
+    assert any("precision=fp8" in note for note in plan_memory(fp8, shape, 1, "cuda").notes)

@@ -184,7 +184,7 @@ def _is_experts(module) -> bool:
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
                      checkpointing: bool, attention: str, chunked: bool = False,
-                     packed: bool = False) -> tuple[int, int]:
+                     packed: bool = False, fp8: bool = False) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
@@ -196,7 +196,9 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     kept: loss_lines counts what the chunked loss holds instead. `packed` (data.packing=documents:
     position ids restart inside a block): the model builds a block-diagonal mask, seq x seq in
     the compute dtype, and SDPA keeps a copy per layer (16 MiB a layer at 2,048 tokens in fp32,
-    measured on CPU with transformers 5.23).
+    measured on CPU with transformers 5.23). `fp8` (precision=fp8): the blocks' linear weights are
+    cast to float8 for the matmuls, 1 B/param kept for the backward instead of the 16-bit copy;
+    the float8 inputs torchao keeps are counted at 16 bits (an overestimate: half that).
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
@@ -216,7 +218,8 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
         # make no 16-bit copies of the expert weights
         per_token += k * (8 * h + 16 * i + 48) - ((8 * i + 2 * h + 12) if half else 16 * i)
         per_token += 8 * E + 4  # the router's logits and probabilities
-    weight_copies = 2 * (shape.layer_linear_params - shape.expert_params // shape.num_layers) if autocast else 0
+    weight_copies = (1 if fp8 else 2) * (shape.layer_linear_params - shape.expert_params // shape.num_layers) \
+        if autocast else 0
     rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
     mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
     layer = tokens * per_token + weight_copies + mask
@@ -277,10 +280,14 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
     chunked = cfg.trainer.loss_chunk_tokens > 0
     packed = cfg.data.packing == "documents"
+    fp8 = cfg.precision.name == "fp8"
     saved, recompute = activation_bytes(
         shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
-        packed=packed)
+        packed=packed, fp8=fp8)
+    if fp8:
+        plan.notes.append("precision=fp8: the blocks' linear weights are cast to float8 (1 B/param) for the matmuls "
+                          "and kept for the backward; torchao's float8 inputs are counted at 16 bits (an overestimate)")
     offloaded = cfg.trainer.activation_offload and dev == "gpu"  # on the CPU they are in host memory already
     add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
              note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
@@ -296,11 +303,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if not cfg.model.gradient_checkpointing:
         without = saved
         with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                       True, cfg.model.attn_implementation, chunked, packed))
+                                       True, cfg.model.attn_implementation, chunked, packed, fp8))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
         without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                   False, cfg.model.attn_implementation, chunked, packed)[0]
+                                   False, cfg.model.attn_implementation, chunked, packed, fp8)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
