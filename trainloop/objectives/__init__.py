@@ -36,8 +36,8 @@ def read_only_by() -> dict[str, tuple]:
     for key in dict.fromkeys(key for objective in OBJECTIVES.values() for key in objective.reads):
         readers = {name: row.read_when.get(key, always) for name, row in OBJECTIVES.items() if key in row.reads}
         table[key] = (lambda c, readers=readers: c.objective.name in readers and readers[c.objective.name][0](c),
-                      " or ".join(f"objective={name}" + (f" with {when[1]}" if when[1] else "")
-                                  for name, when in readers.items()))
+                      "objective=" + " or ".join(name + (f" with {when[1]}" if when[1] else "")
+                                                 for name, when in readers.items()))
     return table
 
 
