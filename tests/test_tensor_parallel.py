@@ -134,6 +134,10 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
     (["model.arch=mixtral"], "parallel.tp_size=2 with model.arch=mixtral"),
     (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
+    (["data=preference", "objective=dpo", "data.path=/some/pairs.jsonl", "adapter=lora"],
+     "parallel.tp_size=2 with objective=dpo: tensor parallelism trains objective=causal_lm only for now"),
+    (["trainer.loss_chunk_tokens=16"], "parallel.tp_size=2 with trainer.loss_chunk_tokens=16"),
+    (["precision=fp8"], "parallel.tp_size=2 with precision=fp8"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
     from conftest import compose

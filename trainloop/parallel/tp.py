@@ -164,6 +164,15 @@ class FSDP2xTP(FSDP2):
             why = {"gpt2": "GPT-2's fused Conv1D q/k/v projection has no column-/row-wise plan here",
                    "mixtral": "its routed experts' plan (packed_colwise, moe_tp_experts) is not run here"}[m.arch]
             found.append(f"{key} with model.arch={m.arch}: {why}; use model.arch=llama or parallel.tp_size=1")
+        if cfg.objective.name != "causal_lm":  # a reference copy, generation, completion log-probs: not on tp yet
+            found.append(f"{key} with objective={cfg.objective.name}: tensor parallelism trains objective=causal_lm "
+                         "only for now; use parallel.tp_size=1 (FSDP2 alone runs it)")
+        if cfg.trainer.loss_chunk_tokens:
+            found.append(f"{key} with trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens}: the chunked loss "
+                         "needs the output layer whole, not split over tp; set trainer.loss_chunk_tokens=0")
+        if cfg.precision.name == "fp8":
+            found.append(f"{key} with precision=fp8: torchao's float8 layers need their own tensor-parallel styles, "
+                         "not applied here; use precision=bf16")
         if m.name == "tiny" and m.arch == "llama":
             widths = {"model.num_heads": m.num_heads, "model.intermediate_size": m.intermediate_size or 4 * m.hidden_size}
             found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "
