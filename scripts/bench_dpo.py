@@ -87,7 +87,17 @@ PRELOAD = ["torch", "transformers", "transformers.trainer", "peft", "datasets", 
 
 # --- what both sides measure the same way ----------------------------------------------------------
 
-from bench_methods import _reset_peak_rss, _status_bytes  # noqa: E402 - scripts/ is on the path: its measures
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set (VmHWM) starts again from the current one
 
 
 class Meter:
