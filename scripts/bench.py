@@ -149,12 +149,12 @@ def worker_hf(cfg, steps: int, out: Path) -> None:
             if logs and "loss" in logs:  # logging_steps=1: after each step's loss sync, like the others
                 log.step_done(logs["loss"])
 
-    class AsDict(torch.utils.data.Dataset):
+    class AsDict(torch.utils.data.Dataset):  # the raw loop's plain token blocks, labels = inputs
         def __len__(self):
-            return len(train_set)
+            return len(train_set.blocks)
 
         def __getitem__(self, i):
-            return {"input_ids": train_set[i], "labels": train_set[i]}
+            return {"input_ids": train_set.blocks[i], "labels": train_set.blocks[i]}
 
     opt = cfg.optimizer
     args = TrainingArguments(

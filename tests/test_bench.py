@@ -41,3 +41,24 @@ def test_a_step_across_a_stop_never_counts():
 def test_a_run_never_stopped_loses_only_warmup_and_its_second_step():
     # step 1 began at process start; step 2 is the first to start inside the interval
     assert bench.timed_steps([1.0, 2.0, 3.5, 4.0, 6.0], [(0.0, 100.0)], warmup=1) == [1.5, 0.5, 2.0]
+
+
+@pytest.mark.parametrize("worker", ["raw", "hf"])
+def test_each_baseline_worker_trains_on_the_token_blocks(tmp_path, worker):
+    """The raw loop's and the HF Trainer's worker, 2 steps at the CPU size: each logs a step per
+    optimizer step, starting near ln(vocabulary), the loss of an untrained model on real tokens (the
+    HF worker once fed the Trainer trainloop's batch dicts as if they were tensors, and died)."""
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "steps.jsonl"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--worker", worker, "--steps", "2",
+                    "--out", str(out)], cwd=tmp_path, check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    steps = [json.loads(line) for line in out.read_text().splitlines() if "step" in json.loads(line)]
+    assert [s["step"] for s in steps] == [1, 2]
+    vocabulary = 320  # the default byte tokenizer's
+    assert abs(steps[0]["loss"] - math.log(vocabulary)) < 1.0, steps
