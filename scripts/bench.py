@@ -123,7 +123,8 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     loader = torch.utils.data.DataLoader(train_set.blocks, batch_size=cfg.data.batch_size, shuffle=True,
                                          drop_last=True)  # the raw loop: plain token blocks, labels = inputs
     dtype = torch.bfloat16 if cfg.precision.name == "bf16" else None
-    log, batches = StepLog(out), iter(loader)
+    log = StepLog(out)
+    batches = (ids for _epoch in iter(int, 1) for ids in loader)  # epoch after epoch, as the other two do
     for _ in range(steps):
         ids = next(batches).to(device, non_blocking=True)
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
