@@ -111,12 +111,15 @@ def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
     A failed check on the main process is raised on every rank, so none waits for it forever.
     """
     from accelerate.utils import broadcast_object_list
+    from transformers.utils import logging as transformers_logging
 
     accelerator = strategy.accelerator
     state_dict = strategy.full_state_dict(model)
     outcome = [None]
     if accelerator.is_main_process:
         try:
+            # transformers' own "Writing model shards" bar would break the run's progress bar and log
+            transformers_logging.disable_progress_bar()
             unwrapped = accelerator.unwrap_model(model)
             if not state_dict:
                 raise RuntimeError("the gathered state dict of the final model is empty")
@@ -126,6 +129,8 @@ def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
                 export_full(unwrapped, state_dict, tokenizer, directory)
         except Exception as err:  # noqa: BLE001 - handed to every rank below
             outcome = [f"{type(err).__name__}: {err}"]
+        finally:
+            transformers_logging.enable_progress_bar()
     if strategy.world_size > 1:
         broadcast_object_list(outcome, from_process=0)
     if outcome[0] is not None:
