@@ -28,7 +28,6 @@ class StepGuard:
     def __init__(self, cfg, strategy, checkpointer, preemption):
         self.strategy = strategy
         self.policy = cfg.trainer.on_nonfinite
-        self.accumulation = cfg.trainer.gradient_accumulation_steps
         self.scaler_owns_grads = cfg.precision.name == "fp16"
         self.checkpointer = checkpointer
         self.preemption = preemption
@@ -52,7 +51,8 @@ class StepGuard:
         if not (bad_loss or bad_grad):
             return Verdict(update=True, stop=stop)
         what = "loss" if bad_loss else "gradient norm"
-        mean_loss = step_loss.item() / self.accumulation
+        # each rank holds its share of the step's mean loss (the loop divides by the step's global units)
+        mean_loss = self.strategy.reduce_sum(step_loss.detach().clone()).item()
         message = (f"non-finite {what} at optimizer step {state.step + 1} (mean loss {mean_loss:.4g}, "
                    f"gradient norm {grad_norm.item():.4g})")
         if self.policy == "stop":
