@@ -3,8 +3,10 @@ split column-/row-wise over the tp ranks, FSDP2 over the rest, compared with one
 
 One 1-process run at batch 8 (no FSDP, no TP, 20 steps; and one with LoRA) is what every layout
 must reproduce with the same global batch of 8: tp=2 on 2 processes (one data-parallel rank at
-batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and tp=2's
-checkpoint resumed on one process and on 2 x 2.
+batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and checkpoints
+resumed at other layouts: tp=2's on one process and on 2 x 2, that one process's back at tp=2, the
+2 x 2 LoRA run's on 4 processes without tp (the last two for 3 steps: what a resume gets wrong
+shows at its first step).
 fp32, no dropout: the losses must agree to 1e-5 and the exported weights to 1e-4 (relative, per
 tensor, as tests/test_fsdp.py measures them). Ranks of a tp group that read different batches, a
 loss counted once per tp rank, or an export of one rank's slices are off by far more.
@@ -46,6 +48,18 @@ def launch_tp(run_dir: Path, processes: int, *overrides: str, presets: str = "sm
             f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {processes}
     return run_dir
+
+
+RESUMED = range(11, 14)  # a resumed run at another layout: 3 steps past the checkpoint say whether it continues
+
+
+def resume_briefly(run_dir: Path, processes: int, saved: Path, *overrides: str, step: int = 10,
+                   presets: str = "smoke,tp") -> Path:
+    """`saved`'s step-`step` checkpoint resumed on `processes` processes for 3 steps (the schedule
+    still that of STEPS), saving no final model."""
+    return launch_tp(run_dir, processes, f"checkpoint.resume={saved / 'checkpoints' / f'step_{step:07d}'}",
+                     f"trainer.stop_at_step={step + 3}", "checkpoint.save_final_model=false", *overrides,
+                     presets=presets)
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +116,28 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
     assert relative_difference(adapter, want) < 1e-4
     assert_same_weights(run_dir / "final", lora_reference / "final")
 
+    # Acceptance 3, 2 x 2 -> 4 x 1: its step-10 checkpoint on 4 FSDP2 processes without tp (batch 2,
+    # the same global batch): each adapter's tp slices gathered back whole and resharded 4 ways
+    resumed = resume_briefly(tmp_path / "resumed", 4, run_dir, "data.batch_size=2", presets="smoke,fsdp,lora")
+    assert "FSDP2 full_shard over 4 shard(s)" in run_log(resumed) and "FSDP2 x TP" not in run_log(resumed)
+    assert "at another world size (world_size: 2 -> 4)" in run_log(resumed)
+    print(f"2 x 2 -> 4 x 1: largest loss difference {assert_same_losses(resumed, lora_reference, RESUMED):.1e}")
+
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_resumes_on_one_process(tmp_path, tp2, reference):
+def test_a_tp2_checkpoint_resumes_on_one_process_and_back(tmp_path, tp2, reference):
     """Acceptance 3, tp 2 -> 1: the tp=2 run's step-10 checkpoint (DCP, 2-D DTensor shards) loads
-    into one FSDP2 process at the same global batch and continues the reference's curve."""
+    into one FSDP2 process at the same global batch and continues the reference's curve; and
+    tp 1 -> 2: that process's step-15 checkpoint (1-D shards) resumed at tp=2 on 2 processes
+    continues it too (each tensor split over tp again)."""
     checkpoint = tp2 / "checkpoints" / "step_0000010"
-    run_dir = train(tmp_path, "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", f"checkpoint.resume={checkpoint}",
-                    "checkpoint.save_final_model=false", small=False)
+    run_dir = train(tmp_path / "one", "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", "checkpoint.every_steps=5",
+                    f"checkpoint.resume={checkpoint}", "checkpoint.save_final_model=false", small=False)
     assert_same_losses(run_dir, reference, range(11, STEPS + 1))
+
+    back = resume_briefly(tmp_path / "back" / "run", 2, run_dir, "data.batch_size=8", step=15)
+    assert "FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp" in run_log(back)
+    print(f"tp 1 -> 2: largest loss difference {assert_same_losses(back, reference, range(16, 19)):.1e}")
 
 
 @pytest.mark.slow
