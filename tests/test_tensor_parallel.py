@@ -157,8 +157,10 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
 @pytest.mark.parametrize("overrides, says", [
     (["fsdp=none"], "parallel.tp_size=2 with fsdp=none"),
     (["deepspeed=zero2", "fsdp=none"], "parallel.tp_size=2 with deepspeed.stage=2"),
-    (["model.arch=gpt2"], "parallel.tp_size=2 with model.arch=gpt2"),
-    (["model.arch=mixtral"], "parallel.tp_size=2 with model.arch=mixtral"),
+    (["model.arch=gpt2"], "parallel.tp_size=2 with model.arch=gpt2: GPT-2's attention computes q, k and v in one "
+                          "fused Conv1D"),
+    (["model.arch=mixtral", "model.num_heads=3", "model.hidden_size=96"],
+     "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
     (["data=preference", "objective=dpo", "data.path=/some/pairs.jsonl", "adapter=lora"],
@@ -181,20 +183,29 @@ def test_a_pretrained_models_plan_and_widths_are_checked_when_it_is_built():
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     from trainloop.errors import ConfigError
-    from trainloop.tensor_parallel import tensor_parallel_plan
+    from trainloop.tensor_parallel import split_dimension, tensor_parallel_plan
 
     llama = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1)
     plan = tensor_parallel_plan(LlamaConfig(**llama, num_key_value_heads=2), 2)
     assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["layers.*.mlp.down_proj"] == "rowwise"
+    packed = LlamaConfig(**llama)  # a style outside the experts that trainloop does not run
+    packed.base_model_tp_plan = {**plan, "layers.*.mlp.gate_up_proj": "packed_colwise"}
     for config, says in [
         (LlamaConfig(**llama, num_key_value_heads=1), "does not divide the model's key/value heads 1"),
-        (GPT2Config(n_embd=64, n_head=4), "declares no tensor-parallel plan for model type gpt2"),
-        (MixtralConfig(**llama), "uses moe_tp_experts, packed_colwise"),
+        (packed, "uses packed_colwise, which trainloop does not run"),
+        (GPT2Config(n_embd=64, n_head=4), "declares no tensor-parallel plan for it"),
+        (MixtralConfig(**llama, num_key_value_heads=1), "does not divide the model's key/value heads 1"),
     ]:
         with pytest.raises(ConfigError, match=r"parallel\.tp_size=2"):
             tensor_parallel_plan(config, 2)
         with pytest.raises(ConfigError, match=says):
             tensor_parallel_plan(config, 2)
+    # a mixture: its attention's entries run; the routed experts stay whole, so their width need not divide
+    mixtral = MixtralConfig(**{**llama, "intermediate_size": 127}, num_key_value_heads=2)
+    assert tensor_parallel_plan(mixtral, 2) == {f"layers.*.self_attn.{p}_proj": "rowwise" if p == "o" else "colwise"
+                                                for p in "qkvo"}
+    assert split_dimension(mixtral, "layers.3.self_attn.o_proj", "weight") == 1
+    assert split_dimension(mixtral, "layers.3.mlp.experts", "down_proj") is None  # 'rowwise' in transformers' plan
 
 
 @pytest.mark.slow

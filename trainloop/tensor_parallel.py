@@ -14,6 +14,11 @@ heads, so the attention runs on the local heads unchanged; the row-wise projecti
 their output, so what leaves a block (and the embeddings, norms, output head and loss, which stay
 whole on every rank of a tp group) is the same on every rank. No sequence parallelism: the norms
 run whole on each rank.
+
+A mixture of experts (Mixtral) runs its plan's attention entries only: its routed experts (the
+entries transformers marks `moe_tp_experts`, and the packed gate_up/down entries under them) and
+its router stay whole on each tp rank, where FSDP2 still shards them over dp_shard. Every tp rank
+then routes the same tokens to the same experts and computes them all (no expert parallelism).
 """
 
 from __future__ import annotations
@@ -24,24 +29,58 @@ from trainloop.errors import ConfigError
 
 # transformers' plan style -> what it means here; a plan holding any other style is not run
 STYLES = ("colwise", "rowwise")
+# model type -> why transformers declares no plan for it, where a split would need more than a plan
+# (checked against transformers 5.23's GPT2Attention)
+NO_PLAN = {
+    "gpt2": "GPT-2's attention computes q, k and v in one fused Conv1D (c_attn, output columns [q | k | v]) and "
+            "cuts its output at the full width, so a column-wise split would give a rank all of q and half of k, "
+            "and a right split needs c_attn's columns re-laid per rank (other checkpoints and exports); "
+            "transformers declares no tensor-parallel plan for it",
+}
+# the style transformers gives a mixture's routed experts: those, and the plan's entries inside them,
+# stay whole on each tp rank (FSDP2 shards them over dp_shard)
+EXPERTS = "moe_tp_experts"
+
+
+def planned_styles(model_config) -> tuple[dict[str, str], list[str]]:
+    """The entries of the model's transformers plan (base_model_tp_plan, module patterns of its base
+    model) that trainloop runs, and the routed experts' patterns it leaves whole. One answer for
+    the split (tensor_parallel_plan) and the planner's memory lines (split_dimension)."""
+    declared = dict(getattr(model_config, "base_model_tp_plan", None) or {})
+    experts = [pattern for pattern, style in declared.items() if style == EXPERTS]
+    run = {pattern: style for pattern, style in declared.items()
+           if not any(pattern == e or pattern.startswith(e + ".") for e in experts)}
+    return run, experts
+
+
+def split_dimension(model_config, module: str, kind: str) -> int | None:
+    """The dimension tensor parallelism splits of parameter `kind` ("weight", "bias") of base-model
+    module `module` (e.g. "layers.0.self_attn.q_proj"): 0 column-wise (the output rows, bias
+    too), 1 row-wise (the weight's input columns; its bias is replicated), None whole."""
+    for pattern, style in planned_styles(model_config)[0].items():
+        if fnmatch(module, pattern):
+            return 0 if style == "colwise" else 1 if style == "rowwise" and kind == "weight" else None
+    return None
 
 
 def tensor_parallel_plan(model_config, tp_size: int) -> dict[str, str]:
     """The model's column-/row-wise plan for its base model's modules (wildcards for the layer
-    index), checked against `tp_size`. Raises ConfigError naming parallel.tp_size."""
+    index; a mixture's experts left out: planned_styles), checked against `tp_size`. Raises
+    ConfigError naming parallel.tp_size."""
     key = f"parallel.tp_size={tp_size}"
     kind = getattr(model_config, "model_type", type(model_config).__name__)
-    plan = dict(getattr(model_config, "base_model_tp_plan", None) or {})
+    plan, experts = planned_styles(model_config)
     if not plan:
-        raise ConfigError(f"{key}: transformers declares no tensor-parallel plan for model type {kind} "
-                          "(base_model_tp_plan); use parallel.tp_size=1 with fsdp=full_shard")
+        why = NO_PLAN.get(kind, f"transformers declares no tensor-parallel plan for model type {kind}")
+        raise ConfigError(f"{key}: {why} (base_model_tp_plan); use parallel.tp_size=1 with fsdp=full_shard")
     other = sorted({style for style in plan.values() if style not in STYLES})
     if other:
         raise ConfigError(f"{key}: the tensor-parallel plan of model type {kind} uses {', '.join(other)}, which "
                           f"trainloop does not run (only {' and '.join(STYLES)}); use parallel.tp_size=1")
     widths = {"attention heads": model_config.num_attention_heads,
-              "key/value heads": getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads,
-              "MLP width (intermediate_size)": model_config.intermediate_size}
+              "key/value heads": getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads}
+    if not experts:  # a mixture's expert MLPs stay whole
+        widths["MLP width (intermediate_size)"] = model_config.intermediate_size
     uneven = [f"{what} {n}" for what, n in widths.items() if n % tp_size]
     if uneven:
         raise ConfigError(f"{key} does not divide the model's {', '.join(uneven)}: each rank takes an equal share; "
