@@ -4,9 +4,9 @@ split column-/row-wise over the tp ranks, FSDP2 over the rest, compared with one
 One 1-process run at batch 8 (no FSDP, no TP, 20 steps; and one with LoRA) is what every layout
 must reproduce with the same global batch of 8: tp=2 on 2 processes (one data-parallel rank at
 batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and checkpoints
-resumed at other layouts: tp=2's on one process and on 2 x 2, that one process's back at tp=2, the
-2 x 2 LoRA run's on 4 processes without tp (the last two for 3 steps: what a resume gets wrong
-shows at its first step).
+resumed at other layouts: tp=2's on one process and on 2 x 2, that one process's back at tp=2 (with
+sequence parallelism, to the end), the 2 x 2 LoRA run's on 4 processes without tp (for 3 steps:
+what a resume gets wrong shows at its first step).
 fp32, no dropout: the losses must agree to 1e-5 and the exported weights to 1e-4 (relative, per
 tensor, as tests/test_fsdp.py measures them). Ranks of a tp group that read different batches, a
 loss counted once per tp rank, or an export of one rank's slices are off by far more.
@@ -53,12 +53,11 @@ def launch_tp(run_dir: Path, processes: int, *overrides: str, presets: str = "sm
 RESUMED = range(11, 14)  # a resumed run at another layout: 3 steps past the checkpoint say whether it continues
 
 
-def resume_briefly(run_dir: Path, processes: int, saved: Path, *overrides: str, step: int = 10,
-                   presets: str = "smoke,tp") -> Path:
-    """`saved`'s step-`step` checkpoint resumed on `processes` processes for 3 steps (the schedule
-    still that of STEPS), saving no final model."""
-    return launch_tp(run_dir, processes, f"checkpoint.resume={saved / 'checkpoints' / f'step_{step:07d}'}",
-                     f"trainer.stop_at_step={step + 3}", "checkpoint.save_final_model=false", *overrides,
+def resume_briefly(run_dir: Path, processes: int, saved: Path, *overrides: str, presets: str) -> Path:
+    """`saved`'s step-10 checkpoint resumed on `processes` processes for the RESUMED steps (the
+    schedule still that of STEPS), saving no final model."""
+    return launch_tp(run_dir, processes, f"checkpoint.resume={saved / 'checkpoints' / 'step_0000010'}",
+                     f"trainer.stop_at_step={RESUMED[-1]}", "checkpoint.save_final_model=false", *overrides,
                      presets=presets)
 
 
@@ -125,19 +124,27 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
 
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_resumes_on_one_process_and_back(tmp_path, tp2, reference):
+def test_a_tp2_checkpoint_resumes_on_one_process_and_back_with_sequence_parallelism(tmp_path, tp2, reference):
     """Acceptance 3, tp 2 -> 1: the tp=2 run's step-10 checkpoint (DCP, 2-D DTensor shards) loads
     into one FSDP2 process at the same global batch and continues the reference's curve; and
-    tp 1 -> 2: that process's step-15 checkpoint (1-D shards) resumed at tp=2 on 2 processes
-    continues it too (each tensor split over tp again)."""
+    tp 1 -> 2: that process's step-15 checkpoint (1-D shards) resumed at tp=2 on 2 processes, with
+    parallel.sequence_parallel (issue 27 item 1: the norms and the residual stream on half the
+    sequence each), continues it to the end too: the same losses and gradient norms, the same
+    greedy samples (decoded at every length, most of which 2 does not divide) and exported weights."""
     checkpoint = tp2 / "checkpoints" / "step_0000010"
     run_dir = train(tmp_path / "one", "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", "checkpoint.every_steps=5",
                     f"checkpoint.resume={checkpoint}", "checkpoint.save_final_model=false", small=False)
     assert_same_losses(run_dir, reference, range(11, STEPS + 1))
 
-    back = resume_briefly(tmp_path / "back" / "run", 2, run_dir, "data.batch_size=8", step=15)
-    assert "FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp" in run_log(back)
-    print(f"tp 1 -> 2: largest loss difference {assert_same_losses(back, reference, range(16, 19)):.1e}")
+    back = launch_tp(tmp_path / "back" / "run", 2, "data.batch_size=8", "parallel.sequence_parallel=true", SAMPLE,
+                     f"checkpoint.resume={run_dir / 'checkpoints' / 'step_0000015'}")
+    assert ("FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp, 14 linear layers split column-/row-wise over tp; sequence "
+            "parallelism: 4 norms and the residual stream on 1/2 of the sequence" in run_log(back))
+    worst = assert_same_losses(back, reference, range(16, STEPS + 1))
+    print(f"tp 1 -> 2 with sequence parallelism: largest loss difference {worst:.1e}")
+    samples = [[r["samples"] for r in read_metrics(d) if r.get("event") == "samples"] for d in (back, reference)]
+    assert samples[0] == samples[1] and samples[0], samples
+    assert_same_weights(back / "final", reference / "final")
 
 
 @pytest.mark.slow
@@ -167,6 +174,8 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
      "parallel.tp_size=2 with objective=dpo: tensor parallelism trains objective=causal_lm only for now"),
     (["trainer.loss_chunk_tokens=16"], "parallel.tp_size=2 with trainer.loss_chunk_tokens=16"),
     (["precision=fp8"], "parallel.tp_size=2 with precision=fp8"),
+    (["parallel.tp_size=1", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true needs parallel.tp_size > 1"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
     from conftest import compose
@@ -206,6 +215,46 @@ def test_a_pretrained_models_plan_and_widths_are_checked_when_it_is_built():
                                                 for p in "qkvo"}
     assert split_dimension(mixtral, "layers.3.self_attn.o_proj", "weight") == 1
     assert split_dimension(mixtral, "layers.3.mlp.experts", "down_proj") is None  # 'rowwise' in transformers' plan
+
+
+def test_sequence_parallelism_keeps_frozen_weights_frozen_and_names_the_layout_it_needs():
+    """In this process, on a 1-rank tp mesh: torch's SequenceParallel re-registers a norm's weight as
+    a new (trainable) Parameter; under LoRA the norms must stay frozen, or the optimizer trains
+    them (seen: 2.8e-4 off one LoRA process). A model whose blocks are not laid out as Llama's is
+    refused naming the key."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from conftest import compose
+    from trainloop.adapter import apply_adapter
+    from trainloop.errors import ConfigError
+    from trainloop.model import build_model, build_model_config
+    from trainloop.tensor_parallel import (apply_tensor_parallel, sequence_parallel_norms, sequence_parallel_problem,
+                                           tensor_parallel_plan)
+
+    cfg = compose("+preset=[smoke,tp,lora]", "parallel.sequence_parallel=true")
+    model = apply_adapter(cfg, build_model(cfg.model, build_model_config(cfg.model, 320)))
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, mesh, tensor_parallel_plan(model.config, 1), sequence_parallel=True)
+        assert sequence_parallel_norms(model) == 2 * cfg.model.num_layers
+        assert [name for name, p in model.named_parameters() if p.requires_grad] == trainable
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    gemma = Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                         num_hidden_layers=1, head_dim=32, vocab_size=128)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(gemma).base_model
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=true: the blocks of model type gemma2 hold"):
+        raise ConfigError(sequence_parallel_problem(base))
+    assert sequence_parallel_problem(model.get_base_model().base_model) is None
 
 
 @pytest.mark.slow

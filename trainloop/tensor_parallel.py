@@ -12,8 +12,9 @@ its TP expects a model transformers already split; the mesh is one init_device_m
 column-wise q/k/v projection gives this rank's heads, and HF's attention reshapes with `-1`
 heads, so the attention runs on the local heads unchanged; the row-wise projections all-reduce
 their output, so what leaves a block (and the embeddings, norms, output head and loss, which stay
-whole on every rank of a tp group) is the same on every rank. No sequence parallelism: the norms
-run whole on each rank.
+whole on every rank of a tp group) is the same on every rank. With parallel.sequence_parallel the
+norms and the residual stream between the split matrices hold 1/tp of the sequence instead
+(sequence_parallel_styles); without it they run whole on each rank.
 
 A mixture of experts (Mixtral) runs its plan's attention entries only: its routed experts (the
 entries transformers marks `moe_tp_experts`, and the packed gate_up/down entries under them) and
@@ -88,18 +89,82 @@ def tensor_parallel_plan(model_config, tp_size: int) -> dict[str, str]:
     return plan
 
 
-def apply_tensor_parallel(model, tp_mesh, plan: dict[str, str]) -> int:
+# a block sequence parallelism splits: Llama's layout (HF's names), norm -> attention -> add -> norm -> MLP -> add
+SEQUENCE_PARALLEL_BLOCK = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def sequence_parallel_problem(base) -> str | None:
+    """Why parallel.sequence_parallel cannot split base model `base` (the styles below name Llama's
+    modules), or None."""
+    layers = getattr(base, "layers", None)
+    children = sorted(name for name, _ in layers[0].named_children()) if layers else []
+    if children == sorted(SEQUENCE_PARALLEL_BLOCK) and hasattr(base, "norm"):
+        return None
+    return (f"parallel.sequence_parallel=true: the blocks of model type {base.config.model_type} hold "
+            f"{', '.join(children) or 'no layers'}, not Llama's {', '.join(SEQUENCE_PARALLEL_BLOCK)} that its "
+            "sequence-parallel styles name; set parallel.sequence_parallel=false")
+
+
+def sequence_parallel_styles(mixture: bool) -> dict:
+    """Sequence parallelism on the Llama layout (HF's module names), as torchtitan's apply_tp: between
+    the split matrices the residual stream and the norms hold 1/tp of the sequence on each rank,
+    gathered before q/k/v and gate/up, reduce-scattered after o and down. It starts at the first
+    block's input, not at the embeddings: the model builds its causal mask, positions and rotary
+    embeddings from the embeddings' (whole) sequence before the first block. DTensors flow between
+    the blocks (not local tensors), so a sequence tp does not divide (generation) keeps its shape.
+    A mixture's MLP (router and experts whole) takes the whole sequence and returns this rank's shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
+
+    seq, whole = Shard(1), Replicate()
+    mlp = (PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(whole,), use_local_input=True,
+                                    output_layouts=(whole,), desired_output_layouts=(seq,), use_local_output=False)
+           if mixture else PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)))
+    return {
+        "layers.0": PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(seq,)),  # a cut: no communication
+        "layers.*.input_layernorm": SequenceParallel(),
+        "layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                 desired_input_kwarg_layouts={"hidden_states": whole}),
+        "layers.*.post_attention_layernorm": SequenceParallel(),
+        "layers.*.mlp": mlp,
+        "norm": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,), use_local_output=True),
+    }
+
+
+def lora_sequence_parallel_styles(name: str, style: str) -> dict:
+    """Under sequence parallelism, the whole half of a LoRA layer split `style`-wise: beside a column-wise
+    base, lora_A reads the gathered input as a plain tensor (as without sequence parallelism); beside
+    a row-wise base, whose output is this rank's sequence shard, lora_B maps lora_A's sequence shard
+    with its whole weight (per token, as a norm does)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    if style == "colwise":
+        return {f"{name}.lora_A.*": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                                        use_local_output=True)}
+    return {f"{name}.lora_B.*": SequenceParallel()}
+
+
+def apply_tensor_parallel(model, tp_mesh, plan: dict[str, str], sequence_parallel: bool = False) -> int:
     """Split `model`'s base model in place as `plan` says over `tp_mesh`; returns the modules split.
 
     A LoRA layer (peft) in the plan is split like the weight it adapts: column-wise, its frozen
     base and lora_B column-wise (lora_A sees the whole input and stays whole); row-wise, its base
     and lora_A row-wise (both read this rank's slice of the input and all-reduce their output;
-    lora_B stays whole). Base and adapter outputs then have the same layout and add up."""
+    lora_B stays whole). Base and adapter outputs then have the same layout and add up.
+    `sequence_parallel`: the norms and the residual stream too (sequence_parallel_styles)."""
+    from functools import partial
+
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if sequence_parallel:  # o and down hand the residual stream its sequence shard (a reduce-scatter)
+        styles["rowwise"] = partial(RowwiseParallel, output_layouts=Shard(1), use_local_output=False)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # inside peft's wrapper
     base = inner.base_model
+    if sequence_parallel and sequence_parallel_problem(base):
+        raise ConfigError(sequence_parallel_problem(base))
     lora = {name for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
     parallel = {}
     for pattern, style in plan.items():
@@ -110,17 +175,38 @@ def apply_tensor_parallel(model, tp_mesh, plan: dict[str, str]) -> int:
         for name in adapted:
             parallel[f"{name}.base_layer"] = styles[style]()
             parallel[f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.*"] = styles[style]()
+            if sequence_parallel:
+                parallel.update(lora_sequence_parallel_styles(name, style))
+    if sequence_parallel:
+        parallel.update(sequence_parallel_styles(mixture=bool(planned_styles(inner.config)[1])))
     # src_data_rank=None: each rank keeps its own slice, no scatter: ranks that built on the meta
     # device hold no weights to send; the main process's whole weights are scattered once FSDP2 has sharded
+    frozen = {name for name, param in base.named_parameters() if not param.requires_grad}
     parallelize_module(base, tp_mesh, parallel, src_data_rank=None)
+    for name, param in base.named_parameters():  # SequenceParallel's replicated parameters come back trainable
+        param.requires_grad_(name not in frozen)
     split = [m for m in base.modules() if any(is_tp(p) for p in m.parameters(recurse=False))]
     if not split:
         raise RuntimeError(f"parallel.tp_size: the plan {plan} matched no module of {type(base).__name__}")
     return len(split)
 
 
+def sequence_parallel_norms(model) -> int:
+    """The norms computing on a sequence shard: their weights replicated over a tp mesh dimension."""
+    from torch.distributed.tensor import DTensor
+
+    def replicated(param) -> bool:
+        names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+        return "tp" in names and param.placements[names.index("tp")].is_replicate()
+
+    return sum(1 for m in model.modules() if "Norm" in type(m).__name__
+               and any(replicated(p) for p in m.parameters(recurse=False)))
+
+
 def is_tp(param) -> bool:
+    """Split over a tp mesh dimension (a norm's weight under sequence parallelism is replicated there)."""
     from torch.distributed.tensor import DTensor
 
     mesh = getattr(param, "device_mesh", None) if isinstance(param, DTensor) else None
-    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "tp" in names and param.placements[names.index("tp")].is_shard()

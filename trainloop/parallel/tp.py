@@ -106,7 +106,7 @@ class FSDP2xTP(FSDP2):
         import torch.distributed as dist
 
         from trainloop.fsdp import describe_sharding
-        from trainloop.tensor_parallel import is_tp, planned_styles
+        from trainloop.tensor_parallel import is_tp, planned_styles, sequence_parallel_norms
 
         split = sum(1 for m in model.modules() if any(is_tp(p) for p in m.parameters(recurse=False)))
         if not split:
@@ -115,6 +115,11 @@ class FSDP2xTP(FSDP2):
         whole = (f" (attention only: the routed experts {', '.join(experts)} and the router whole on each tp rank)"
                  if experts else "")
         dp, tp = self.mesh.shape
+        norms = sequence_parallel_norms(model)
+        if self.cfg.parallel.sequence_parallel and not norms:
+            raise RuntimeError("parallel.sequence_parallel=true but no norm computes on a sequence shard")
+        if norms:
+            whole += f"; sequence parallelism: {norms} norms and the residual stream on 1/{tp} of the sequence"
         return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard x {tp} tp, {split} linear layers split "
                 f"column-/row-wise over tp{whole}; {describe_sharding(model)} ({self.world_size} process(es), "
                 f"{self.device}, backend {dist.get_backend()})")
@@ -155,7 +160,9 @@ class FSDP2xTP(FSDP2):
         heads and widths are checked when it is built: trainloop.tensor_parallel)."""
         tp = cfg.parallel.tp_size
         if tp <= 1:
-            return []
+            return (["parallel.sequence_parallel=true needs parallel.tp_size > 1: it shards the sequence over the "
+                     "tp ranks; add parallel.tp_size=2 (+preset=tp), or drop parallel.sequence_parallel"]
+                    if cfg.parallel.sequence_parallel else [])
         key, m = f"parallel.tp_size={tp}", cfg.model
         found = []
         if cfg.deepspeed.stage:
