@@ -3,8 +3,10 @@ split column-/row-wise over the tp ranks, FSDP2 over the rest, compared with one
 
 One 1-process run at batch 8 (no FSDP, no TP, 20 steps; and one with LoRA) is what every layout
 must reproduce with the same global batch of 8: tp=2 on 2 processes (one data-parallel rank at
-batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and tp=2's
-checkpoint resumed on one process and on 2 x 2.
+batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and checkpoints
+resumed at other layouts: tp=2's on one process and on 2 x 2, that one process's back at tp=2 (with
+sequence parallelism, to the end), the 2 x 2 LoRA run's on 4 processes without tp (for 3 steps:
+what a resume gets wrong shows at its first step).
 fp32, no dropout: the losses must agree to 1e-5 and the exported weights to 1e-4 (relative, per
 tensor, as tests/test_fsdp.py measures them). Ranks of a tp group that read different batches, a
 loss counted once per tp rank, or an export of one rank's slices are off by far more.
@@ -46,6 +48,17 @@ def launch_tp(run_dir: Path, processes: int, *overrides: str, presets: str = "sm
             f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {processes}
     return run_dir
+
+
+RESUMED = range(11, 14)  # a resumed run at another layout: 3 steps past the checkpoint say whether it continues
+
+
+def resume_briefly(run_dir: Path, processes: int, saved: Path, *overrides: str, presets: str) -> Path:
+    """`saved`'s step-10 checkpoint resumed on `processes` processes for the RESUMED steps (the
+    schedule still that of STEPS), saving no final model."""
+    return launch_tp(run_dir, processes, f"checkpoint.resume={saved / 'checkpoints' / 'step_0000010'}",
+                     f"trainer.stop_at_step={RESUMED[-1]}", "checkpoint.save_final_model=false", *overrides,
+                     presets=presets)
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +115,36 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
     assert relative_difference(adapter, want) < 1e-4
     assert_same_weights(run_dir / "final", lora_reference / "final")
 
+    # Acceptance 3, 2 x 2 -> 4 x 1: its step-10 checkpoint on 4 FSDP2 processes without tp (batch 2,
+    # the same global batch): each adapter's tp slices gathered back whole and resharded 4 ways
+    resumed = resume_briefly(tmp_path / "resumed", 4, run_dir, "data.batch_size=2", presets="smoke,fsdp,lora")
+    assert "FSDP2 full_shard over 4 shard(s)" in run_log(resumed) and "FSDP2 x TP" not in run_log(resumed)
+    assert "at another world size (world_size: 2 -> 4)" in run_log(resumed)
+    print(f"2 x 2 -> 4 x 1: largest loss difference {assert_same_losses(resumed, lora_reference, RESUMED):.1e}")
+
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_resumes_on_one_process(tmp_path, tp2, reference):
+def test_a_tp2_checkpoint_resumes_on_one_process_and_back_with_sequence_parallelism(tmp_path, tp2, reference):
     """Acceptance 3, tp 2 -> 1: the tp=2 run's step-10 checkpoint (DCP, 2-D DTensor shards) loads
-    into one FSDP2 process at the same global batch and continues the reference's curve."""
+    into one FSDP2 process at the same global batch and continues the reference's curve; and
+    tp 1 -> 2: that process's step-15 checkpoint (1-D shards) resumed at tp=2 on 2 processes, with
+    parallel.sequence_parallel (issue 27 item 1: the norms and the residual stream on half the
+    sequence each), continues it to the end too: the same losses and gradient norms, the same
+    greedy samples (decoded at every length, most of which 2 does not divide) and exported weights."""
     checkpoint = tp2 / "checkpoints" / "step_0000010"
-    run_dir = train(tmp_path, "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", f"checkpoint.resume={checkpoint}",
-                    "checkpoint.save_final_model=false", small=False)
+    run_dir = train(tmp_path / "one", "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", "checkpoint.every_steps=5",
+                    f"checkpoint.resume={checkpoint}", "checkpoint.save_final_model=false", small=False)
     assert_same_losses(run_dir, reference, range(11, STEPS + 1))
+
+    back = launch_tp(tmp_path / "back" / "run", 2, "data.batch_size=8", "parallel.sequence_parallel=true", SAMPLE,
+                     f"checkpoint.resume={run_dir / 'checkpoints' / 'step_0000015'}")
+    assert ("FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp, 14 linear layers split column-/row-wise over tp; sequence "
+            "parallelism: 4 norms and the residual stream on 1/2 of the sequence" in run_log(back))
+    worst = assert_same_losses(back, reference, range(16, STEPS + 1))
+    print(f"tp 1 -> 2 with sequence parallelism: largest loss difference {worst:.1e}")
+    samples = [[r["samples"] for r in read_metrics(d) if r.get("event") == "samples"] for d in (back, reference)]
+    assert samples[0] == samples[1] and samples[0], samples
+    assert_same_weights(back / "final", reference / "final")
 
 
 @pytest.mark.slow
@@ -130,14 +164,18 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
 @pytest.mark.parametrize("overrides, says", [
     (["fsdp=none"], "parallel.tp_size=2 with fsdp=none"),
     (["deepspeed=zero2", "fsdp=none"], "parallel.tp_size=2 with deepspeed.stage=2"),
-    (["model.arch=gpt2"], "parallel.tp_size=2 with model.arch=gpt2"),
-    (["model.arch=mixtral"], "parallel.tp_size=2 with model.arch=mixtral"),
+    (["model.arch=gpt2"], "parallel.tp_size=2 with model.arch=gpt2: GPT-2's attention computes q, k and v in one "
+                          "fused Conv1D"),
+    (["model.arch=mixtral", "model.num_heads=3", "model.hidden_size=96"],
+     "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
     (["data=preference", "objective=dpo", "data.path=/some/pairs.jsonl", "adapter=lora"],
      "parallel.tp_size=2 with objective=dpo: tensor parallelism trains objective=causal_lm only for now"),
     (["trainer.loss_chunk_tokens=16"], "parallel.tp_size=2 with trainer.loss_chunk_tokens=16"),
     (["precision=fp8"], "parallel.tp_size=2 with precision=fp8"),
+    (["parallel.tp_size=1", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true needs parallel.tp_size > 1"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
     from conftest import compose
@@ -154,20 +192,69 @@ def test_a_pretrained_models_plan_and_widths_are_checked_when_it_is_built():
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     from trainloop.errors import ConfigError
-    from trainloop.tensor_parallel import tensor_parallel_plan
+    from trainloop.tensor_parallel import split_dimension, tensor_parallel_plan
 
     llama = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1)
     plan = tensor_parallel_plan(LlamaConfig(**llama, num_key_value_heads=2), 2)
     assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["layers.*.mlp.down_proj"] == "rowwise"
+    packed = LlamaConfig(**llama)  # a style outside the experts that trainloop does not run
+    packed.base_model_tp_plan = {**plan, "layers.*.mlp.gate_up_proj": "packed_colwise"}
     for config, says in [
         (LlamaConfig(**llama, num_key_value_heads=1), "does not divide the model's key/value heads 1"),
-        (GPT2Config(n_embd=64, n_head=4), "declares no tensor-parallel plan for model type gpt2"),
-        (MixtralConfig(**llama), "uses moe_tp_experts, packed_colwise"),
+        (packed, "uses packed_colwise, which trainloop does not run"),
+        (GPT2Config(n_embd=64, n_head=4), "declares no tensor-parallel plan for it"),
+        (MixtralConfig(**llama, num_key_value_heads=1), "does not divide the model's key/value heads 1"),
     ]:
         with pytest.raises(ConfigError, match=r"parallel\.tp_size=2"):
             tensor_parallel_plan(config, 2)
         with pytest.raises(ConfigError, match=says):
             tensor_parallel_plan(config, 2)
+    # a mixture: its attention's entries run; the routed experts stay whole, so their width need not divide
+    mixtral = MixtralConfig(**{**llama, "intermediate_size": 127}, num_key_value_heads=2)
+    assert tensor_parallel_plan(mixtral, 2) == {f"layers.*.self_attn.{p}_proj": "rowwise" if p == "o" else "colwise"
+                                                for p in "qkvo"}
+    assert split_dimension(mixtral, "layers.3.self_attn.o_proj", "weight") == 1
+    assert split_dimension(mixtral, "layers.3.mlp.experts", "down_proj") is None  # 'rowwise' in transformers' plan
+
+
+def test_sequence_parallelism_keeps_frozen_weights_frozen_and_names_the_layout_it_needs():
+    """In this process, on a 1-rank tp mesh: torch's SequenceParallel re-registers a norm's weight as
+    a new (trainable) Parameter; under LoRA the norms must stay frozen, or the optimizer trains
+    them (seen: 2.8e-4 off one LoRA process). A model whose blocks are not laid out as Llama's is
+    refused naming the key."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from conftest import compose
+    from trainloop.adapter import apply_adapter
+    from trainloop.errors import ConfigError
+    from trainloop.model import build_model, build_model_config
+    from trainloop.tensor_parallel import (apply_tensor_parallel, sequence_parallel_norms, sequence_parallel_problem,
+                                           tensor_parallel_plan)
+
+    cfg = compose("+preset=[smoke,tp,lora]", "parallel.sequence_parallel=true")
+    model = apply_adapter(cfg, build_model(cfg.model, build_model_config(cfg.model, 320)))
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, mesh, tensor_parallel_plan(model.config, 1), sequence_parallel=True)
+        assert sequence_parallel_norms(model) == 2 * cfg.model.num_layers
+        assert [name for name, p in model.named_parameters() if p.requires_grad] == trainable
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    gemma = Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                         num_hidden_layers=1, head_dim=32, vocab_size=128)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(gemma).base_model
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=true: the blocks of model type gemma2 hold"):
+        raise ConfigError(sequence_parallel_problem(base))
+    assert sequence_parallel_problem(model.get_base_model().base_model) is None
 
 
 @pytest.mark.slow

@@ -69,7 +69,8 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
     if mesh.ndim == 2:  # split before sharding: FSDP2 shards the tp shards over dp_shard (2-D DTensors)
         from trainloop.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 
-        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model.config, mesh["tp"].size()))
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model.config, mesh["tp"].size()),
+                              cfg.parallel.sequence_parallel)
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)

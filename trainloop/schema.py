@@ -187,6 +187,9 @@ class ParallelConfig:
     # fsdp=full_shard on the other dimension); 1: none. Must divide the process count; data-parallel
     # ranks are processes / tp_size
     tp_size: int = 1
+    # with tp_size > 1: the norms and the residual stream between the split matrices hold 1/tp_size of
+    # the sequence on each tp rank (less activation memory; an all-gather and a reduce-scatter per split pair)
+    sequence_parallel: bool = False
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 from trainloop.errors import ConfigError
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.tensors import is_dtensor
+from trainloop.tensor_parallel import NO_PLAN
 
 
 def layout_problem(tp_size: int, processes: int) -> str | None:
@@ -105,14 +106,22 @@ class FSDP2xTP(FSDP2):
         import torch.distributed as dist
 
         from trainloop.fsdp import describe_sharding
-        from trainloop.tensor_parallel import is_tp
+        from trainloop.tensor_parallel import is_tp, planned_styles, sequence_parallel_norms
 
         split = sum(1 for m in model.modules() if any(is_tp(p) for p in m.parameters(recurse=False)))
         if not split:
             raise RuntimeError(f"parallel.tp_size={self.tp_size} but no parameter is split over a tp mesh")
+        experts = planned_styles(model.config)[1]
+        whole = (f" (attention only: the routed experts {', '.join(experts)} and the router whole on each tp rank)"
+                 if experts else "")
         dp, tp = self.mesh.shape
+        norms = sequence_parallel_norms(model)
+        if self.cfg.parallel.sequence_parallel and not norms:
+            raise RuntimeError("parallel.sequence_parallel=true but no norm computes on a sequence shard")
+        if norms:
+            whole += f"; sequence parallelism: {norms} norms and the residual stream on 1/{tp} of the sequence"
         return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard x {tp} tp, {split} linear layers split "
-                f"column-/row-wise over tp; {describe_sharding(model)} ({self.world_size} process(es), "
+                f"column-/row-wise over tp{whole}; {describe_sharding(model)} ({self.world_size} process(es), "
                 f"{self.device}, backend {dist.get_backend()})")
 
     @staticmethod
@@ -151,7 +160,9 @@ class FSDP2xTP(FSDP2):
         heads and widths are checked when it is built: trainloop.tensor_parallel)."""
         tp = cfg.parallel.tp_size
         if tp <= 1:
-            return []
+            return (["parallel.sequence_parallel=true needs parallel.tp_size > 1: it shards the sequence over the "
+                     "tp ranks; add parallel.tp_size=2 (+preset=tp), or drop parallel.sequence_parallel"]
+                    if cfg.parallel.sequence_parallel else [])
         key, m = f"parallel.tp_size={tp}", cfg.model
         found = []
         if cfg.deepspeed.stage:
@@ -160,10 +171,9 @@ class FSDP2xTP(FSDP2):
         elif cfg.fsdp.name == "none":
             found.append(f"{key} with fsdp=none: tensor parallelism runs with FSDP2 on the data-parallel dimension; "
                          "add fsdp=full_shard (+preset=tp)")
-        if m.name == "tiny" and m.arch != "llama":
-            why = {"gpt2": "GPT-2's fused Conv1D q/k/v projection has no column-/row-wise plan here",
-                   "mixtral": "its routed experts' plan (packed_colwise, moe_tp_experts) is not run here"}[m.arch]
-            found.append(f"{key} with model.arch={m.arch}: {why}; use model.arch=llama or parallel.tp_size=1")
+        if m.name == "tiny" and m.arch == "gpt2":
+            found.append(f"{key} with model.arch=gpt2: {NO_PLAN['gpt2']}; use model.arch=llama (or mixtral), or "
+                         "parallel.tp_size=1 with fsdp=full_shard")
         if cfg.objective.name != "causal_lm":  # a reference copy, generation, completion log-probs: not on tp yet
             found.append(f"{key} with objective={cfg.objective.name}: tensor parallelism trains objective=causal_lm "
                          "only for now; use parallel.tp_size=1 (FSDP2 alone runs it)")
@@ -173,8 +183,10 @@ class FSDP2xTP(FSDP2):
         if cfg.precision.name == "fp8":
             found.append(f"{key} with precision=fp8: torchao's float8 layers need their own tensor-parallel styles, "
                          "not applied here; use precision=bf16")
-        if m.name == "tiny" and m.arch == "llama":
-            widths = {"model.num_heads": m.num_heads, "model.intermediate_size": m.intermediate_size or 4 * m.hidden_size}
+        if m.name == "tiny" and m.arch != "gpt2":
+            widths = {"model.num_heads": m.num_heads}
+            if m.arch == "llama":  # mixtral's expert MLPs stay whole on each tp rank
+                widths["model.intermediate_size"] = m.intermediate_size or 4 * m.hidden_size
             found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "
                       f"MLP width; choose a tp_size that divides it" for name, n in widths.items() if n % tp]
         return found
