@@ -54,13 +54,20 @@ def test_model_state_bytes_are_exact_for_the_tiny_model(optimizer):
     assert plan.get("optimizer states") == storage_bytes(states) > 0
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "mixtral", "llama_gqa_untied"])
 def test_the_meta_model_has_the_live_model_shape(arch):
-    cfg = compose(*SMALL, f"model.arch={arch}", *(["model.num_experts=4"] if arch == "mixtral" else []))
+    extra = {"gpt2": [], "mixtral": ["model.num_experts=4"],  # Llama 3's shape: 2 query heads per key/value head, own head
+             "llama_gqa_untied": ["model.num_heads=4", "model.num_kv_heads=2", "model.tie_embeddings=false"]}[arch]
+    cfg = compose(*SMALL, f"model.arch={arch.split('_')[0]}", *extra)
     shape = model_shape(cfg)
     model, _ = build_and_step(cfg)
     assert shape.shapes == [tuple(p.shape) for p in model.parameters()]
     assert shape.num_params == sum(p.numel() for p in model.parameters())
+    if arch == "llama_gqa_untied":  # k and v half as wide as q; the output head a weight of its own
+        h, V = cfg.model.hidden_size, shape.vocab
+        assert shape.kv_heads == 2 and model.model.layers[0].self_attn.k_proj.weight.shape == (h // 2, h)
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+        assert shape.num_params == model_shape(compose(*SMALL)).num_params - cfg.model.num_layers * 2 * h * h // 2 + V * h
     if arch == "mixtral":  # the experts counted: 4 MLPs per block, each (gate, up, down) intermediate wide
         h, i = cfg.model.hidden_size, cfg.model.intermediate_size or 4 * cfg.model.hidden_size
         experts = [p for name, p in model.named_parameters() if ".experts." in name]

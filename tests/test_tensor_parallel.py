@@ -134,6 +134,7 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
     (["model.arch=mixtral"], "parallel.tp_size=2 with model.arch=mixtral"),
     (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
+    (["model.num_heads=4", "model.num_kv_heads=1"], "parallel.tp_size=2 does not divide model.num_kv_heads=1"),
     (["data=preference", "objective=dpo", "data.path=/some/pairs.jsonl", "adapter=lora"],
      "parallel.tp_size=2 with objective=dpo: tensor parallelism trains objective=causal_lm only for now"),
     (["trainer.loss_chunk_tokens=16"], "parallel.tp_size=2 with trainer.loss_chunk_tokens=16"),

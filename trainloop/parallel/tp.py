@@ -174,7 +174,8 @@ class FSDP2xTP(FSDP2):
             found.append(f"{key} with precision=fp8: torchao's float8 layers need their own tensor-parallel styles, "
                          "not applied here; use precision=bf16")
         if m.name == "tiny" and m.arch == "llama":
-            widths = {"model.num_heads": m.num_heads, "model.intermediate_size": m.intermediate_size or 4 * m.hidden_size}
+            widths = {"model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads or m.num_heads,
+                      "model.intermediate_size": m.intermediate_size or 4 * m.hidden_size}
             found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "
                       f"MLP width; choose a tp_size that divides it" for name, n in widths.items() if n % tp]
         return found
