@@ -104,7 +104,9 @@ class FSDP2(Strategy):
           (the current block and the next one prefetched: two at once), or, with
           reshard_after_forward=false, kept from its forward until its backward (the whole model at the
           start of the backward); in the backward a block's unsharded gradients and the flat fp32
-          reduce-scatter input they are copied into, and the root's unsharded gradients;
+          reduce-scatter input they are copied into, and the root's unsharded gradients; with gradient
+          accumulation every block's unsharded gradients, in fp32, summed over the micro-batches (the
+          strategy turns gradient sync off until the last one, so nothing is reduce-scattered before);
         - fsdp.offload=cpu: the shards, their gradients and optimizer state live in CPU memory and
           the optimizer steps there; the device holds the gathered working set only.
         """
@@ -120,10 +122,13 @@ class FSDP2(Strategy):
         home = "cpu" if cfg.fsdp.offload == "cpu" else dev
         shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
         add = plan.lines.append
-        grads_held = cfg.trainer.gradient_accumulation_steps > 1
-        add(Line("parameters", 4 * sum(math.prod(s) for s in sharded), home, note=f"fp32 shards, {shard_note}"))
-        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, None if grads_held else "optimizer step",
-                 note=f"fp32 shards (reduce-scattered), {shard_note}" + ("" if grads_held else ", freed by zero_grad")))
+        accumulating = cfg.trainer.gradient_accumulation_steps > 1
+        adapters = trainable if shape.trainable is not None else []  # an adapter's matrices come on top of the base
+        add(Line("parameters", 4 * sum(math.prod(s) for s in sharded + adapters), home,
+                 note=f"fp32 shards, {shard_note}"))
+        # made by the last micro-batch's reduce-scatter (earlier ones accumulate unsharded, below), freed by zero_grad
+        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, "optimizer step",
+                 note=f"fp32 shards (reduce-scattered), {shard_note}, freed by zero_grad"))
         states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
         t = max(1, sum(math.prod(s) for s in trainable))
         add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
@@ -143,6 +148,10 @@ class FSDP2(Strategy):
             root, block = 0, shape.num_trainable // max(1, shape.num_layers)
         add(Line("unsharded gradients", pb * (root + block) + 4 * block, dev, "forward/backward", exact=False,
                  note=f"the root's and one block's ({pb} B/param) + its fp32 reduce-scatter input"))
+        if accumulating:  # set_requires_gradient_sync(False) until the last micro-batch: nothing is reduce-scattered
+            add(Line("accumulated gradients", 4 * shape.num_trainable, dev, "forward/backward", exact=False,
+                     note="unsharded, fp32, every block's, summed over the micro-batches until the last one's "
+                          "reduce-scatter (FSDP2 without gradient sync)"))
         if half:
             plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
                               "gradients reduced in fp32")
