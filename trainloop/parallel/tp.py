@@ -119,31 +119,37 @@ class FSDP2xTP(FSDP2):
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """A tp rank holds the model with its planned matrices split tp ways (shape.tp_split: q/k/v,
         gate/up on their rows, o/down on their columns; norms, embeddings and the output head
-        whole); FSDP2 shards that over the world_size / tp_size dp_shard ranks: its lines
-        (FSDP2.memory_lines) for that smaller model and dp_shard size. Activations are counted by
-        the planner as without tensor parallelism: an upper bound (the split attention and MLP
-        activations are 1/tp_size on each rank; the residual stream, the norms and the logits are
-        whole)."""
+        whole), and an adapter's trainable matrices split beside them (shape.trainable_tp_split:
+        lora_B beside a column-wise weight, lora_A beside a row-wise one); FSDP2 shards that over
+        the world_size / tp_size dp_shard ranks: its lines (FSDP2.memory_lines) for that smaller
+        model and dp_shard size. The activations split by tp are the planner's (activation_bytes)."""
         import dataclasses
         import math
 
         tp = cfg.parallel.tp_size
-        split = shape.tp_split or [None] * len(shape.shapes)
-        local = [s if d is None else tuple(n // tp if i == d else n for i, n in enumerate(s))
-                 for s, d in zip(shape.shapes, split)]
+
+        def on_rank(shapes, dims):
+            dims = dims or [None] * len(shapes)
+            return [s if d is None else tuple(n // tp if i == d else n for i, n in enumerate(s))
+                    for s, d in zip(shapes, dims)]
+
+        local = on_rank(shape.shapes, shape.tp_split)
         removed = (sum(math.prod(s) for s in shape.shapes) - sum(math.prod(s) for s in local)) // max(1, shape.num_layers)
-        on_rank = dataclasses.replace(shape, shapes=local, largest_layer_params=shape.largest_layer_params - removed)
+        trainable = None if shape.trainable is None else on_rank(shape.trainable, shape.trainable_tp_split)
+        rank_shape = dataclasses.replace(shape, shapes=local, trainable=trainable,
+                                         largest_layer_params=shape.largest_layer_params - removed)
         dp = max(1, world_size // tp)
         first = len(plan.lines)
-        FSDP2.memory_lines(plan, cfg, on_rank, dp, dev, half)
+        FSDP2.memory_lines(plan, cfg, rank_shape, dp, dev, half)
         for line in plan.lines[first:]:  # FSDP2 speaks of its processes: here they are dp_shard ranks of tp ranks
             line.note = line.note.replace("one process: the shard is everything", "no dp sharding (1 dp_shard rank)")
             line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
+        split = sum(d is not None for d in shape.tp_split or [])
+        adapters = sum(d is not None for d in shape.trainable_tp_split or [])
         plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
-                          f"({sum(d is not None for d in split)} tensors), FSDP2 shards over {dp} dp_shard rank(s); "
-                          "activations counted as without it (an upper bound)"
-                          + ("; the adapters' gradients and optimizer state counted whole on each tp rank (an "
-                             "upper bound: lora_B or lora_A is split beside a split weight)" if shape.trainable else ""))
+                          f"({split} tensors" + (f", {adapters} adapter matrices beside them" if adapters else "")
+                          + f"), FSDP2 shards over {dp} dp_shard rank(s); the attention's and the MLP's inner "
+                          "activations are 1/tp_size on each rank, the residual stream, norms and logits whole")
 
     @staticmethod
     def problems(cfg) -> list[str]:
