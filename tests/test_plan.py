@@ -187,6 +187,43 @@ def test_7b_llama_zero3_offload_on_8_processes_gives_the_paper_formula(capsys):
     assert on_gpu == {"reduce bucket", "gathered parameters", "activations", "logits' gradients"}
 
 
+@pytest.mark.parametrize("strategy, volume", [("ddp", 2 * 4), ("zero1", 2 * 2), ("zero2", 2 * 2), ("zero3", 3 * 2),
+                                               ("fsdp", 2 * 2 + 4)])
+def test_each_strategy_sends_the_zero_papers_volume_per_step(strategy, volume):
+    """ZeRO paper, section 7: data parallelism and ZeRO stages 1-2 send 2 psi per step (a
+    reduce-scatter and an all-gather), stage 3 3 psi (two all-gathers, one reduce-scatter), each a
+    (N - 1) / N share in a ring: here in bytes, bf16 for DeepSpeed, fp32 gradients for DDP and
+    FSDP2 (which gathers bf16 parameters twice)."""
+    psi, n = 1_000_000, 8
+    overrides = {"ddp": [], "zero1": ["deepspeed=zero1"], "zero2": ["deepspeed=zero2"], "zero3": ["deepspeed=zero3"],
+                 "fsdp": ["fsdp=full_shard"]}[strategy]
+    cfg = compose(*SMALL, "precision=bf16", *overrides)
+    shape = ModelShape("llama", 1, 64, 256, 2, 2, 320, [(psi,)], 0, psi)
+    plan = plan_memory(cfg, shape, n, "cuda")
+    assert plan.sent("dp") == pytest.approx(volume * psi * (n - 1) / n, rel=1e-6)
+    more = plan_memory(compose(*SMALL, "precision=bf16", *overrides, "trainer.gradient_accumulation_steps=4"),
+                       shape, n, "cuda")  # gathers repeat every micro-batch; ZeRO-2 also reduces every one
+    repeats = {"ddp": 1, "zero1": 1, "zero2": (4 + 1) / 2, "zero3": 4, "fsdp": (4 * 4 + 4) / 8}[strategy]
+    assert more.sent("dp") == pytest.approx(repeats * plan.sent("dp"), rel=1e-6)
+
+
+def test_tensor_parallelism_all_reduces_the_hidden_states_four_times_a_block():
+    """Megatron-LM without sequence parallelism: per block 2 all-reduces of batch x seq x hidden in
+    the forward, 2 in the backward, 2 more in a checkpointed block's recomputation; a ring over
+    tp ranks sends 2 (tp - 1) / tp of each."""
+    cfg = compose("+preset=[smoke,tp]", "precision=bf16")
+    shape = model_shape(cfg)
+    hidden = cfg.data.batch_size * cfg.data.seq_len * shape.hidden * 2
+    tp2 = plan_memory(cfg, shape, 2, "cuda").sent("tp")
+    assert tp2 == shape.num_layers * 4 * hidden  # 2 x (2 - 1) / 2 = 1 share
+    gc = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", "model.gradient_checkpointing=true"), shape, 2,
+                     "cuda").sent("tp")
+    assert gc == pytest.approx(1.5 * tp2)
+    tp4 = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", "parallel.tp_size=4"), shape, 4, "cuda")
+    assert tp4.sent("tp") == pytest.approx(1.5 * tp2)  # 2 x 3 / 4 of each
+    assert tp4.sent("dp") == 0  # 4 processes, 4 tp ranks: one data-parallel rank
+
+
 def test_presets_are_compared_with_numbers(capsys):
     assert main(["--world-size", "2", *SMALL]) == 0
     out = capsys.readouterr().out

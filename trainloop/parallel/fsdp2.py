@@ -155,6 +155,33 @@ class FSDP2(Strategy):
         if half:
             plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
                               "gradients reduced in fp32")
+        if cfg.fsdp.offload == "cpu":  # the optimizer steps the shards where they live
+            plan.cpu_stepped_params = sum(math.prod(s) for s in trainable)
+
+    @staticmethod
+    def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
+        """Each micro-batch all-gathers every block's parameters in the compute dtype for its
+        forward and again for its backward (once, with reshard_after_forward=false); the fp32
+        gradients are reduce-scattered once per step (gradient sync is off on the other
+        micro-batches). With fsdp.offload=cpu the fp32 shards are copied to the device before each
+        all-gather and the gradient shards back to the host."""
+        import math
+
+        from trainloop.parallel.memory import Transfer, ring_bytes
+
+        n, micro, add = world_size, cfg.trainer.gradient_accumulation_steps, plan.traffic.append
+        pb, N, t = (2 if half else 4), shape.num_params, shape.num_trainable
+        gathers = 2 if cfg.fsdp.reshard_after_forward else 1
+        if n > 1:
+            add(Transfer("parameter all-gather", micro * gathers * ring_bytes("all-gather", pb * N, n), "dp",
+                         note=f"{pb} B/param, {'forward and backward' if gathers == 2 else 'forward'} "
+                              "of every micro-batch"))
+            add(Transfer("gradient reduce-scatter", ring_bytes("reduce-scatter", 4 * t, n), "dp",
+                         note="fp32, once per step"))
+        if cfg.fsdp.offload == "cpu":
+            add(Transfer("shards to the device", micro * gathers * 4 * math.ceil(N / n), "pcie",
+                         note="fp32, before each all-gather"))
+            add(Transfer("gradient shards to the host", 4 * math.ceil(t / n), "pcie", note="fp32, once per step"))
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -298,6 +298,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
     row = STRATEGIES[chosen(cfg)]
     row.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
+    row.traffic_lines(plan, cfg, shape, world_size, half)  # what each process sends per step: not memory
     objective = OBJECTIVES[cfg.objective.name]
     objective.memory_lines(plan, cfg)  # what the objective holds itself: DPO's reference copy
     batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
@@ -660,6 +661,7 @@ def render(report: dict) -> str:
     out += [f"  {note}" for note in plan.notes]
     out.append("  (~: an estimate; the rest is exact for a plain run and FSDP2's shards, the ZeRO paper's formula "
                "under DeepSpeed)")
+    out += render_traffic(plan)
     out += ["", f"this machine ({m.source}): " + (f"{m.gpu_name} ({_gib(m.gpu_memory)}); " if m.gpu_memory else "")
             + f"RAM {_gib(m.ram_available)} available of {_gib(m.ram_total)}"
             + (f"; NVMe {_gib(m.nvme_free)} free" if m.nvme_free is not None else "")]
@@ -674,6 +676,23 @@ def render(report: dict) -> str:
             out.append(f"  {name}: {_fits(p['fits'])} ({p['plan'].num_params / 1e6:,.1f}M parameters)")
             out += [f"    {line}" for line in p["verdict"]]
     return "\n".join(out)
+
+
+LINKS = {"dp": "among the data-parallel ranks", "tp": "within each tensor-parallel group",
+         "pcie": "between host and device (PCIe)"}
+
+
+def render_traffic(plan: MemoryPlan) -> list[str]:
+    """The communication section: bytes one process sends per optimizer step (not memory)."""
+    if not plan.traffic:
+        return ["", "communication per optimizer step: none (one process, nothing offloaded)"]
+    out = ["", "communication per optimizer step, bytes each process sends (ring collectives; not memory):",
+           f"  {'what':<44}{'bytes':>12}  {'over':<5} note"]
+    out += [f"  {x.what:<44}{_gib(x.bytes):>12}  {x.link:<5} {x.note}" for x in plan.traffic if x.bytes]
+    out += [f"  total {LINKS[link]}: {_gib(plan.sent(link))}" for link in LINKS if plan.sent(link)]
+    if plan.cpu_stepped_params:
+        out.append(f"  the optimizer steps {plan.cpu_stepped_params / 1e6:,.1f}M parameters per process on the CPU")
+    return out
 
 
 def _fits(flag: bool | None) -> str:
