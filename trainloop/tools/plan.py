@@ -459,12 +459,16 @@ def track_live_memory(on: bool) -> bool:
 class SavedActivations:
     """Counts what autograd keeps for the backward of the forward run inside it: the storages of
     the tensors it saves, summed when the forward is over (FSDP2 has resized its gathered blocks to
-    nothing by then), a DTensor by its local shard; parameters (leaves that require a gradient:
-    whole, sharded or gathered) are not activations and are left out. What the plan's
-    "activations" line predicts, without the allocator or the runtime in the way. Inside
-    activation offload's own hooks it would see nothing: not used there."""
+    nothing by then), a DTensor by its local shard; parameters are not activations and are left
+    out: `model`'s own storages (a matmul saves its weight as a transposed view of one) and any
+    leaf that requires a gradient (FSDP2's gathered copies). What the plan's "activations" line
+    predicts, without the allocator or the runtime in the way. Inside activation offload's own
+    hooks it would see nothing: not used there."""
 
-    def __init__(self):
+    def __init__(self, model):
+        from trainloop.parallel import local_shard
+
+        self.params = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.storages: dict[int, object] = {}
         self.bytes: int | None = None
 
@@ -473,6 +477,8 @@ class SavedActivations:
 
         if not (tensor.is_leaf and tensor.requires_grad):
             storage = local_shard(tensor).untyped_storage()
+            if storage.data_ptr() in self.params:
+                return tensor
             # keyed by the storage itself, not its address: FSDP2 frees a gathered block's memory
             # during the forward, and a later activation may be given the same address
             self.storages.setdefault(storage._cdata, storage)
@@ -542,7 +548,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
     accumulation = cfg.trainer.gradient_accumulation_steps
     shards, seconds, result = {}, [], {}
-    saved = None if offload.on else SavedActivations()
+    saved = None if offload.on else SavedActivations(model)
     for step in range(steps + timed_steps):
         if step == steps:  # the memory steps are over: their peak, then glibc's usual heap for the timing
             result = {"training_bytes": _peak_rss() - before}
