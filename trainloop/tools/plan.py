@@ -468,7 +468,7 @@ class SavedActivations:
     def __init__(self, model):
         from trainloop.parallel import local_shard
 
-        self.params = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = {local_shard(p).untyped_storage()._cdata for p in model.parameters()}
         self.storages: dict[int, object] = {}
         self.bytes: int | None = None
 
@@ -476,12 +476,11 @@ class SavedActivations:
         from trainloop.parallel import local_shard
 
         if not (tensor.is_leaf and tensor.requires_grad):
+            # keyed by the storage itself, not its address: FSDP2 frees a gathered block's memory during
+            # the forward and a later activation may get the same address (nor has a wrapper's storage one)
             storage = local_shard(tensor).untyped_storage()
-            if storage.data_ptr() in self.params:
-                return tensor
-            # keyed by the storage itself, not its address: FSDP2 frees a gathered block's memory
-            # during the forward, and a later activation may be given the same address
-            self.storages.setdefault(storage._cdata, storage)
+            if storage._cdata not in self.params:
+                self.storages.setdefault(storage._cdata, storage)
         return tensor
 
     def __enter__(self):
