@@ -713,7 +713,7 @@ def to_json(report: dict) -> dict:
             **({"measured": report["measured"]} if "measured" in report else {})}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainloop.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes in the run (default: $WORLD_SIZE, else 1)")
@@ -731,7 +731,16 @@ def main(argv: list[str] | None = None) -> int:
                              "--nproc_per_node N -m trainloop.plan ...) and print the memory they used")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("overrides", nargs="*", help="the run's config overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    return run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, args) -> int:
+    """The plan of the config (and the presets), and with --measure the measurement beside it."""
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world_size < 1:
         parser.error("--world-size must be 1 or more")
