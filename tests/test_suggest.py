@@ -35,7 +35,7 @@ def args(*argv: str):
 @pytest.fixture(scope="module")
 def llama_8b():
     """One suggestion for 8 x 80 GiB and the 8B shape, shared by the tests below (about 5 s)."""
-    found, _ = suggestion.run(args(*NODE, *LLAMA_8B))
+    found = suggestion.run(args(*NODE, *LLAMA_8B))
     return found
 
 
@@ -83,7 +83,7 @@ def test_the_step_time_model_moves_the_right_way(llama_8b):
     for o in llama_8b.options:
         offloaded = "offload" in o.layout
         assert (o.time.pcie > 0 and o.time.cpu_optimizer > 0) == offloaded, o.layout
-    two_nodes, _ = suggestion.run(args("--suggest", "--gpus", "16", "--nodes", "2", "--gpu-memory", "80", "--top", "0",
+    two_nodes = suggestion.run(args("--suggest", "--gpus", "16", "--nodes", "2", "--gpu-memory", "80", "--top", "0",
                                        "--global-batch", "128", *LLAMA_8B))
     for o in two_nodes.options:
         one = by_key.get((o.layout, o.micro_batch, o.checkpointing))
@@ -139,7 +139,7 @@ def test_its_memory_order_is_the_measured_order_and_a_budget_between_two_peaks_s
 
     big, small = measured[order[0]], measured[order[1]]
     budget = RUNTIME_RAM + (big + small) / 2
-    s, _ = suggestion.run(args("--suggest", "--gpus", "1", "--device", "cpu", "--cpu-memory", str(budget / GIB),
+    s = suggestion.run(args("--suggest", "--gpus", "1", "--device", "cpu", "--cpu-memory", str(budget / GIB),
                                "--global-batch", "8", *SMALL_RUN))
     options = {name: next(o for o in s.options if o.layout == "DDP" and o.overrides == overrides)
                for name, overrides in MEASURED.items()}

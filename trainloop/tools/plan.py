@@ -24,7 +24,9 @@ the bytes each process needs on the GPU, in CPU RAM and on NVMe:
 
 Then it compares them with this machine (trainloop.hardware, as the doctor reads it) for the
 config and for every preset in conf/preset/. `--measure N` also runs N real steps here and
-prints what they used.
+prints what they used. Apart from memory, each strategy counts what one process sends per
+optimizer step (traffic_lines: its collectives, offload's PCIe copies). `--suggest` (the same
+command, trainloop/tools/suggest.py) plans every layout for described GPUs.
 """
 
 from __future__ import annotations

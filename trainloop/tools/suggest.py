@@ -212,8 +212,9 @@ def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, hea
     flops = tokens * (s.flops_per_token + (tp - 1) * head_flops) * (4 / 3 if checkpointing else 1)
     compute = flops / (c.gpus * s.peak_tflops * 1e12 * v["mfu"])
     dp_link = v["intra_node_gbs"] if c.nodes == 1 else v["inter_node_gbs"]
-    return StepTime(compute, plan.sent("dp") / (dp_link * 1e9), plan.sent("tp") / (v["intra_node_gbs"] * 1e9),
-                    plan.sent("pcie") / (v["pcie_gbs"] * 1e9), plan.cpu_stepped_params / (v["cpu_optimizer_gparams"] * 1e9))
+    return StepTime(compute, dp=plan.sent("dp") / (dp_link * 1e9), tp=plan.sent("tp") / (v["intra_node_gbs"] * 1e9),
+                    pcie=plan.sent("pcie") / (v["pcie_gbs"] * 1e9),
+                    cpu_optimizer=plan.cpu_stepped_params / (v["cpu_optimizer_gparams"] * 1e9))
 
 
 def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: int | None = None) -> Suggestion:
@@ -374,9 +375,12 @@ def problem(args) -> str | None:
     checks = [(args.gpus < 1, f"--gpus {args.gpus} must be 1 or more"),
               (args.nodes < 1 or args.gpus % args.nodes, f"--nodes {args.nodes} must divide --gpus {args.gpus} "
                                                           "(the same GPUs on every node)"),
-              (args.global_batch is not None and args.global_batch < 1, f"--global-batch {args.global_batch} must be 1 or more"),
-              (args.world_size is not None, "--world-size with --suggest: the layouts are planned for --gpus; drop --world-size"),
-              (bool(args.measure), "--measure with --suggest: measure one layout by running its overrides with --measure"),
+              (args.global_batch is not None and args.global_batch < 1,
+               f"--global-batch {args.global_batch} must be 1 or more"),
+              (args.world_size is not None,
+               "--world-size with --suggest: the layouts are planned for --gpus; drop --world-size"),
+              (bool(args.measure),
+               "--measure with --suggest: measure one layout by running its overrides with --measure"),
               (args.top < 0, f"--top {args.top} must be 0 (all) or more"),
               (not 0 < args.assume_mfu <= 1, f"--mfu {args.assume_mfu} must be in (0, 1]")]
     checks += [(getattr(args, f"assume_{k}") <= 0, f"{ASSUMPTIONS[k].flag} {getattr(args, f'assume_{k}')} must be "
@@ -408,11 +412,10 @@ def describe_cluster(args) -> Cluster:
     return Cluster(args.gpus, args.nodes, "cuda", small.memory_total, small.name, ram, "this machine")
 
 
-def run(args) -> tuple[Suggestion, dict]:
+def run(args) -> Suggestion:
     values = {key: getattr(args, f"assume_{key}", None) for key in ASSUMPTIONS if key != "host_ram_gib"}
     values["host_ram_gib"] = args.cpu_memory or ASSUMPTIONS["host_ram_gib"].default
-    cluster = describe_cluster(args)
-    return suggest(args.overrides, cluster, values, args.global_batch), values
+    return suggest(args.overrides, describe_cluster(args), values, args.global_batch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        found, _ = run(args)
+        found = run(args)
     except ConfigError as err:
         print(f"trainloop.plan: error: {str(err).replace(chr(10), ' ')}", file=sys.stderr)
         return 2
