@@ -291,8 +291,8 @@ def assumption_lines(s: Suggestion) -> list[str]:
                f"({c.source}; {_gib(RUNTIME_RAM)} of it per process for the runtime)")
     if c.device == "cpu":
         out.append("CPU processes: the step times still assume the GPUs above; only the memory side means anything")
-    out.append("not modelled: kernel efficiency at small micro-batches (one MFU for all), overlap, shared PCIe "
-               "switches, stragglers, the data loader")
+    out.append("not modelled: kernel efficiency at small micro-batches (one MFU for all), a collective's latency "
+               "(only its bytes), overlap, shared PCIe switches, stragglers, the data loader")
     if s.dropped:
         out.append(f"your overrides the layouts replace: {' '.join(s.dropped)}")
     return out
@@ -313,8 +313,8 @@ def render(s: Suggestion, top: int) -> str:
         for i, o in enumerate(fitting[:top or None], 1):
             t = o.time
             tokens = s.global_batch * s.seq_len / t.total
-            out.append(f"  {i:>3}  {t.total:>8.2f}s {tokens:>10,.0f}  {_gib(o.memory):>10}  {t.compute:>7.2f}s "
-                       f"{t.total - t.compute:>6.2f}s  {o.layout}: {' '.join(o.overrides)}")
+            out.append(f"  {i:>3}  {_seconds(t.total):>9} {tokens:>10,.0f}  {_gib(o.memory):>10}  {_seconds(t.compute):>8} "
+                       f"{_seconds(t.total - t.compute):>7}  {o.layout}: {' '.join(o.overrides)}")
         if top and len(fitting) > top:
             out.append(f"  ... {len(fitting) - top} more fit (--top 0 lists them all)")
     missed = s.not_fitting()
@@ -328,6 +328,10 @@ def render(s: Suggestion, top: int) -> str:
         out += [f"  {name}: {why}" for name, why in s.not_applied.items()]
     out += ["", "assumptions:"] + [f"  {line}" for line in assumption_lines(s)]
     return "\n".join(out)
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f}s" if x >= 0.1 else f"{x * 1e3:.3g}ms"
 
 
 def to_json(s: Suggestion) -> dict:
