@@ -184,6 +184,8 @@ def test_combinations_that_cannot_work_are_refused():
         (["deepspeed=zero3", "deepspeed.offload_optimizer=nvme"], "deepspeed.nvme_path"),
         (["deepspeed.offload_param=cpu"], "deepspeed.offload_param"),
         (["model.hidden_size=100", "model.num_heads=3"], "model.num_heads"),
+        (["model.num_heads=4", "model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
+        (["model.arch=gpt2", "model.num_kv_heads=2"], "model.num_kv_heads=2 with model.arch=gpt2"),
         (["data.num_workers=0", "data.persistent_workers=true"], "data.num_workers"),
     ]:
         with pytest.raises(ConfigError, match=match):

@@ -116,6 +116,8 @@ _READ_ONLY_BY = {
     "model.num_layers": _TINY,
     "model.hidden_size": _TINY,
     "model.num_heads": _TINY,
+    "model.num_kv_heads": _TINY,
+    "model.tie_embeddings": _TINY,
     "model.intermediate_size": _TINY,
     "model.max_position_embeddings": _TINY,
     "model.dropout": _TINY,

@@ -66,24 +66,25 @@ def _shape_config(cfg: ModelConfig, vocab_size: int):
             vocab_size=vocab, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
             n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=intermediate,
             resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-            use_cache=False,
+            use_cache=False, tie_word_embeddings=cfg.tie_embeddings,
         )
+    kv_heads = cfg.num_kv_heads or cfg.num_heads
     if cfg.arch == "mixtral":
         # A Llama whose MLP is num_experts expert MLPs (each intermediate wide) behind a top-k router;
         # the router's logits come out of every forward, for its load-balancing loss (trainloop.loop).
         return MixtralConfig(
             vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=intermediate,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
-            attention_dropout=cfg.dropout, tie_word_embeddings=True, use_cache=False,
+            num_key_value_heads=kv_heads, max_position_embeddings=cfg.max_position_embeddings,
+            attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, use_cache=False,
             num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
             router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=True,
         )
     return LlamaConfig(
         vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=intermediate,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
-        attention_dropout=cfg.dropout, tie_word_embeddings=True, use_cache=False,
+        num_key_value_heads=kv_heads, max_position_embeddings=cfg.max_position_embeddings,
+        attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, use_cache=False,
     )
 
 
@@ -181,6 +182,13 @@ def problems(cfg) -> list[str]:
         problems.append(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
         )
+    if m.name == "tiny" and m.num_kv_heads is not None:
+        if m.arch == "gpt2":
+            problems.append(f"model.num_kv_heads={m.num_kv_heads} with model.arch=gpt2: GPT-2 has no grouped-query "
+                            "attention; drop model.num_kv_heads or use model.arch=llama")
+        elif m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads:
+            problems.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+                            "(each key/value head serves num_heads / num_kv_heads query heads)")
     if m.name == "hf" and not m.name_or_path:
         problems.append("model=hf needs model.name_or_path: a local model directory or a hub id")
     if not 0.0 <= m.dropout < 1.0:

@@ -21,9 +21,11 @@ class ModelConfig:
     num_layers: int = 4  # tiny only: transformer blocks
     hidden_size: int = 256  # tiny only: width of the residual stream
     num_heads: int = 4  # tiny only: attention heads; must divide hidden_size
+    num_kv_heads: Optional[int] = None  # tiny llama/mixtral only: key/value heads (grouped-query attention), dividing num_heads; None: num_heads
     intermediate_size: Optional[int] = None  # None: 4 x hidden_size
     max_position_embeddings: int = 1024  # tiny only: the longest sequence the model accepts
     vocab_multiple: int = 64  # pad the embedding to a multiple of this (tensor-core friendly)
+    tie_embeddings: bool = True  # tiny only: the output head shares the input embedding's weight (false: its own, as Llama 3 8B)
     dropout: float = 0.0  # tiny only: in [0, 1); 0 lets runs on 1 and N processes agree
     num_experts: int = 8  # arch=mixtral only: expert MLPs per block
     experts_per_token: int = 2  # arch=mixtral only: experts the router sends each token to

@@ -133,6 +133,13 @@ class Strategy:
         raise NotImplementedError
 
     @staticmethod
+    def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
+        """The planner's communication for one process per optimizer step: trainloop.parallel.memory
+        Transfers appended to `plan.traffic` (the bytes it sends in each collective, and over PCIe
+        to and from an offloaded copy), counted as the ZeRO paper counts them (ring collectives)."""
+        raise NotImplementedError
+
+    @staticmethod
     def problems(cfg) -> list[str]:
         """Combinations this strategy cannot run (each with what to choose instead); [] when it is
         not chosen, unless the keys it alone reads are set."""

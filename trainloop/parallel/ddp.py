@@ -88,3 +88,13 @@ class DataParallel(Strategy):
         if world_size > 1:
             add(Line("DDP gradient buckets", 4 * t, dev, exact=False,
                      note="DDP's flat all-reduce copies of the gradients"))
+
+    @staticmethod
+    def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
+        """One all-reduce of the fp32 gradients per optimizer step (no_sync on the other micro-batches)."""
+        from trainloop.parallel.memory import Transfer, ring_bytes
+
+        if world_size > 1:
+            plan.traffic.append(Transfer("gradient all-reduce", ring_bytes("all-reduce", 4 * shape.num_trainable,
+                                                                            world_size), "dp",
+                                         note="fp32 gradients, once per step"))

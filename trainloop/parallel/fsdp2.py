@@ -104,7 +104,9 @@ class FSDP2(Strategy):
           (the current block and the next one prefetched: two at once), or, with
           reshard_after_forward=false, kept from its forward until its backward (the whole model at the
           start of the backward); in the backward a block's unsharded gradients and the flat fp32
-          reduce-scatter input they are copied into, and the root's unsharded gradients;
+          reduce-scatter input they are copied into, and the root's unsharded gradients; with gradient
+          accumulation every block's unsharded gradients, in fp32, summed over the micro-batches (the
+          strategy turns gradient sync off until the last one, so nothing is reduce-scattered before);
         - fsdp.offload=cpu: the shards, their gradients and optimizer state live in CPU memory and
           the optimizer steps there; the device holds the gathered working set only.
         """
@@ -120,10 +122,13 @@ class FSDP2(Strategy):
         home = "cpu" if cfg.fsdp.offload == "cpu" else dev
         shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
         add = plan.lines.append
-        grads_held = cfg.trainer.gradient_accumulation_steps > 1
-        add(Line("parameters", 4 * sum(math.prod(s) for s in sharded), home, note=f"fp32 shards, {shard_note}"))
-        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, None if grads_held else "optimizer step",
-                 note=f"fp32 shards (reduce-scattered), {shard_note}" + ("" if grads_held else ", freed by zero_grad")))
+        accumulating = cfg.trainer.gradient_accumulation_steps > 1
+        adapters = trainable if shape.trainable is not None else []  # an adapter's matrices come on top of the base
+        add(Line("parameters", 4 * sum(math.prod(s) for s in sharded + adapters), home,
+                 note=f"fp32 shards, {shard_note}"))
+        # made by the last micro-batch's reduce-scatter (earlier ones accumulate unsharded, below), freed by zero_grad
+        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, "optimizer step",
+                 note=f"fp32 shards (reduce-scattered), {shard_note}, freed by zero_grad"))
         states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
         t = max(1, sum(math.prod(s) for s in trainable))
         add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
@@ -143,9 +148,40 @@ class FSDP2(Strategy):
             root, block = 0, shape.num_trainable // max(1, shape.num_layers)
         add(Line("unsharded gradients", pb * (root + block) + 4 * block, dev, "forward/backward", exact=False,
                  note=f"the root's and one block's ({pb} B/param) + its fp32 reduce-scatter input"))
+        if accumulating:  # set_requires_gradient_sync(False) until the last micro-batch: nothing is reduce-scattered
+            add(Line("accumulated gradients", 4 * shape.num_trainable, dev, "forward/backward", exact=False,
+                     note="unsharded, fp32, every block's, summed over the micro-batches until the last one's "
+                          "reduce-scatter (FSDP2 without gradient sync)"))
         if half:
             plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
                               "gradients reduced in fp32")
+        if cfg.fsdp.offload == "cpu":  # the optimizer steps the shards where they live
+            plan.cpu_stepped_params = sum(math.prod(s) for s in trainable)
+
+    @staticmethod
+    def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
+        """Each micro-batch all-gathers every block's parameters in the compute dtype for its
+        forward and again for its backward (once, with reshard_after_forward=false); the fp32
+        gradients are reduce-scattered once per step (gradient sync is off on the other
+        micro-batches). With fsdp.offload=cpu the fp32 shards are copied to the device before each
+        all-gather and the gradient shards back to the host."""
+        import math
+
+        from trainloop.parallel.memory import Transfer, ring_bytes
+
+        n, micro, add = world_size, cfg.trainer.gradient_accumulation_steps, plan.traffic.append
+        pb, N, t = (2 if half else 4), shape.num_params, shape.num_trainable
+        gathers = 2 if cfg.fsdp.reshard_after_forward else 1
+        if n > 1:
+            add(Transfer("parameter all-gather", micro * gathers * ring_bytes("all-gather", pb * N, n), "dp",
+                         note=f"{pb} B/param, {'forward and backward' if gathers == 2 else 'forward'} "
+                              "of every micro-batch"))
+            add(Transfer("gradient reduce-scatter", ring_bytes("reduce-scatter", 4 * t, n), "dp",
+                         note="fp32, once per step"))
+        if cfg.fsdp.offload == "cpu":
+            add(Transfer("shards to the device", micro * gathers * 4 * math.ceil(N / n), "pcie",
+                         note="fp32, before each all-gather"))
+            add(Transfer("gradient shards to the host", 4 * math.ceil(t / n), "pcie", note="fp32, once per step"))
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -1,6 +1,7 @@
 """The planner's line items: bytes a process holds, where and when. Each strategy states its own
-model-state lines (trainloop.parallel: parameters, gradients, optimizer states and its buffers);
-trainloop.tools.plan adds the activations and compares the sum with the machine."""
+model-state lines (trainloop.parallel: parameters, gradients, optimizer states and its buffers)
+and the bytes each process sends per optimizer step (Transfer: collectives and host copies, not
+memory); trainloop.tools.plan adds the activations and compares the sum with the machine."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ class Line:
 
 
 @dataclass
+class Transfer:
+    what: str
+    bytes: int  # sent by one process per optimizer step (a ring collective's share: ring_bytes)
+    link: str  # dp: among the data-parallel ranks; tp: within a tensor-parallel group; pcie: host <-> device
+    note: str = ""
+
+
+def ring_bytes(collective: str, nbytes: int, ranks: int) -> int:
+    """Bytes one rank sends in a ring collective over `ranks` of a tensor of `nbytes` (whole, not
+    a shard): all-gather and reduce-scatter (ranks - 1) / ranks of it, all-reduce twice that
+    (a reduce-scatter, then an all-gather), as NCCL's ring algorithm does."""
+    share = (ranks - 1) * nbytes // ranks
+    return {"all-gather": share, "reduce-scatter": share, "all-reduce": 2 * share}[collective]
+
+
+@dataclass
 class MemoryPlan:
     label: str
     world_size: int
@@ -30,6 +47,8 @@ class MemoryPlan:
     num_params: int
     lines: list[Line] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    traffic: list[Transfer] = field(default_factory=list)  # per optimizer step; not memory: peak() ignores it
+    cpu_stepped_params: int = 0  # parameters this process's optimizer updates on the CPU (an offloaded optimizer)
 
     def held(self, where: str) -> int:
         return sum(x.bytes for x in self.lines if x.where == where and x.phase is None)
@@ -43,6 +62,10 @@ class MemoryPlan:
 
     def get(self, what: str) -> int:
         return sum(x.bytes for x in self.lines if x.what == what)
+
+    def sent(self, link: str) -> int:
+        """Bytes this process sends over `link` per optimizer step."""
+        return sum(x.bytes for x in self.traffic if x.link == link)
 
     def to_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k != "lines"},

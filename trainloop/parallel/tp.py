@@ -26,6 +26,23 @@ def layout_problem(tp_size: int, processes: int) -> str | None:
             "launch a multiple of tp_size processes, or change parallel.tp_size")
 
 
+def rank_shape(shape, tp: int):
+    """What one tp rank holds of the planner's ModelShape: the planned matrices split tp ways on
+    their tp_split dimension, an adapter's trainable ones on theirs; the rest whole."""
+    import dataclasses
+    import math
+
+    def on_rank(shapes, dims):
+        dims = dims or [None] * len(shapes)
+        return [s if d is None else tuple(n // tp if i == d else n for i, n in enumerate(s)) for s, d in zip(shapes, dims)]
+
+    local = on_rank(shape.shapes, shape.tp_split)
+    removed = (sum(math.prod(s) for s in shape.shapes) - sum(math.prod(s) for s in local)) // max(1, shape.num_layers)
+    trainable = None if shape.trainable is None else on_rank(shape.trainable, shape.trainable_tp_split)
+    return dataclasses.replace(shape, shapes=local, trainable=trainable,
+                               largest_layer_params=shape.largest_layer_params - removed)
+
+
 class FSDP2xTP(FSDP2):
     """FSDP2's answers on the dp_shard dimension (subclassed: every one of them holds there), with
     the tensor-parallel split before the sharding and the data-parallel questions answered per tp group."""
@@ -128,31 +145,43 @@ class FSDP2xTP(FSDP2):
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """A tp rank holds the model with its planned matrices split tp ways (shape.tp_split: q/k/v,
         gate/up on their rows, o/down on their columns; norms, embeddings and the output head
-        whole); FSDP2 shards that over the world_size / tp_size dp_shard ranks: its lines
-        (FSDP2.memory_lines) for that smaller model and dp_shard size. Activations are counted by
-        the planner as without tensor parallelism: an upper bound (the split attention and MLP
-        activations are 1/tp_size on each rank; the residual stream, the norms and the logits are
-        whole)."""
-        import dataclasses
-        import math
-
+        whole), and an adapter's trainable matrices split beside them (shape.trainable_tp_split:
+        lora_B beside a column-wise weight, lora_A beside a row-wise one); FSDP2 shards that over
+        the world_size / tp_size dp_shard ranks: its lines (FSDP2.memory_lines) for that smaller
+        model and dp_shard size. The activations split by tp are the planner's (activation_bytes)."""
         tp = cfg.parallel.tp_size
-        split = shape.tp_split or [None] * len(shape.shapes)
-        local = [s if d is None else tuple(n // tp if i == d else n for i, n in enumerate(s))
-                 for s, d in zip(shape.shapes, split)]
-        removed = (sum(math.prod(s) for s in shape.shapes) - sum(math.prod(s) for s in local)) // max(1, shape.num_layers)
-        on_rank = dataclasses.replace(shape, shapes=local, largest_layer_params=shape.largest_layer_params - removed)
         dp = max(1, world_size // tp)
         first = len(plan.lines)
-        FSDP2.memory_lines(plan, cfg, on_rank, dp, dev, half)
+        FSDP2.memory_lines(plan, cfg, rank_shape(shape, tp), dp, dev, half)
         for line in plan.lines[first:]:  # FSDP2 speaks of its processes: here they are dp_shard ranks of tp ranks
             line.note = line.note.replace("one process: the shard is everything", "no dp sharding (1 dp_shard rank)")
             line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
+        split = sum(d is not None for d in shape.tp_split or [])
+        adapters = sum(d is not None for d in shape.trainable_tp_split or [])
         plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
-                          f"({sum(d is not None for d in split)} tensors), FSDP2 shards over {dp} dp_shard rank(s); "
-                          "activations counted as without it (an upper bound)"
-                          + ("; the adapters' gradients and optimizer state counted whole on each tp rank (an "
-                             "upper bound: lora_B or lora_A is split beside a split weight)" if shape.trainable else ""))
+                          f"({split} tensors" + (f", {adapters} adapter matrices beside them" if adapters else "")
+                          + f"), FSDP2 shards over {dp} dp_shard rank(s); the attention's and the MLP's inner "
+                          "activations are 1/tp_size on each rank, the residual stream, norms and logits whole")
+
+    @staticmethod
+    def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
+        """FSDP2's collectives over the dp_shard ranks, of each tp rank's share of the model; and
+        within each tp group, as Megatron-LM counts them without sequence parallelism: per block, an
+        all-reduce of the micro-batch's hidden states (batch x seq x hidden, compute dtype) after the
+        row-wise attention output and MLP down projections in the forward, two more of their input
+        gradients in the backward, and two again in a checkpointed block's recomputed forward."""
+        from trainloop.parallel.memory import Transfer, ring_bytes
+
+        tp = cfg.parallel.tp_size
+        FSDP2.traffic_lines(plan, cfg, rank_shape(shape, tp), max(1, world_size // tp), half)
+        micro, checkpointed = cfg.trainer.gradient_accumulation_steps, cfg.model.gradient_checkpointing
+        hidden = cfg.data.batch_size * cfg.data.seq_len * shape.hidden * (2 if half else 4)
+        per_block = ring_bytes("all-reduce", hidden, tp)
+        passes = (("forward", 2), ("backward", 2)) + ((("recomputed forward", 2),) if checkpointed else ())
+        for name, count in passes:
+            plan.traffic.append(Transfer(f"activation all-reduce ({name})", micro * shape.num_layers * count * per_block,
+                                         "tp", note=f"{count} per block, {cfg.data.batch_size} x {cfg.data.seq_len} x "
+                                                    f"{shape.hidden}, every micro-batch"))
 
     @staticmethod
     def problems(cfg) -> list[str]:
@@ -184,7 +213,7 @@ class FSDP2xTP(FSDP2):
             found.append(f"{key} with precision=fp8: torchao's float8 layers need their own tensor-parallel styles, "
                          "not applied here; use precision=bf16")
         if m.name == "tiny" and m.arch != "gpt2":
-            widths = {"model.num_heads": m.num_heads}
+            widths = {"model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads or m.num_heads}
             if m.arch == "llama":  # mixtral's expert MLPs stay whole on each tp rank
                 widths["model.intermediate_size"] = m.intermediate_size or 4 * m.hidden_size
             found += [f"{key} does not divide {name}={n}: each tp rank takes an equal share of the heads and the "

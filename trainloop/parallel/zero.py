@@ -110,6 +110,8 @@ class DeepSpeedZeRO(Strategy):
                  note=f"{pb} B/param" + (f", 1/{world_size} per rank (stage {stage})" if stage >= 2 else "")))
         add(Line("optimizer states", round(k * part(t, True)), o_where,
                  note=f"K={k:g} B/param (fp32 master + {opt.name}), 1/{world_size} per rank"))
+        if ds.offload_optimizer != "none":  # DeepSpeed's CPU Adam steps this rank's partition
+            plan.cpu_stepped_params = part(t, True)
         bucket = min(ds.reduce_bucket_size, t) * pb
         if stage < 3:
             copies = 2 if ds.overlap_comm and ds.contiguous_gradients else 1
@@ -121,6 +123,39 @@ class DeepSpeedZeRO(Strategy):
             add(Line("gathered parameters", pb * (gathered + small), dev, "forward/backward", exact=False,
                      note="one layer + the prefetch bucket + persistent small parameters"))
             add(Line("gathered parameters", pb * gathered, dev, "optimizer step", exact=False))
+
+    @staticmethod
+    def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
+        """The ZeRO paper's volumes in the training precision: stages 1 and 2 reduce-scatter the
+        gradients and all-gather the updated parameters (stage 1 once per step, its gradients
+        accumulated whole; stage 2 reduces every micro-batch's into its partition); stage 3
+        all-gathers the parameters in each micro-batch's forward and backward and reduce-scatters
+        its gradients. Offload adds PCIe copies: the gradient partition to the host and the updated
+        one back (optimizer offload), every gathered partition from the host (parameter offload)."""
+        import math
+
+        from trainloop.parallel.memory import Transfer, ring_bytes
+
+        ds, n, micro = cfg.deepspeed, world_size, cfg.trainer.gradient_accumulation_steps
+        pb, N, t = (2 if half else 4), shape.num_params, shape.num_trainable
+        add = plan.traffic.append
+        reductions = 1 if ds.stage == 1 else micro
+        if n > 1:
+            add(Transfer("gradient reduce-scatter", reductions * ring_bytes("reduce-scatter", pb * t, n), "dp",
+                         note=f"{pb} B/param, {'once per step' if reductions == 1 else 'every micro-batch'}"))
+            if ds.stage == 3:
+                add(Transfer("parameter all-gather", micro * 2 * ring_bytes("all-gather", pb * N, n), "dp",
+                             note=f"{pb} B/param, forward and backward of every micro-batch"))
+            else:
+                add(Transfer("parameter all-gather", ring_bytes("all-gather", pb * t, n), "dp",
+                             note=f"{pb} B/param, the updated partitions, once per step"))
+        partition = math.ceil(t / n)
+        if ds.offload_optimizer != "none":
+            add(Transfer("gradients to the host", reductions * pb * partition, "pcie", note="this rank's partition"))
+            add(Transfer("updated parameters to the device", pb * partition, "pcie", note="this rank's partition"))
+        if ds.offload_param != "none":
+            add(Transfer("parameters from the host", micro * 2 * pb * math.ceil(N / n), "pcie",
+                         note="this rank's partition, before each all-gather (forward and backward)"))
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -24,7 +24,9 @@ the bytes each process needs on the GPU, in CPU RAM and on NVMe:
 
 Then it compares them with this machine (trainloop.hardware, as the doctor reads it) for the
 config and for every preset in conf/preset/. `--measure N` also runs N real steps here and
-prints what they used.
+prints what they used. Apart from memory, each strategy counts what one process sends per
+optimizer step (traffic_lines: its collectives, offload's PCIe copies). `--suggest` (the same
+command, trainloop/tools/suggest.py) plans every layout for described GPUs.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class ModelShape:
     # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise) as the model's
     # transformers plan (base_model_tp_plan) says, or None (whole on every tp rank)
     tp_split: list[int | None] | None = None
+    # the same for each trainable shape (an adapter's: lora_B beside a column-wise weight, lora_A beside a row-wise one)
+    trainable_tp_split: list[int | None] | None = None
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -120,7 +124,7 @@ def model_shape(cfg) -> ModelShape:
     shapes = [tuple(p.shape) for p in model.parameters()]
     tp_split = [_tp_split(model, name) for name, _ in model.named_parameters()]
     experts = [m for m in model.modules() if _is_experts(m)]  # e.g. Mixtral's, a 3-D weight per projection
-    trainable, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
+    trainable, trainable_tp_split, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
     return ModelShape(
         num_experts=getattr(config, "num_local_experts", 0) if experts else 0,
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
@@ -128,7 +132,7 @@ def model_shape(cfg) -> ModelShape:
         trainable=trainable, quantized_params=quantized, family=family, num_layers=n_layers, hidden=hidden, intermediate=inter, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
         shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
-        largest_layer_params=max(layer_sizes), tp_split=tp_split,
+        largest_layer_params=max(layer_sizes), tp_split=tp_split, trainable_tp_split=trainable_tp_split,
     )
 
 
@@ -149,21 +153,36 @@ def _tp_split(model, name: str) -> int | None:
     return None
 
 
-def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, int]:
-    """With adapter=lora: the shapes of what trains (peft wraps the meta model too) and how many
-    base weights bitsandbytes quantizes (every linear layer's but the output head's)."""
+def _lora_tp_split(model, name: str) -> int | None:
+    """The dimension of adapter parameter `name` that tensor parallelism splits, as
+    trainloop.tensor_parallel splits it: lora_B's rows beside a column-wise weight, lora_A's
+    columns beside a row-wise one; anything else (the other matrix, modules_to_save) whole."""
+    from fnmatch import fnmatch
+
+    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
+        part, dim = ("lora_B", 0) if style == "colwise" else ("lora_A", 1)
+        if fnmatch(name, f"*.{pattern}.{part}.*weight"):
+            return dim
+    return None
+
+
+def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int | None] | None, int]:
+    """With adapter=lora: the shapes of what trains (peft wraps the meta model too), the dimension
+    tensor parallelism splits of each, and how many base weights bitsandbytes quantizes (every
+    linear layer's but the output head's)."""
     import torch
 
     if cfg.adapter.name == "none":
-        return None, 0
+        return None, None, 0
     from trainloop.adapter import wrap_lora
 
     head = model.get_output_embeddings()
     quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     with torch.device("meta"):
         peft_model = wrap_lora(model, cfg.adapter)
-    trainable = [tuple(p.shape) for p in peft_model.parameters() if p.requires_grad]
-    return trainable, quantized if cfg.model.quantization != "none" else 0
+    trainable = [(name, tuple(p.shape)) for name, p in peft_model.named_parameters() if p.requires_grad]
+    split = [_lora_tp_split(model, name) for name, _ in trainable]
+    return [s for _, s in trainable], split, quantized if cfg.model.quantization != "none" else 0
 
 
 def _is_matmul(module) -> bool:
@@ -184,7 +203,7 @@ def _is_experts(module) -> bool:
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
                      checkpointing: bool, attention: str, chunked: bool = False,
-                     packed: bool = False, fp8: bool = False) -> tuple[int, int]:
+                     packed: bool = False, fp8: bool = False, tp: int = 1) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
@@ -198,31 +217,39 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     the compute dtype, and SDPA keeps a copy per layer (16 MiB a layer at 2,048 tokens in fp32,
     measured on CPU with transformers 5.23). `fp8` (precision=fp8): the blocks' linear weights are
     cast to float8 for the matmuls, 1 B/param kept for the backward instead of the 16-bit copy;
-    the float8 inputs torchao keeps are counted at 16 bits (an overestimate: half that).
+    the float8 inputs torchao keeps are counted at 16 bits (an overestimate: half that). `tp`
+    (parallel.tp_size, Llama only): what lies between a column-wise projection and its row-wise
+    partner (the queries, keys, values, attention output and log-sum-exp; the MLP's four inner
+    tensors) and the blocks' 16-bit weight copies are 1/tp on each rank; the residual stream, the
+    norms, the projections' replicated inputs, the logits and the RoPE tables are whole (the saved
+    tensors of each kind counted in tests/test_plan.py, by their width).
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
     tokens = batch * seq
     logits = 0 if chunked else 4 * V  # the fp32 log-softmax cross-entropy keeps
     if shape.family == "llama":
-        per_token = (30 * h + 4 * kv + 8 * i + 4 * heads + 8) if half else (32 * h + 8 * kv + 16 * i + 4 * heads + 8)
+        # whole: two norms' inputs, their fp32 output and rsqrt, the projections' inputs (16-bit copies
+        # of them under autocast); split: q (its RoPE'd copy and the attention output), k, v, the lse, the MLP
+        whole, split = (26 * h + 8, 4 * h + 4 * kv + 8 * i + 4 * heads) if half else \
+            (24 * h + 8, 8 * h + 8 * kv + 16 * i + 4 * heads)
         rest = tokens * (logits + (10 if half else 12) * h + 20) + 8 * seq * (h // heads)  # logits, RoPE tables
-    else:
-        per_token = (20 * h + 10 * i + 4 * heads + 16) if half else (32 * h + 20 * i + 4 * heads + 16)
+    else:  # not split by tensor parallelism (refused for these: trainloop.parallel.tp)
+        whole, split, tp = (20 * h + 10 * i + 4 * heads + 16) if half else (32 * h + 20 * i + 4 * heads + 16), 0, 1
         rest = tokens * (logits + (6 if half else 8) * h + 26) + 8 * seq
     if attention == "eager":  # the softmax probabilities instead of the log-sum-exp
-        per_token += heads * (seq - 1) * (2 if half else 4)
+        split += heads * (seq - 1) * (2 if half else 4)
     if shape.num_experts:  # each token through k experts' MLPs (tokens sorted by expert) instead of one MLP
         k, E = shape.experts_per_token, shape.num_experts
         # measured (CPU, transformers 5.23): under autocast the expert matmuls keep fp32 activations and
         # make no 16-bit copies of the expert weights
-        per_token += k * (8 * h + 16 * i + 48) - ((8 * i + 2 * h + 12) if half else 16 * i)
-        per_token += 8 * E + 4  # the router's logits and probabilities
+        whole += k * (8 * h + 16 * i + 48) - ((8 * i + 2 * h + 12) if half else 16 * i)
+        whole += 8 * E + 4  # the router's logits and probabilities
     weight_copies = (1 if fp8 else 2) * (shape.layer_linear_params - shape.expert_params // shape.num_layers) \
-        if autocast else 0
+        // tp if autocast else 0
     rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
     mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
-    layer = tokens * per_token + weight_copies + mask
+    layer = tokens * whole + tokens * split // tp + weight_copies + mask
     if not checkpointing:
         return shape.num_layers * layer + rest, 0
     residual = tokens * h * (2 if half and not autocast else 4)  # each layer's input, kept
@@ -273,6 +300,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
     row = STRATEGIES[chosen(cfg)]
     row.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
+    row.traffic_lines(plan, cfg, shape, world_size, half)  # what each process sends per step: not memory
     objective = OBJECTIVES[cfg.objective.name]
     objective.memory_lines(plan, cfg)  # what the objective holds itself: DPO's reference copy
     batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
@@ -281,10 +309,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     chunked = cfg.trainer.loss_chunk_tokens > 0
     packed = cfg.data.packing == "documents"
     fp8 = cfg.precision.name == "fp8"
+    tp = cfg.parallel.tp_size
     saved, recompute = activation_bytes(
         shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
-        packed=packed, fp8=fp8)
+        packed=packed, fp8=fp8, tp=tp)
     if fp8:
         plan.notes.append("precision=fp8: the blocks' linear weights are cast to float8 (1 B/param) for the matmuls "
                           "and kept for the backward; torchao's float8 inputs are counted at 16 bits (an overestimate)")
@@ -292,6 +321,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
              note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
                   + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")
+                  + (f", attention and MLP inner tensors 1/{tp} (tensor parallel)" if tp > 1 else "")
                   + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
@@ -303,11 +333,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if not cfg.model.gradient_checkpointing:
         without = saved
         with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                       True, cfg.model.attn_implementation, chunked, packed, fp8))
+                                       True, cfg.model.attn_implementation, chunked, packed, fp8, tp))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
         without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                   False, cfg.model.attn_implementation, chunked, packed, fp8)[0]
+                                   False, cfg.model.attn_implementation, chunked, packed, fp8, tp)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
@@ -428,6 +458,46 @@ def track_live_memory(on: bool) -> bool:
         return False
 
 
+class SavedActivations:
+    """Counts what autograd keeps for the backward of the forward run inside it: the storages of
+    the tensors it saves, summed when the forward is over (FSDP2 has resized its gathered blocks to
+    nothing by then), a DTensor by its local shard; parameters are not activations and are left
+    out: `model`'s own storages (a matmul saves its weight as a transposed view of one) and any
+    leaf that requires a gradient (FSDP2's gathered copies). What the plan's "activations" line
+    predicts, without the allocator or the runtime in the way. Inside activation offload's own
+    hooks it would see nothing: not used there."""
+
+    def __init__(self, model):
+        from trainloop.parallel import local_shard
+
+        self.params = {local_shard(p).untyped_storage()._cdata for p in model.parameters()}
+        self.storages: dict[int, object] = {}
+        self.bytes: int | None = None
+
+    def pack(self, tensor):
+        from trainloop.parallel import local_shard
+
+        if not (tensor.is_leaf and tensor.requires_grad):
+            # keyed by the storage itself, not its address: FSDP2 frees a gathered block's memory during
+            # the forward and a later activation may get the same address (nor has a wrapper's storage one)
+            storage = local_shard(tensor).untyped_storage()
+            if storage._cdata not in self.params:
+                self.storages.setdefault(storage._cdata, storage)
+        return tensor
+
+    def __enter__(self):
+        import torch
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+        self.bytes = sum(storage.nbytes() for storage in self.storages.values())
+        self.storages.clear()  # held no longer than autograd holds them
+
+
 def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     """Train `steps` optimizer steps with the run's own builders; the memory the training took.
 
@@ -439,8 +509,11 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     Under a launcher every process measures itself; everything is built by the run's own build
     (trainloop.build: adapter, compile, the strategy's sharding, the optimizer) and each step is the
     objective's. `shard_bytes`: the storage this process holds for parameters, gradients and
-    optimizer state, counted on the live tensors.
+    optimizer state, counted on the live tensors. `saved_activation_bytes`: what autograd kept after
+    the first forward (SavedActivations; None under activation offload).
     """
+    from contextlib import nullcontext
+
     import gc
     import time
 
@@ -476,6 +549,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
     accumulation = cfg.trainer.gradient_accumulation_steps
     shards, seconds, result = {}, [], {}
+    saved = None if offload.on else SavedActivations(model)
     for step in range(steps + timed_steps):
         if step == steps:  # the memory steps are over: their peak, then glibc's usual heap for the timing
             result = {"training_bytes": _peak_rss() - before}
@@ -486,7 +560,8 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         for micro in range(accumulation):
             last = micro == accumulation - 1
             with micro_step(strategy, model, last), offload():
-                summed = objective.batch_loss(model, batch).summed  # the loop's own loss
+                with saved if saved and step == micro == 0 else nullcontext():
+                    summed = objective.batch_loss(model, batch).summed  # the loop's own loss
                 accelerator.backward(summed / objective.count(batch))
                 if last:
                     strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm or math.inf)
@@ -506,7 +581,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
                                                 for v in state.values() if isinstance(v, torch.Tensor))
     result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _peak_rss(),
               "cpu_training_bytes": result.pop("training_bytes"), **result, "glibc_live_tracking": live,
-              "shard_bytes": shards, "step_seconds": seconds[steps:], "tokens_per_step": accumulation
+              "shard_bytes": shards, "saved_activation_bytes": saved and saved.bytes, "step_seconds": seconds[steps:], "tokens_per_step": accumulation
               * cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size}
     if strategy.world_size > 1:  # every process's measurement, on every process
         gathered = [None] * strategy.world_size
@@ -593,6 +668,7 @@ def render(report: dict) -> str:
     out += [f"  {note}" for note in plan.notes]
     out.append("  (~: an estimate; the rest is exact for a plain run and FSDP2's shards, the ZeRO paper's formula "
                "under DeepSpeed)")
+    out += render_traffic(plan)
     out += ["", f"this machine ({m.source}): " + (f"{m.gpu_name} ({_gib(m.gpu_memory)}); " if m.gpu_memory else "")
             + f"RAM {_gib(m.ram_available)} available of {_gib(m.ram_total)}"
             + (f"; NVMe {_gib(m.nvme_free)} free" if m.nvme_free is not None else "")]
@@ -609,6 +685,23 @@ def render(report: dict) -> str:
     return "\n".join(out)
 
 
+LINKS = {"dp": "among the data-parallel ranks", "tp": "within each tensor-parallel group",
+         "pcie": "between host and device (PCIe)"}
+
+
+def render_traffic(plan: MemoryPlan) -> list[str]:
+    """The communication section: bytes one process sends per optimizer step (not memory)."""
+    if not plan.traffic:
+        return ["", "communication per optimizer step: none (one process, nothing offloaded)"]
+    out = ["", "communication per optimizer step, bytes each process sends (ring collectives; not memory):",
+           f"  {'what':<44}{'bytes':>12}  {'over':<5} note"]
+    out += [f"  {x.what:<44}{_gib(x.bytes):>12}  {x.link:<5} {x.note}" for x in plan.traffic if x.bytes]
+    out += [f"  total {LINKS[link]}: {_gib(plan.sent(link))}" for link in LINKS if plan.sent(link)]
+    if plan.cpu_stepped_params:
+        out.append(f"  the optimizer steps {plan.cpu_stepped_params / 1e6:,.1f}M parameters per process on the CPU")
+    return out
+
+
 def _fits(flag: bool | None) -> str:
     return {True: "fits", False: "does NOT fit", None: "cannot tell"}[flag]
 
@@ -622,7 +715,7 @@ def to_json(report: dict) -> dict:
             **({"measured": report["measured"]} if "measured" in report else {})}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainloop.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes in the run (default: $WORLD_SIZE, else 1)")
@@ -640,7 +733,16 @@ def main(argv: list[str] | None = None) -> int:
                              "--nproc_per_node N -m trainloop.plan ...) and print the memory they used")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("overrides", nargs="*", help="the run's config overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    return run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, args) -> int:
+    """The plan of the config (and the presets), and with --measure the measurement beside it."""
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world_size < 1:
         parser.error("--world-size must be 1 or more")
