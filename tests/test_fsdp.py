@@ -74,9 +74,9 @@ def two_processes(launcher: str) -> list[str]:
             str(free_port()), "-m", "trainloop"]
 
 
-def launch_fsdp(tmp_path: Path, launcher: str, presets: str, *extra: str) -> Path:
+def launch_fsdp(tmp_path: Path, launcher: str, presets: str, *extra: str, batch: int = 4) -> Path:
     run_dir = tmp_path / "run"
-    launch([*two_processes(launcher), f"+preset=[{presets}]", *RUN, "data.batch_size=4", *extra,
+    launch([*two_processes(launcher), f"+preset=[{presets}]", *RUN, f"data.batch_size={batch}", *extra,
             f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert [p.parent for p in tmp_path.rglob("metrics.jsonl")] == [run_dir]
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
@@ -112,8 +112,10 @@ def test_torchrun_fsdp_regionally_compiled_matches_one_process_and_exports_the_g
 def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter(tmp_path, lora_reference):
     """Acceptance 1 and 5 under `accelerate launch --multi_gpu` (on CPU: accelerate's own FSDP
     would not engage), with a LoRA adapter applied before sharding: the adapter written is
-    complete and is what one process at batch 8 trained."""
-    run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora", SAMPLE)
+    complete and is what one process at batch 8 trained, here as 2 micro-batches of 2 on each
+    process, each micro-batch's gradients reduce-scattered into the shards (fsdp.sync_each_batch)."""
+    run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora", SAMPLE, "trainer.gradient_accumulation_steps=2",
+                          batch=2)
     assert FSDP_LINE in run_log(run_dir)
     # peft's generate goes around the sharded root's forward: the samples gather its weights themselves
     samples = [[r["samples"] for r in read_metrics(d) if r.get("event") == "samples"] for d in (run_dir, lora_reference)]

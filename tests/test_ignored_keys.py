@@ -136,6 +136,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
     return {
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
+        "model.num_kv_heads": 1, "model.tie_embeddings": False,
         "model.max_position_embeddings": 512, "model.vocab_multiple": 128, "model.dropout": 0.1,
         "model.attn_implementation": "eager", "model.gradient_checkpointing": True, "model.quantization": "4bit",
         "model.num_experts": 4, "model.experts_per_token": 1, "model.router_aux_loss_coef": 0.01,
@@ -161,7 +162,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "deepspeed.config_file": files["ds.json"],
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
         "compile.regional": True,
-        "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu",
+        "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu", "fsdp.sync_each_batch": False,
         "precision.fp8_skip_small": True,
         "objective.beta": 0.5, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
         "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
@@ -334,8 +335,11 @@ def sharded_settings(cfg):
     """Shard the model as a run would, on a 1-process gloo group of this test's own."""
     import torch.distributed as dist
 
+    from types import SimpleNamespace
+
     from trainloop.fsdp import shard_model, sharding_settings
     from trainloop.model import build_model, build_model_config
+    from trainloop.parallel.fsdp2 import FSDP2
 
     if cfg.fsdp.name == "none":
         return None
@@ -347,7 +351,9 @@ def sharded_settings(cfg):
     assert dist.get_world_size() == 1
     try:
         shard_model(cfg, model, torch.device("cpu"))
-        return sharding_settings(model)
+        first_micro_batch = cfg.trainer.gradient_accumulation_steps == 1  # the last of its step only then
+        with FSDP2.gradient_sync(SimpleNamespace(cfg=cfg), model, enabled=first_micro_batch):  # as the loop runs it
+            return sharding_settings(model)
     finally:
         if owned:
             dist.destroy_process_group()
@@ -405,6 +411,18 @@ def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, fi
             assert key in refused and "has no effect unless" in refused, refused
     assert not silently_ignored, f"{group}={option} accepts these keys but builds nothing different"
     assert not over_refused, f"{group}={option} refuses keys that change what it builds"
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_fsdp_sync_each_batch_decides_whether_a_steps_first_micro_batch_reduce_scatters(sync):
+    """The walk above probes fsdp.sync_each_batch with one micro-batch a step, where it is refused
+    (every micro-batch is its step's last and reduces); with two, the first one's gradients are
+    reduce-scattered into the shards only with sync_each_batch=true."""
+    overrides = ["+preset=smoke", "fsdp=full_shard", "trainer.gradient_accumulation_steps=2",
+                 f"fsdp.sync_each_batch={str(sync).lower()}"]
+    cfg = compose(*overrides)
+    check_command_line(cfg, overrides)
+    assert sharded_settings(cfg)["reduce_grads"] is sync
 
 
 def test_auto_batch_size_budget_needs_auto_batch_size():

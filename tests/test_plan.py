@@ -188,7 +188,7 @@ def test_7b_llama_zero3_offload_on_8_processes_gives_the_paper_formula(capsys):
 
 
 @pytest.mark.parametrize("strategy, volume", [("ddp", 2 * 4), ("zero1", 2 * 2), ("zero2", 2 * 2), ("zero3", 3 * 2),
-                                               ("fsdp", 2 * 2 + 4)])
+                                               ("fsdp", 2 * 2 + 4), ("fsdp_sync_last", 2 * 2 + 4)])
 def test_each_strategy_sends_the_zero_papers_volume_per_step(strategy, volume):
     """ZeRO paper, section 7: data parallelism and ZeRO stages 1-2 send 2 psi per step (a
     reduce-scatter and an all-gather), stage 3 3 psi (two all-gathers, one reduce-scatter), each a
@@ -196,14 +196,14 @@ def test_each_strategy_sends_the_zero_papers_volume_per_step(strategy, volume):
     FSDP2 (which gathers bf16 parameters twice)."""
     psi, n = 1_000_000, 8
     overrides = {"ddp": [], "zero1": ["deepspeed=zero1"], "zero2": ["deepspeed=zero2"], "zero3": ["deepspeed=zero3"],
-                 "fsdp": ["fsdp=full_shard"]}[strategy]
+                 "fsdp": ["fsdp=full_shard"], "fsdp_sync_last": ["fsdp=full_shard", "fsdp.sync_each_batch=false"]}[strategy]
     cfg = compose(*SMALL, "precision=bf16", *overrides)
     shape = ModelShape("llama", 1, 64, 256, 2, 2, 320, [(psi,)], 0, psi)
     plan = plan_memory(cfg, shape, n, "cuda")
     assert plan.sent("dp") == pytest.approx(volume * psi * (n - 1) / n, rel=1e-6)
     more = plan_memory(compose(*SMALL, "precision=bf16", *overrides, "trainer.gradient_accumulation_steps=4"),
-                       shape, n, "cuda")  # gathers repeat every micro-batch; ZeRO-2 also reduces every one
-    repeats = {"ddp": 1, "zero1": 1, "zero2": (4 + 1) / 2, "zero3": 4, "fsdp": (4 * 4 + 4) / 8}[strategy]
+                       shape, n, "cuda")  # gathers repeat every micro-batch; ZeRO-2 and FSDP2 also reduce every one
+    repeats = {"ddp": 1, "zero1": 1, "zero2": (4 + 1) / 2, "zero3": 4, "fsdp": 4, "fsdp_sync_last": (4 * 4 + 4) / 8}[strategy]
     assert more.sent("dp") == pytest.approx(repeats * plan.sent("dp"), rel=1e-6)
 
 
@@ -305,10 +305,12 @@ def test_fsdp_memory_of_2_processes_is_predicted_per_process():
     """FSDP2 over gloo, 2 processes, fp32 AdamW, 2 micro-batches a step: each process's shards
     counted on the live tensors equal the plan's exact lines, and its peak RSS during 2 real steps
     minus its RSS just before the model is built (glibc unmapping freed tensors, so the resident
-    set follows the live ones) is within 20% of the predicted peak. With gradient sync off until
-    the last micro-batch, FSDP2 sums every block's unsharded fp32 gradients: 97 MiB here, the
-    largest line; measured 361 MiB against 347 MiB predicted (ratio 0.96), 299 MiB (0.83) before
-    the plan counted them. 20%, not the 15% of one process: about half this prediction is
+    set follows the live ones) is within 20% of the predicted peak. Each micro-batch's gradients
+    are reduce-scattered into the shards (fsdp.sync_each_batch, the default): the shards are held
+    from the first one on; measured 0.31 GiB against 0.29 GiB predicted (ratio 0.93-0.95). With
+    fsdp.sync_each_batch=false FSDP2 sums every block's unsharded fp32 gradients instead, 97 MiB
+    here, the largest line (checked below on the plan alone; measured by hand: 0.35 GiB against
+    0.34 GiB, 0.96-0.98; 0.83 before the plan counted them). 20%, not the 15% of one process: about half this prediction is
     estimated (the gathered block and its unsharded gradients, activations), and what the first
     steps load beside the training state (gloo, DTensor dispatch) weighs more on a model this
     small (one micro-batch a step: 284 MiB measured, 251 MiB predicted, ratio 0.88); on the
@@ -321,8 +323,12 @@ def test_fsdp_memory_of_2_processes_is_predicted_per_process():
     plan = report["config"]["plan"]
     assert plan["world_size"] == 2 and 15e6 < plan["num_params"] < 30e6
     exact = {x["what"]: x["bytes"] for x in plan["lines"] if x["exact"]}
-    accumulated = next(x["bytes"] for x in plan["lines"] if x["what"] == "accumulated gradients")
-    assert accumulated == 4 * plan["num_params"]  # unsharded: the whole model's, on each process
+    gradients = next(x for x in plan["lines"] if x["what"] == "gradients")
+    assert gradients["phase"] is None and "accumulated gradients" not in {x["what"] for x in plan["lines"]}
+    unsynced = compose("+preset=fsdp", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",
+                       "trainer.gradient_accumulation_steps=2", "fsdp.sync_each_batch=false")
+    unsynced = plan_memory(unsynced, model_shape(unsynced), 2, "cpu")
+    assert unsynced.get("accumulated gradients") == 4 * plan["num_params"]  # unsharded: the whole model's, per process
     processes = report["measured"]["per_process"]
     assert sorted(m["rank"] for m in processes) == [0, 1]
     for measured in processes:

@@ -136,6 +136,8 @@ _READ_ONLY_BY = {
     "deepspeed.nvme_path": (lambda c: "nvme" in (c.deepspeed.offload_optimizer, c.deepspeed.offload_param),
                             "deepspeed.offload_optimizer=nvme or deepspeed.offload_param=nvme"),
     **{f"fsdp.{key}": _FSDP for key in ("reshard_after_forward", "offload")},
+    "fsdp.sync_each_batch": (lambda c: c.fsdp.name != "none" and c.trainer.gradient_accumulation_steps > 1,
+                             "fsdp=full_shard with trainer.gradient_accumulation_steps > 1"),
     "precision.fp8_emulate": _FP8,
     "precision.fp8_skip_small": _FP8,
     "checkpoint.async_save": _FSDP,  # DCP's async_save: the other strategies save through accelerate

@@ -127,6 +127,7 @@ def sharding_settings(model: torch.nn.Module) -> dict:
         "offload": {"cpu" if isinstance(g.offload_policy, CPUOffloadPolicy) else "none" for g in groups},
         "param_dtype": {g.mp_policy.param_dtype for g in groups},
         "reduce_dtype": {g.mp_policy.reduce_dtype for g in groups},
+        "reduce_grads": {g.reduce_grads for g in groups},  # set_requires_gradient_sync's switch, as it is now
     }
     mixed = {k: v for k, v in found.items() if len(v) > 1}
     if mixed:

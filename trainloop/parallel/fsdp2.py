@@ -53,8 +53,11 @@ class FSDP2(Strategy):
 
     @contextmanager
     def gradient_sync(self, model, enabled: bool):
-        # accelerate's no_sync knows only the models it wrapped; FSDP2's switch is on the model itself
-        model.set_requires_gradient_sync(enabled)
+        """Off until the step's last micro-batch only with fsdp.sync_each_batch=false: FSDP2 then sums
+        every block's unsharded gradients over the micro-batches; by default each micro-batch's are
+        reduce-scattered and summed into the shards (accelerate's no_sync knows only the models it
+        wrapped; FSDP2's switch is on the model itself)."""
+        model.set_requires_gradient_sync(enabled or self.cfg.fsdp.sync_each_batch)
         yield
 
     def save_state(self, directory, model, adapter_only: bool) -> None:
@@ -105,8 +108,10 @@ class FSDP2(Strategy):
           reshard_after_forward=false, kept from its forward until its backward (the whole model at the
           start of the backward); in the backward a block's unsharded gradients and the flat fp32
           reduce-scatter input they are copied into, and the root's unsharded gradients; with gradient
-          accumulation every block's unsharded gradients, in fp32, summed over the micro-batches (the
-          strategy turns gradient sync off until the last one, so nothing is reduce-scattered before);
+          accumulation, the gradient shards from the first micro-batch's reduce-scatter on (each
+          micro-batch's summed into them), or with fsdp.sync_each_batch=false every block's unsharded
+          gradients, in fp32, summed over the micro-batches (gradient sync is off until the last one,
+          so nothing is reduce-scattered before);
         - fsdp.offload=cpu: the shards, their gradients and optimizer state live in CPU memory and
           the optimizer steps there; the device holds the gathered working set only.
         """
@@ -123,12 +128,16 @@ class FSDP2(Strategy):
         shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
         add = plan.lines.append
         accumulating = cfg.trainer.gradient_accumulation_steps > 1
+        held_unsharded = accumulating and not cfg.fsdp.sync_each_batch
         adapters = trainable if shape.trainable is not None else []  # an adapter's matrices come on top of the base
         add(Line("parameters", 4 * sum(math.prod(s) for s in sharded + adapters), home,
                  note=f"fp32 shards, {shard_note}"))
-        # made by the last micro-batch's reduce-scatter (earlier ones accumulate unsharded, below), freed by zero_grad
-        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home, "optimizer step",
-                 note=f"fp32 shards (reduce-scattered), {shard_note}, freed by zero_grad"))
+        # made by a micro-batch's reduce-scatter (the first one's when each is synced: held through the
+        # later ones' forward and backward), freed by zero_grad
+        add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home,
+                 None if accumulating and not held_unsharded else "optimizer step",
+                 note=f"fp32 shards (reduce-scattered), {shard_note}, freed by zero_grad"
+                      + (", summed over the micro-batches" if accumulating and not held_unsharded else "")))
         states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
         t = max(1, sum(math.prod(s) for s in trainable))
         add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
@@ -148,10 +157,10 @@ class FSDP2(Strategy):
             root, block = 0, shape.num_trainable // max(1, shape.num_layers)
         add(Line("unsharded gradients", pb * (root + block) + 4 * block, dev, "forward/backward", exact=False,
                  note=f"the root's and one block's ({pb} B/param) + its fp32 reduce-scatter input"))
-        if accumulating:  # set_requires_gradient_sync(False) until the last micro-batch: nothing is reduce-scattered
+        if held_unsharded:  # set_requires_gradient_sync(False) until the last micro-batch: nothing is reduce-scattered
             add(Line("accumulated gradients", 4 * shape.num_trainable, dev, "forward/backward", exact=False,
                      note="unsharded, fp32, every block's, summed over the micro-batches until the last one's "
-                          "reduce-scatter (FSDP2 without gradient sync)"))
+                          "reduce-scatter (fsdp.sync_each_batch=false)"))
         if half:
             plan.notes.append("FSDP2 mixed precision: fp32 shards, bf16 gathered parameters and activations, "
                               "gradients reduced in fp32")
@@ -162,9 +171,9 @@ class FSDP2(Strategy):
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
         """Each micro-batch all-gathers every block's parameters in the compute dtype for its
         forward and again for its backward (once, with reshard_after_forward=false); the fp32
-        gradients are reduce-scattered once per step (gradient sync is off on the other
-        micro-batches). With fsdp.offload=cpu the fp32 shards are copied to the device before each
-        all-gather and the gradient shards back to the host."""
+        gradients are reduce-scattered after every micro-batch's backward (once per step with
+        fsdp.sync_each_batch=false). With fsdp.offload=cpu the fp32 shards are copied to the device
+        before each all-gather and the gradient shards back to the host after each reduce-scatter."""
         import math
 
         from trainloop.parallel.memory import Transfer, ring_bytes
@@ -172,16 +181,18 @@ class FSDP2(Strategy):
         n, micro, add = world_size, cfg.trainer.gradient_accumulation_steps, plan.traffic.append
         pb, N, t = (2 if half else 4), shape.num_params, shape.num_trainable
         gathers = 2 if cfg.fsdp.reshard_after_forward else 1
+        reduces = micro if cfg.fsdp.sync_each_batch else 1
         if n > 1:
             add(Transfer("parameter all-gather", micro * gathers * ring_bytes("all-gather", pb * N, n), "dp",
                          note=f"{pb} B/param, {'forward and backward' if gathers == 2 else 'forward'} "
                               "of every micro-batch"))
-            add(Transfer("gradient reduce-scatter", ring_bytes("reduce-scatter", 4 * t, n), "dp",
-                         note="fp32, once per step"))
+            add(Transfer("gradient reduce-scatter", reduces * ring_bytes("reduce-scatter", 4 * t, n), "dp",
+                         note="fp32, " + ("every micro-batch" if reduces > 1 else "once per step")))
         if cfg.fsdp.offload == "cpu":
             add(Transfer("shards to the device", micro * gathers * 4 * math.ceil(N / n), "pcie",
                          note="fp32, before each all-gather"))
-            add(Transfer("gradient shards to the host", 4 * math.ceil(t / n), "pcie", note="fp32, once per step"))
+            add(Transfer("gradient shards to the host", reduces * 4 * math.ceil(t / n), "pcie",
+                         note="fp32, " + ("every micro-batch" if reduces > 1 else "once per step")))
 
     @staticmethod
     def problems(cfg) -> list[str]:
