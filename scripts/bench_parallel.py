@@ -48,6 +48,7 @@ STRATEGIES = {
     "fsdp": ("FSDP2 (fully_shard)", "fsdp", []),
     # parallel.tp_size=2: on 2 processes 1 dp_shard x 2 tp, on 4 processes 2 x 2
     "tp": ("FSDP2 x TP (parallel.tp_size=2)", "tp", []),
+    "tp_sp": ("FSDP2 x TP + sequence parallelism", "tp", ["parallel.sequence_parallel=true"]),
 }
 
 
