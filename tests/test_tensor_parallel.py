@@ -258,6 +258,45 @@ def test_sequence_parallelism_keeps_frozen_weights_frozen_and_names_the_layout_i
     assert sequence_parallel_problem(model.get_base_model().base_model) is None
 
 
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_the_planner_splits_what_the_split_splits_and_leaves_a_mixtures_experts_whole(adapter):
+    """One answer for which parameter is split: Mixtral's model_shape (meta device) splits q/k/v
+    and o like the real split on a 1-rank tp mesh in this process (the dimension of each Shard
+    placement), and neither splits the routed experts (3-D weights) nor, under LoRA, their
+    adapters, which the planner once split as if their 'moe_tp_experts' style were row-wise."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from conftest import compose
+    from trainloop.adapter import apply_adapter
+    from trainloop.model import build_model, build_model_config
+    from trainloop.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
+    from trainloop.tools.plan import model_shape
+
+    cfg = compose("+preset=[smoke,tp" + (",lora]" if adapter == "lora" else "]"), "model.arch=mixtral",
+                  "model.num_experts=4")
+    shape = model_shape(cfg)
+    planned = shape.tp_split if adapter == "full" else shape.trainable_tp_split
+    model = build_model(cfg.model, build_model_config(cfg.model, 320))
+    if adapter == "lora":
+        model = apply_adapter(cfg, model)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        apply_tensor_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)),
+                              tensor_parallel_plan(model.config, 1))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    params = [p for p in model.parameters() if adapter == "full" or p.requires_grad]
+    split = [p.placements[0].dim if isinstance(p, DTensor) and p.placements[0].is_shard() else None for p in params]
+    assert planned == split and split.count(0) and split.count(1)
+    experts = [d for p, d in zip(params, planned) if p.dim() == 3 or (adapter == "lora" and p.shape[0] > 64)]
+    assert experts and not any(d is not None for d in experts)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["full", "lora"])
 def test_the_planner_counts_each_tp_ranks_shards_exactly(adapter):

@@ -73,8 +73,8 @@ class ModelShape:
     experts_per_token: int = 0  # experts the router sends each token to
     expert_params: int = 0  # in all blocks' experts (the routers not counted)
     hidden_matrix: list[bool] | None = None  # for each trainable shape: a hidden layer's matrix? (optim.hidden_matrices)
-    # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise) as the model's
-    # transformers plan (base_model_tp_plan) says, or None (whole on every tp rank)
+    # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise), as the split
+    # itself answers it (trainloop.tensor_parallel.split_dimension), or None (whole on every tp rank)
     tp_split: list[int | None] | None = None
     # the same for each trainable shape (an adapter's: lora_B beside a column-wise weight, lora_A beside a row-wise one)
     trainable_tp_split: list[int | None] | None = None
@@ -137,33 +137,27 @@ def model_shape(cfg) -> ModelShape:
 
 
 def _tp_split(model, name: str) -> int | None:
-    """The dimension of parameter `name` that the model's tensor-parallel plan splits, or None."""
-    from fnmatch import fnmatch
+    """The dimension of parameter `name` that tensor parallelism splits, or None: the split's own
+    answer (trainloop.tensor_parallel.split_dimension), so a mixture's routed experts stay whole here too."""
+    from trainloop.tensor_parallel import split_dimension
 
     module, _, kind = name.rpartition(".")
     prefix = model.base_model_prefix + "."
-    if not module.startswith(prefix):
+    return split_dimension(model.config, module[len(prefix):], kind) if module.startswith(prefix) else None
+
+
+def _lora_tp_split(config, name: str) -> int | None:
+    """The dimension of adapter parameter `name` (named inside the base model: "layers.0.self_attn.q_proj.
+    lora_B.default.weight") that tensor parallelism splits, as trainloop.tensor_parallel splits it:
+    lora_B's rows beside a column-wise weight, lora_A's columns beside a row-wise one; anything else
+    (the other matrix, modules_to_save) whole."""
+    from trainloop.tensor_parallel import split_dimension
+
+    module, lora, part = name.partition(".lora_")
+    if not lora or not part.endswith("weight"):
         return None
-    module = module[len(prefix):]
-    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
-        if fnmatch(module, pattern):
-            if style == "colwise":
-                return 0  # the weight's and the bias's output rows
-            return 1 if style == "rowwise" and kind == "weight" else None  # a row-wise bias is replicated
-    return None
-
-
-def _lora_tp_split(model, name: str) -> int | None:
-    """The dimension of adapter parameter `name` that tensor parallelism splits, as
-    trainloop.tensor_parallel splits it: lora_B's rows beside a column-wise weight, lora_A's
-    columns beside a row-wise one; anything else (the other matrix, modules_to_save) whole."""
-    from fnmatch import fnmatch
-
-    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
-        part, dim = ("lora_B", 0) if style == "colwise" else ("lora_A", 1)
-        if fnmatch(name, f"*.{pattern}.{part}.*weight"):
-            return dim
-    return None
+    dim = split_dimension(config, module, "weight")
+    return dim if (dim, part[0]) in ((0, "B"), (1, "A")) else None
 
 
 def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int | None] | None, int]:
@@ -180,9 +174,10 @@ def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int 
     quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     with torch.device("meta"):
         peft_model = wrap_lora(model, cfg.adapter)
-    trainable = [(name, tuple(p.shape)) for name, p in peft_model.named_parameters() if p.requires_grad]
-    split = [_lora_tp_split(model, name) for name, _ in trainable]
-    return [s for _, s in trainable], split, quantized if cfg.model.quantization != "none" else 0
+    inside = {id(p): name for name, p in peft_model.get_base_model().base_model.named_parameters()}  # the split's names
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    split = [_lora_tp_split(model.config, inside.get(id(p), "")) for p in trainable]
+    return [tuple(p.shape) for p in trainable], split, quantized if cfg.model.quantization != "none" else 0
 
 
 def _is_matmul(module) -> bool:
