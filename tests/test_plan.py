@@ -229,6 +229,22 @@ def test_tensor_parallelism_all_reduces_the_hidden_states_four_times_a_block():
     assert tp4.sent("dp") == 0  # 4 processes, 4 tp ranks: one data-parallel rank
 
 
+def test_sequence_parallelism_splits_the_norms_and_each_blocks_kept_input():
+    """parallel.sequence_parallel=true at tp=2 (fp32, 2 blocks of 128, 2 x 64 tokens): what autograd
+    kept on each of 2 gloo ranks fell by 263,168 bytes (SavedActivations, by hand), the two norms'
+    input, output and rsqrt (16 h + 8 bytes a token) halved; with gradient checkpointing by 65,536,
+    each block's kept input halved. The plan's activations fall by exactly those; the projections'
+    inputs, gathered before q/k/v and gate/up, stay whole (tests/test_tensor_parallel.py measures the
+    whole plan under sequence parallelism)."""
+    base = ["+preset=[smoke,tp]", "model.hidden_size=128", "data.batch_size=2"]
+    shape = model_shape(compose(*base))
+    for extra, fell, recomputed in (([], 263_168, 0), (["model.gradient_checkpointing=true"], 65_536, 263_168 // 2)):
+        plans = [plan_memory(compose(*base, *extra, f"parallel.sequence_parallel={sp}"), shape, 2, "cpu")
+                 for sp in ("false", "true")]
+        assert plans[0].get("activations") - plans[1].get("activations") == fell
+        assert plans[0].get("recomputed layer") - plans[1].get("recomputed layer") == recomputed  # one block's norms
+
+
 def test_presets_are_compared_with_numbers(capsys):
     assert main(["--world-size", "2", *SMALL]) == 0
     out = capsys.readouterr().out

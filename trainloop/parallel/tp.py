@@ -148,7 +148,8 @@ class FSDP2xTP(FSDP2):
         whole), and an adapter's trainable matrices split beside them (shape.trainable_tp_split:
         lora_B beside a column-wise weight, lora_A beside a row-wise one); FSDP2 shards that over
         the world_size / tp_size dp_shard ranks: its lines (FSDP2.memory_lines) for that smaller
-        model and dp_shard size. The activations split by tp are the planner's (activation_bytes)."""
+        model and dp_shard size. The activations split by tp (and by sequence parallelism) are the
+        planner's (activation_bytes)."""
         tp = cfg.parallel.tp_size
         dp = max(1, world_size // tp)
         first = len(plan.lines)
@@ -158,10 +159,14 @@ class FSDP2xTP(FSDP2):
             line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
         split = sum(d is not None for d in shape.tp_split or [])
         adapters = sum(d is not None for d in shape.trainable_tp_split or [])
+        kept = ("the norms and the residual stream 1/tp_size of the sequence too (parallel.sequence_parallel), "
+                "the projections' gathered inputs and the logits whole" if cfg.parallel.sequence_parallel else
+                "the residual stream, norms and logits whole")
         plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
                           f"({split} tensors" + (f", {adapters} adapter matrices beside them" if adapters else "")
-                          + f"), FSDP2 shards over {dp} dp_shard rank(s); the attention's and the MLP's inner "
-                          "activations are 1/tp_size on each rank, the residual stream, norms and logits whole")
+                          + f"), FSDP2 shards over {dp} dp_shard rank(s); the attention's"
+                          + (" (a mixture's experts whole)" if shape.num_experts else " and the MLP's")
+                          + f" inner activations are 1/tp_size on each rank, {kept}")
 
     @staticmethod
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:

@@ -198,7 +198,8 @@ def _is_experts(module) -> bool:
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
                      checkpointing: bool, attention: str, chunked: bool = False,
-                     packed: bool = False, fp8: bool = False, tp: int = 1) -> tuple[int, int]:
+                     packed: bool = False, fp8: bool = False, tp: int = 1,
+                     sequence_parallel: bool = False) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
@@ -220,7 +221,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     row-wise partner (the queries, keys, values, attention output and log-sum-exp; a dense MLP's
     four inner tensors) and the blocks' 16-bit weight copies are 1/tp on each rank; the norms, the
     projections' replicated inputs, a mixture's experts and router, the logits and the RoPE tables
-    are whole (tests/test_tensor_parallel.py measures them on 2 tp ranks).
+    are whole. `sequence_parallel` (parallel.sequence_parallel): the norms' kept tensors and, with
+    checkpointing, each block's kept input (the residual stream) are 1/tp of the sequence too; the
+    projections' inputs, gathered before q/k/v and gate/up, stay whole, and so does the final norm
+    (it gathers first). tests/test_tensor_parallel.py measures both on 2 tp ranks.
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
@@ -231,10 +235,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     b = 2 if half else 4  # bytes of an element the matmuls compute in
     if shape.family == "llama":
         # the two norms: each keeps its input, its fp32 output and rsqrt (a 16-bit model: an fp32 copy of
-        # its input, the rsqrt and its 16-bit output)
+        # its input, the rsqrt and its 16-bit output); 1/tp under sequence parallelism
         norms = 12 * h + 8 if model16 else 16 * h + 8
         # the projections' inputs, the norms' outputs (under autocast q, k, v, gate and up each cast their
-        # own 16-bit copy): whole on every tp rank
+        # own 16-bit copy): whole on every tp rank, gathered there under sequence parallelism
         whole = 10 * h if cast else 2 * b * h
         # split: q (RoPE'd), k, v, the attention output and its fp32 log-sum-exp; the MLP's gate, its
         # activation, up and down's input
@@ -262,10 +266,11 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
         // tp if autocast else 0
     rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
     mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
-    layer = tokens * (norms + whole) + tokens * (split + mlp) // tp + weight_copies + mask
+    sp = tp if sequence_parallel else 1  # the sequence's share of a tp rank, between the split matrices
+    layer = tokens * norms // sp + tokens * whole + tokens * (split + mlp) // tp + weight_copies + mask
     if not checkpointing:
         return shape.num_layers * layer + rest, 0
-    residual = tokens * h * (2 if half and not autocast else 4)  # each layer's input, kept
+    residual = tokens * h * (2 if half and not autocast else 4) // sp  # each layer's input, kept
     return shape.num_layers * residual + rest, layer
 
 
@@ -323,10 +328,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     packed = cfg.data.packing == "documents"
     fp8 = cfg.precision.name == "fp8"
     tp = cfg.parallel.tp_size
+    sp = cfg.parallel.sequence_parallel and tp > 1
     saved, recompute = activation_bytes(
         shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
-        packed=packed, fp8=fp8, tp=tp)
+        packed=packed, fp8=fp8, tp=tp, sequence_parallel=sp)
     if fp8:
         plan.notes.append("precision=fp8: the blocks' linear weights are cast to float8 (1 B/param) for the matmuls "
                           "and kept for the backward; torchao's float8 inputs are counted at 16 bits (an overestimate)")
@@ -334,7 +340,9 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
              note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
                   + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")
-                  + (f", attention and MLP inner tensors 1/{tp} (tensor parallel)" if tp > 1 else "")
+                  + (f", attention{'' if shape.num_experts else ' and MLP'} inner tensors 1/{tp} (tensor parallel)"
+                     if tp > 1 else "")
+                  + (f", norms and residual stream 1/{tp} (sequence parallel)" if sp else "")
                   + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
@@ -346,11 +354,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if not cfg.model.gradient_checkpointing:
         without = saved
         with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                       True, cfg.model.attn_implementation, chunked, packed, fp8, tp))
+                                       True, cfg.model.attn_implementation, chunked, packed, fp8, tp, sp))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
         without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                   False, cfg.model.attn_implementation, chunked, packed, fp8, tp)[0]
+                                   False, cfg.model.attn_implementation, chunked, packed, fp8, tp, sp)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
