@@ -212,21 +212,34 @@ def test_each_strategy_sends_the_zero_papers_volume_per_step(strategy, volume):
     assert more.sent("dp") == pytest.approx(repeats * plan.sent("dp"), rel=1e-6)
 
 
-def test_tensor_parallelism_all_reduces_the_hidden_states_four_times_a_block():
-    """Megatron-LM without sequence parallelism: per block 2 all-reduces of batch x seq x hidden in
-    the forward, 2 in the backward, 2 more in a checkpointed block's recomputation; a ring over
-    tp ranks sends 2 (tp - 1) / tp of each."""
-    cfg = compose("+preset=[smoke,tp]", "precision=bf16")
+@pytest.mark.parametrize("arch, forward, backward", [("llama", 2, 5), ("mixtral", 1, 3)])
+def test_tensor_parallelism_collects_the_hidden_states_as_torchs_styles_do(arch, forward, backward):
+    """The tp collectives per block, as torch's CommDebugMode counted them on 2 gloo ranks (3 blocks,
+    one forward and backward): without sequence parallelism an all-reduce of each row-wise
+    projection's output in the forward (Llama's o and down: 2; Mixtral's experts are whole: 1) and
+    of each column-wise projection's input gradient in the backward (q, k, v, gate, up: 5; 3), and
+    the forward's again in a checkpointed block's recomputation; a ring over tp ranks sends
+    2 (tp - 1) / tp of each. With it (Llama 6 all-gathers + 1, 6 reduce-scatters each way; Mixtral
+    6 + 1 and 3) an all-gather + reduce-scatter pair sends what one all-reduce sends, and the
+    backward's pairs are the forward's, not one per projection."""
+    cfg = compose("+preset=[smoke,tp]", "precision=bf16", f"model.arch={arch}")
     shape = model_shape(cfg)
-    hidden = cfg.data.batch_size * cfg.data.seq_len * shape.hidden * 2
+    L, hidden = shape.num_layers, cfg.data.batch_size * cfg.data.seq_len * shape.hidden * 2
     tp2 = plan_memory(cfg, shape, 2, "cuda").sent("tp")
-    assert tp2 == shape.num_layers * 4 * hidden  # 2 x (2 - 1) / 2 = 1 share
-    gc = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", "model.gradient_checkpointing=true"), shape, 2,
-                     "cuda").sent("tp")
-    assert gc == pytest.approx(1.5 * tp2)
-    tp4 = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", "parallel.tp_size=4"), shape, 4, "cuda")
+    assert tp2 == L * (forward + backward) * hidden  # 2 x (2 - 1) / 2 = 1 share
+    gc = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", f"model.arch={arch}",
+                             "model.gradient_checkpointing=true"), shape, 2, "cuda").sent("tp")
+    assert gc == tp2 + L * forward * hidden
+    tp4 = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", f"model.arch={arch}", "parallel.tp_size=4"),
+                      shape, 4, "cuda")
     assert tp4.sent("tp") == pytest.approx(1.5 * tp2)  # 2 x 3 / 4 of each
     assert tp4.sent("dp") == 0  # 4 processes, 4 tp ranks: one data-parallel rank
+    sp = plan_memory(compose("+preset=[smoke,tp]", "precision=bf16", f"model.arch={arch}",
+                             "parallel.sequence_parallel=true"), shape, 2, "cuda")
+    pairs = 2 + forward  # all-gathers before the attention and the MLP, a reduce-scatter after each row-wise one
+    assert sp.sent("tp") == 2 * (L * pairs + 1) * hidden // 2  # each a half share; one more all-gather each way
+    assert [x.what for x in sp.traffic if x.link == "tp"] == [f"activation all-gather + reduce-scatter ({d})"
+                                                               for d in ("forward", "backward")]
 
 
 def test_sequence_parallelism_splits_the_norms_and_each_blocks_kept_input():

@@ -715,8 +715,8 @@ def render_traffic(plan: MemoryPlan) -> list[str]:
     if not plan.traffic:
         return ["", "communication per optimizer step: none (one process, nothing offloaded)"]
     out = ["", "communication per optimizer step, bytes each process sends (ring collectives; not memory):",
-           f"  {'what':<44}{'bytes':>12}  {'over':<5} note"]
-    out += [f"  {x.what:<44}{_gib(x.bytes):>12}  {x.link:<5} {x.note}" for x in plan.traffic if x.bytes]
+           f"  {'what':<52}{'bytes':>12}  {'over':<5} note"]
+    out += [f"  {x.what:<52}{_gib(x.bytes):>12}  {x.link:<5} {x.note}" for x in plan.traffic if x.bytes]
     out += [f"  total {LINKS[link]}: {_gib(plan.sent(link))}" for link in LINKS if plan.sent(link)]
     if plan.cpu_stepped_params:
         out.append(f"  the optimizer steps {plan.cpu_stepped_params / 1e6:,.1f}M parameters per process on the CPU")
