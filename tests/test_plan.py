@@ -63,6 +63,7 @@ def test_the_meta_model_has_the_live_model_shape(arch):
     model, _ = build_and_step(cfg)
     assert shape.shapes == [tuple(p.shape) for p in model.parameters()]
     assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert (shape.sequence_parallel_problem is None) == (arch != "gpt2")  # Llama's block layout, or not
     if arch == "llama_gqa_untied":  # k and v half as wide as q; the output head a weight of its own
         h, V = cfg.model.hidden_size, shape.vocab
         assert shape.kv_heads == 2 and model.model.layers[0].self_attn.k_proj.weight.shape == (h // 2, h)

@@ -78,6 +78,8 @@ class ModelShape:
     tp_split: list[int | None] | None = None
     # the same for each trainable shape (an adapter's: lora_B beside a column-wise weight, lora_A beside a row-wise one)
     trainable_tp_split: list[int | None] | None = None
+    # why parallel.sequence_parallel cannot split these blocks (trainloop.tensor_parallel), or None
+    sequence_parallel_problem: str | None = None
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -106,6 +108,7 @@ def model_shape(cfg) -> ModelShape:
 
     from trainloop.data import build_tokenizer
     from trainloop.model import build_model_config
+    from trainloop.tensor_parallel import sequence_parallel_problem
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     config = build_model_config(cfg.model, len(tokenizer))
@@ -124,6 +127,7 @@ def model_shape(cfg) -> ModelShape:
     shapes = [tuple(p.shape) for p in model.parameters()]
     tp_split = [_tp_split(model, name) for name, _ in model.named_parameters()]
     experts = [m for m in model.modules() if _is_experts(m)]  # e.g. Mixtral's, a 3-D weight per projection
+    sp_problem = sequence_parallel_problem(model.base_model)
     trainable, trainable_tp_split, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
     return ModelShape(
         num_experts=getattr(config, "num_local_experts", 0) if experts else 0,
@@ -133,6 +137,7 @@ def model_shape(cfg) -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
         shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
         largest_layer_params=max(layer_sizes), tp_split=tp_split, trainable_tp_split=trainable_tp_split,
+        sequence_parallel_problem=sp_problem,
     )
 
 
