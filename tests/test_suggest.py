@@ -59,6 +59,7 @@ def test_8b_on_8x80_lists_layouts_and_its_first_choice_fits_by_its_own_plan(llam
     text = suggestion.render(s, top=5)
     assert text.splitlines()[3].lstrip().startswith("1 ") and first.layout in text.splitlines()[3]
     assert "DDP: GPU:" in text and "does NOT fit" in text
+    assert " + SP: fsdp=full_shard parallel.tp_size=" in suggestion.render(s, top=0)  # the override on its line
     for a in suggestion.ASSUMPTIONS.values():  # every number assumed, with its flag
         assert a.flag in text
     assert "MFU 0.4" in text and "NOT overlapped" in text and "450 GB/s" in text and "25 GB/s" in text
@@ -83,6 +84,15 @@ def test_the_step_time_model_moves_the_right_way(llama_8b):
     for o in llama_8b.options:
         offloaded = "offload" in o.layout
         assert (o.time.pcie > 0 and o.time.cpu_optimizer > 0) == offloaded, o.layout
+    # sequence parallelism, offered beside each tp layout: the same compute, fewer activations kept and
+    # fewer bytes within the tp group (an all-gather + reduce-scatter pair where an all-reduce was, and
+    # one reduce-scatter for q/k/v's input gradients where torch's styles all-reduce each)
+    sp = [o for o in llama_8b.options if o.layout.endswith(suggestion.SEQUENCE_PARALLEL)]
+    assert {o.layout for o in sp} == {f"FSDP2 x TP{n} + SP" for n in (2, 4, 8)}
+    for o in sp:
+        twin = by_key[(o.layout.removesuffix(suggestion.SEQUENCE_PARALLEL), o.micro_batch, o.checkpointing)]
+        assert "parallel.sequence_parallel=true" in o.overrides and "parallel.sequence_parallel=true" not in twin.overrides
+        assert o.time.compute == twin.time.compute and o.time.tp < twin.time.tp and o.memory < twin.memory
     two_nodes = suggestion.run(args("--suggest", "--gpus", "16", "--nodes", "2", "--gpu-memory", "80", "--top", "0",
                                        "--global-batch", "128", *LLAMA_8B))
     for o in two_nodes.options:

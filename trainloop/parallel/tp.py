@@ -148,7 +148,8 @@ class FSDP2xTP(FSDP2):
         whole), and an adapter's trainable matrices split beside them (shape.trainable_tp_split:
         lora_B beside a column-wise weight, lora_A beside a row-wise one); FSDP2 shards that over
         the world_size / tp_size dp_shard ranks: its lines (FSDP2.memory_lines) for that smaller
-        model and dp_shard size. The activations split by tp are the planner's (activation_bytes)."""
+        model and dp_shard size. The activations split by tp (and by sequence parallelism) are the
+        planner's (activation_bytes)."""
         tp = cfg.parallel.tp_size
         dp = max(1, world_size // tp)
         first = len(plan.lines)
@@ -158,30 +159,58 @@ class FSDP2xTP(FSDP2):
             line.note = line.note.replace(" per process (FSDP2)", f" over dp_shard (FSDP2) of each tp rank's 1/{tp}")
         split = sum(d is not None for d in shape.tp_split or [])
         adapters = sum(d is not None for d in shape.trainable_tp_split or [])
+        kept = ("the norms and the residual stream 1/tp_size of the sequence too (parallel.sequence_parallel), "
+                "the projections' gathered inputs and the logits whole" if cfg.parallel.sequence_parallel else
+                "the residual stream, norms and logits whole")
         plan.notes.append(f"tensor parallelism: parallel.tp_size={tp} ranks split each block's planned matrices "
                           f"({split} tensors" + (f", {adapters} adapter matrices beside them" if adapters else "")
-                          + f"), FSDP2 shards over {dp} dp_shard rank(s); the attention's and the MLP's inner "
-                          "activations are 1/tp_size on each rank, the residual stream, norms and logits whole")
+                          + f"), FSDP2 shards over {dp} dp_shard rank(s); the attention's"
+                          + (" (a mixture's experts whole)" if shape.num_experts else " and the MLP's")
+                          + f" inner activations are 1/tp_size on each rank, {kept}")
 
     @staticmethod
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
         """FSDP2's collectives over the dp_shard ranks, of each tp rank's share of the model; and
-        within each tp group, as Megatron-LM counts them without sequence parallelism: per block, an
-        all-reduce of the micro-batch's hidden states (batch x seq x hidden, compute dtype) after the
-        row-wise attention output and MLP down projections in the forward, two more of their input
-        gradients in the backward, and two again in a checkpointed block's recomputed forward."""
+        within each tp group the micro-batch's hidden states (batch x seq x hidden, compute dtype),
+        collected as torch's styles collect them (counted with torch's CommDebugMode on 2 gloo ranks,
+        Llama and Mixtral, 3 blocks):
+        - without sequence parallelism, an all-reduce of each row-wise projection's output (o, down)
+          in the forward, and of each column-wise projection's input gradient in the backward, one
+          per projection (ColwiseParallel wraps each one's input on its own, where Megatron-LM's f
+          operator sums q/k/v's first): Llama 2 forward and 5 backward a block, Mixtral (its
+          experts whole) 1 and 3;
+        - with it, an all-gather + reduce-scatter pair where there was an all-reduce, the same bytes
+          in a ring: per block, an all-gather before the attention and one before the MLP, a
+          reduce-scatter after each row-wise projection, and the backward the same (the projections'
+          input gradients, summed on the one gathered input, are one reduce-scatter), plus per
+          micro-batch one more all-gather each way (the final norm's input; the first block's input
+          gradient);
+        and a checkpointed block's recomputed forward repeats its forward's. A LoRA adapter's
+        rank-wide collectives and the norms' weight gradients are left out (small)."""
         from trainloop.parallel.memory import Transfer, ring_bytes
 
-        tp = cfg.parallel.tp_size
+        tp, layers = cfg.parallel.tp_size, shape.num_layers
         FSDP2.traffic_lines(plan, cfg, rank_shape(shape, tp), max(1, world_size // tp), half)
         micro, checkpointed = cfg.trainer.gradient_accumulation_steps, cfg.model.gradient_checkpointing
         hidden = cfg.data.batch_size * cfg.data.seq_len * shape.hidden * (2 if half else 4)
-        per_block = ring_bytes("all-reduce", hidden, tp)
-        passes = (("forward", 2), ("backward", 2)) + ((("recomputed forward", 2),) if checkpointed else ())
-        for name, count in passes:
-            plan.traffic.append(Transfer(f"activation all-reduce ({name})", micro * shape.num_layers * count * per_block,
-                                         "tp", note=f"{count} per block, {cfg.data.batch_size} x {cfg.data.seq_len} x "
-                                                    f"{shape.hidden}, every micro-batch"))
+        share = ring_bytes("all-gather", hidden, tp)  # a reduce-scatter's too; an all-reduce sends two
+        split = [d for s, d in zip(shape.shapes, shape.tp_split or []) if len(s) == 2]  # weights, not biases
+        col, row = split.count(0) // layers, split.count(1) // layers  # per block
+        if cfg.parallel.sequence_parallel:  # in shares, per block: the same both ways
+            what, ends = "activation all-gather + reduce-scatter", 1
+            shares = {"forward": 2 + row, "backward": 2 + row}
+            said = {d: f"2 all-gathers + {row} reduce-scatters per block" for d in shares}
+        else:
+            what, ends = "activation all-reduce", 0
+            shares = {"forward": 2 * row, "backward": 2 * col}
+            said = {d: f"{n // 2} per block" for d, n in shares.items()}
+        passes = [(d, shares[d], said[d], ends) for d in ("forward", "backward")]
+        passes += [("recomputed", shares["forward"], said["forward"], 0)] if checkpointed else []  # the forward's
+        for name, n, note, extra in passes:
+            plan.traffic.append(Transfer(f"{what} ({name})", micro * (layers * n + extra) * share, "tp",
+                                         note=note + (f" + {extra} all-gather" if extra else "")
+                                         + f", {cfg.data.batch_size} x {cfg.data.seq_len} x {shape.hidden}, "
+                                         "every micro-batch"))
 
     @staticmethod
     def problems(cfg) -> list[str]:

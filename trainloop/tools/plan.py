@@ -73,11 +73,13 @@ class ModelShape:
     experts_per_token: int = 0  # experts the router sends each token to
     expert_params: int = 0  # in all blocks' experts (the routers not counted)
     hidden_matrix: list[bool] | None = None  # for each trainable shape: a hidden layer's matrix? (optim.hidden_matrices)
-    # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise) as the model's
-    # transformers plan (base_model_tp_plan) says, or None (whole on every tp rank)
+    # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise), as the split
+    # itself answers it (trainloop.tensor_parallel.split_dimension), or None (whole on every tp rank)
     tp_split: list[int | None] | None = None
     # the same for each trainable shape (an adapter's: lora_B beside a column-wise weight, lora_A beside a row-wise one)
     trainable_tp_split: list[int | None] | None = None
+    # why parallel.sequence_parallel cannot split these blocks (trainloop.tensor_parallel), or None
+    sequence_parallel_problem: str | None = None
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -106,6 +108,7 @@ def model_shape(cfg) -> ModelShape:
 
     from trainloop.data import build_tokenizer
     from trainloop.model import build_model_config
+    from trainloop.tensor_parallel import sequence_parallel_problem
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     config = build_model_config(cfg.model, len(tokenizer))
@@ -124,6 +127,7 @@ def model_shape(cfg) -> ModelShape:
     shapes = [tuple(p.shape) for p in model.parameters()]
     tp_split = [_tp_split(model, name) for name, _ in model.named_parameters()]
     experts = [m for m in model.modules() if _is_experts(m)]  # e.g. Mixtral's, a 3-D weight per projection
+    sp_problem = sequence_parallel_problem(model.base_model)
     trainable, trainable_tp_split, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
     return ModelShape(
         num_experts=getattr(config, "num_local_experts", 0) if experts else 0,
@@ -133,37 +137,32 @@ def model_shape(cfg) -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
         shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
         largest_layer_params=max(layer_sizes), tp_split=tp_split, trainable_tp_split=trainable_tp_split,
+        sequence_parallel_problem=sp_problem,
     )
 
 
 def _tp_split(model, name: str) -> int | None:
-    """The dimension of parameter `name` that the model's tensor-parallel plan splits, or None."""
-    from fnmatch import fnmatch
+    """The dimension of parameter `name` that tensor parallelism splits, or None: the split's own
+    answer (trainloop.tensor_parallel.split_dimension), so a mixture's routed experts stay whole here too."""
+    from trainloop.tensor_parallel import split_dimension
 
     module, _, kind = name.rpartition(".")
     prefix = model.base_model_prefix + "."
-    if not module.startswith(prefix):
+    return split_dimension(model.config, module[len(prefix):], kind) if module.startswith(prefix) else None
+
+
+def _lora_tp_split(config, name: str) -> int | None:
+    """The dimension of adapter parameter `name` (named inside the base model: "layers.0.self_attn.q_proj.
+    lora_B.default.weight") that tensor parallelism splits, as trainloop.tensor_parallel splits it:
+    lora_B's rows beside a column-wise weight, lora_A's columns beside a row-wise one; anything else
+    (the other matrix, modules_to_save) whole."""
+    from trainloop.tensor_parallel import split_dimension
+
+    module, lora, part = name.partition(".lora_")
+    if not lora or not part.endswith("weight"):
         return None
-    module = module[len(prefix):]
-    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
-        if fnmatch(module, pattern):
-            if style == "colwise":
-                return 0  # the weight's and the bias's output rows
-            return 1 if style == "rowwise" and kind == "weight" else None  # a row-wise bias is replicated
-    return None
-
-
-def _lora_tp_split(model, name: str) -> int | None:
-    """The dimension of adapter parameter `name` that tensor parallelism splits, as
-    trainloop.tensor_parallel splits it: lora_B's rows beside a column-wise weight, lora_A's
-    columns beside a row-wise one; anything else (the other matrix, modules_to_save) whole."""
-    from fnmatch import fnmatch
-
-    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
-        part, dim = ("lora_B", 0) if style == "colwise" else ("lora_A", 1)
-        if fnmatch(name, f"*.{pattern}.{part}.*weight"):
-            return dim
-    return None
+    dim = split_dimension(config, module, "weight")
+    return dim if (dim, part[0]) in ((0, "B"), (1, "A")) else None
 
 
 def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int | None] | None, int]:
@@ -180,9 +179,10 @@ def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int 
     quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     with torch.device("meta"):
         peft_model = wrap_lora(model, cfg.adapter)
-    trainable = [(name, tuple(p.shape)) for name, p in peft_model.named_parameters() if p.requires_grad]
-    split = [_lora_tp_split(model, name) for name, _ in trainable]
-    return [s for _, s in trainable], split, quantized if cfg.model.quantization != "none" else 0
+    inside = {id(p): name for name, p in peft_model.get_base_model().base_model.named_parameters()}  # the split's names
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    split = [_lora_tp_split(model.config, inside.get(id(p), "")) for p in trainable]
+    return [tuple(p.shape) for p in trainable], split, quantized if cfg.model.quantization != "none" else 0
 
 
 def _is_matmul(module) -> bool:
@@ -203,13 +203,17 @@ def _is_experts(module) -> bool:
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
                      checkpointing: bool, attention: str, chunked: bool = False,
-                     packed: bool = False, fp8: bool = False, tp: int = 1) -> tuple[int, int]:
+                     packed: bool = False, fp8: bool = False, tp: int = 1,
+                     sequence_parallel: bool = False) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
     tensors autograd saves (tests/test_plan.py measures them): the h terms are the norms,
     projections and residual, i the MLP, heads the attention's log-sum-exp. `half`: 16-bit
-    compute (autocast or a 16-bit model). Under autocast, every layer also keeps the 16-bit
+    compute, by autocast over fp32 parameters (`autocast`) or on a 16-bit model (FSDP2's
+    MixedPrecisionPolicy, DeepSpeed), whose norms keep less (Llama's: an fp32 copy of the input
+    and a 16-bit output, where autocast keeps fp32 input and output) and whose projections share one
+    16-bit input where autocast casts one for each. Under autocast, every layer also keeps the 16-bit
     copy of its weights that the matmuls used. `chunked` (trainer.loss_chunk_tokens): the full
     logits' log-softmax (4 B x vocabulary per token) and the output layer's 16-bit copy are not
     kept: loss_lines counts what the chunked loss holds instead. `packed` (data.packing=documents:
@@ -218,41 +222,60 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     measured on CPU with transformers 5.23). `fp8` (precision=fp8): the blocks' linear weights are
     cast to float8 for the matmuls, 1 B/param kept for the backward instead of the 16-bit copy;
     the float8 inputs torchao keeps are counted at 16 bits (an overestimate: half that). `tp`
-    (parallel.tp_size, Llama only): what lies between a column-wise projection and its row-wise
-    partner (the queries, keys, values, attention output and log-sum-exp; the MLP's four inner
-    tensors) and the blocks' 16-bit weight copies are 1/tp on each rank; the residual stream, the
-    norms, the projections' replicated inputs, the logits and the RoPE tables are whole (the saved
-    tensors of each kind counted in tests/test_plan.py, by their width).
+    (parallel.tp_size, Llama and Mixtral only): what lies between a column-wise projection and its
+    row-wise partner (the queries, keys, values, attention output and log-sum-exp; a dense MLP's
+    four inner tensors) and the blocks' 16-bit weight copies are 1/tp on each rank; the norms, the
+    projections' replicated inputs, a mixture's experts and router, the logits and the RoPE tables
+    are whole. `sequence_parallel` (parallel.sequence_parallel): the norms' kept tensors and, with
+    checkpointing, each block's kept input (the residual stream) are 1/tp of the sequence too; the
+    projections' inputs, gathered before q/k/v and gate/up, stay whole, and so does the final norm
+    (it gathers first). tests/test_tensor_parallel.py measures both on 2 tp ranks.
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
     tokens = batch * seq
     logits = 0 if chunked else 4 * V  # the fp32 log-softmax cross-entropy keeps
+    cast = half and autocast  # 16-bit copies made for each matmul; norms and residual stream in fp32
+    model16 = half and not autocast  # a 16-bit model: its norms and residual stream in 16 bits too
+    b = 2 if half else 4  # bytes of an element the matmuls compute in
     if shape.family == "llama":
-        # whole: two norms' inputs, their fp32 output and rsqrt, the projections' inputs (16-bit copies
-        # of them under autocast); split: q (its RoPE'd copy and the attention output), k, v, the lse, the MLP
-        whole, split = (26 * h + 8, 4 * h + 4 * kv + 8 * i + 4 * heads) if half else \
-            (24 * h + 8, 8 * h + 8 * kv + 16 * i + 4 * heads)
-        rest = tokens * (logits + (10 if half else 12) * h + 20) + 8 * seq * (h // heads)  # logits, RoPE tables
-    else:  # not split by tensor parallelism (refused for these: trainloop.parallel.tp)
-        whole, split, tp = (20 * h + 10 * i + 4 * heads + 16) if half else (32 * h + 20 * i + 4 * heads + 16), 0, 1
-        rest = tokens * (logits + (6 if half else 8) * h + 26) + 8 * seq
+        # the two norms: each keeps its input, its fp32 output and rsqrt (a 16-bit model: an fp32 copy of
+        # its input, the rsqrt and its 16-bit output); 1/tp under sequence parallelism
+        norms = 12 * h + 8 if model16 else 16 * h + 8
+        # the projections' inputs, the norms' outputs (under autocast q, k, v, gate and up each cast their
+        # own 16-bit copy): whole on every tp rank, gathered there under sequence parallelism
+        whole = 10 * h if cast else 2 * b * h
+        # split: q (RoPE'd), k, v, the attention output and its fp32 log-sum-exp; the MLP's gate, its
+        # activation, up and down's input
+        split, mlp = b * (2 * h + 2 * kv) + 4 * heads, 4 * b * i
+        final = 8 * h if model16 else 10 * h if cast else 12 * h  # the final norm's and the output layer's input
+        rope = 2 * (2 if model16 else 4) * seq * (h // heads)  # the cos and sin tables
+        rest = tokens * (logits + final + 20) + rope
+    else:  # not split by tensor parallelism (refused for these: trainloop.parallel.tp); a 16-bit model's
+        # LayerNorms keep their input and statistics in 16 bits, autocast's in fp32
+        whole = 16 * h + 10 * i + 4 * heads + 8 if model16 else \
+            (20 * h + 10 * i + 4 * heads + 16) if half else (32 * h + 20 * i + 4 * heads + 16)
+        norms, mlp, split, tp = 0, 0, 0, 1
+        rest = tokens * (logits + (4 * h + 22 if model16 else (6 if half else 8) * h + 26)) + 8 * seq
     if attention == "eager":  # the softmax probabilities instead of the log-sum-exp
         split += heads * (seq - 1) * (2 if half else 4)
     if shape.num_experts:  # each token through k experts' MLPs (tokens sorted by expert) instead of one MLP
         k, E = shape.experts_per_token, shape.num_experts
         # measured (CPU, transformers 5.23): under autocast the expert matmuls keep fp32 activations and
-        # make no 16-bit copies of the expert weights
-        whole += k * (8 * h + 16 * i + 48) - ((8 * i + 2 * h + 12) if half else 16 * i)
+        # make no 16-bit copies of the expert weights, and the router casts one input where a dense MLP's
+        # gate and up cast two; the experts and the router are whole on every tp rank
+        mlp = 0
+        whole += k * ((4 if cast else b) * (2 * h + 4 * i) + 48) - (2 * h + 12 if cast else 0)
         whole += 8 * E + 4  # the router's logits and probabilities
     weight_copies = (1 if fp8 else 2) * (shape.layer_linear_params - shape.expert_params // shape.num_layers) \
         // tp if autocast else 0
     rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
     mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
-    layer = tokens * whole + tokens * split // tp + weight_copies + mask
+    sp = tp if sequence_parallel else 1  # the sequence's share of a tp rank, between the split matrices
+    layer = tokens * norms // sp + tokens * whole + tokens * (split + mlp) // tp + weight_copies + mask
     if not checkpointing:
         return shape.num_layers * layer + rest, 0
-    residual = tokens * h * (2 if half and not autocast else 4)  # each layer's input, kept
+    residual = tokens * h * (2 if half and not autocast else 4) // sp  # each layer's input, kept
     return shape.num_layers * residual + rest, layer
 
 
@@ -310,10 +333,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     packed = cfg.data.packing == "documents"
     fp8 = cfg.precision.name == "fp8"
     tp = cfg.parallel.tp_size
+    sp = cfg.parallel.sequence_parallel and tp > 1
     saved, recompute = activation_bytes(
         shape, batch, cfg.data.seq_len, half, autocast=autocast,
         checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
-        packed=packed, fp8=fp8, tp=tp)
+        packed=packed, fp8=fp8, tp=tp, sequence_parallel=sp)
     if fp8:
         plan.notes.append("precision=fp8: the blocks' linear weights are cast to float8 (1 B/param) for the matmuls "
                           "and kept for the backward; torchao's float8 inputs are counted at 16 bits (an overestimate)")
@@ -321,7 +345,9 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     add(Line("activations", saved, "cpu" if offloaded else dev, "forward/backward", exact=False,
              note=f"micro-batch {batch} x {cfg.data.seq_len} tokens"
                   + (", gradient checkpointing" if cfg.model.gradient_checkpointing else "")
-                  + (f", attention and MLP inner tensors 1/{tp} (tensor parallel)" if tp > 1 else "")
+                  + (f", attention{'' if shape.num_experts else ' and MLP'} inner tensors 1/{tp} (tensor parallel)"
+                     if tp > 1 else "")
+                  + (f", norms and residual stream 1/{tp} (sequence parallel)" if sp else "")
                   + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
@@ -333,11 +359,11 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if not cfg.model.gradient_checkpointing:
         without = saved
         with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                       True, cfg.model.attn_implementation, chunked, packed, fp8, tp))
+                                       True, cfg.model.attn_implementation, chunked, packed, fp8, tp, sp))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
         without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                   False, cfg.model.attn_implementation, chunked, packed, fp8, tp)[0]
+                                   False, cfg.model.attn_implementation, chunked, packed, fp8, tp, sp)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
@@ -694,8 +720,8 @@ def render_traffic(plan: MemoryPlan) -> list[str]:
     if not plan.traffic:
         return ["", "communication per optimizer step: none (one process, nothing offloaded)"]
     out = ["", "communication per optimizer step, bytes each process sends (ring collectives; not memory):",
-           f"  {'what':<44}{'bytes':>12}  {'over':<5} note"]
-    out += [f"  {x.what:<44}{_gib(x.bytes):>12}  {x.link:<5} {x.note}" for x in plan.traffic if x.bytes]
+           f"  {'what':<52}{'bytes':>12}  {'over':<5} note"]
+    out += [f"  {x.what:<52}{_gib(x.bytes):>12}  {x.link:<5} {x.note}" for x in plan.traffic if x.bytes]
     out += [f"  total {LINKS[link]}: {_gib(plan.sent(link))}" for link in LINKS if plan.sent(link)]
     if plan.cpu_stepped_params:
         out.append(f"  the optimizer steps {plan.cpu_stepped_params / 1e6:,.1f}M parameters per process on the CPU")

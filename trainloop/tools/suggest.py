@@ -1,7 +1,8 @@
 """`python -m trainloop.plan --suggest --gpus N --gpu-memory GiB [overrides]`: the layouts that fit, fastest first.
 
 Every layout of the table below (DDP, ZeRO-1/2/3 with and without CPU offload, FSDP2 with and
-without CPU offload, FSDP2 x TP for each tp dividing the GPUs of a node), with and without
+without CPU offload, FSDP2 x TP for each tp dividing the GPUs of a node, each with and without
+sequence parallelism where the blocks are Llama's), with and without
 gradient checkpointing, at every micro-batch x accumulation that keeps the global batch, is
 planned by the planner itself (plan_memory on the composed config, verdict against the GPUs:
 GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimated step time:
@@ -64,7 +65,7 @@ ASSUMPTIONS = {
 # What a layout sets; every layout sets all of these, so neither the user's overrides nor a preset
 # can leave a stale one (an offload target without its stage) behind.
 LAYOUT_DEFAULTS = {"deepspeed": "none", "deepspeed.offload_optimizer": "none", "deepspeed.offload_param": "none",
-                   "fsdp": "none", "fsdp.offload": "none", "parallel.tp_size": 1}
+                   "fsdp": "none", "fsdp.offload": "none", "parallel.tp_size": 1, "parallel.sequence_parallel": "false"}
 # Keys the suggestion chooses itself: the user's own are dropped (and said so).
 CHOSEN = (*LAYOUT_DEFAULTS, "model.gradient_checkpointing", "data.batch_size", "trainer.gradient_accumulation_steps")
 
@@ -83,9 +84,16 @@ STRATEGIES: dict[str, dict] = {
 }
 
 
+SEQUENCE_PARALLEL = " + SP"  # a tp layout's name with parallel.sequence_parallel=true
+
+
 def layouts(gpus_per_node: int) -> dict[str, dict]:
-    """The table, and FSDP2 x TP for each tp > 1 dividing a node's GPUs (tp groups stay on NVLink)."""
-    tp = {f"FSDP2 x TP{n}": {"fsdp": "full_shard", "parallel.tp_size": n} for n in divisors(gpus_per_node) if n > 1}
+    """The table, and FSDP2 x TP for each tp > 1 dividing a node's GPUs (tp groups stay on NVLink),
+    without and with sequence parallelism (the norms and the residual stream on 1/tp of the sequence)."""
+    tp = {}
+    for n in (n for n in divisors(gpus_per_node) if n > 1):
+        tp[f"FSDP2 x TP{n}"] = {"fsdp": "full_shard", "parallel.tp_size": n}
+        tp[f"FSDP2 x TP{n}{SEQUENCE_PARALLEL}"] = {**tp[f"FSDP2 x TP{n}"], "parallel.sequence_parallel": "true"}
     return {**STRATEGIES, **tp}
 
 
@@ -247,6 +255,9 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
             cfg = compose_config(kept + layout_overrides(layout))
         except ConfigError as err:
             s.not_applied[name] = str(err).replace("invalid config:\n  ", "").replace("\n  ", "; ")
+            continue
+        if name.endswith(SEQUENCE_PARALLEL) and shape.sequence_parallel_problem:  # blocks not laid out as Llama's
+            s.not_applied[name] = shape.sequence_parallel_problem
             continue
         shown = [f"{k}={v}" for k, v in layout.items()]
         for checkpointing in (False, True):
