@@ -446,20 +446,22 @@ def verdict(plan: MemoryPlan, machine: Machine) -> tuple[bool | None, list[str]]
 # Measuring a real run here, to check the prediction
 
 
-def _rss() -> int:
+def _status(field: str) -> int:
+    """A byte count of /proc/self/status: VmRSS (resident now), VmHWM (its peak), RssFile (of it,
+    the pages of mapped files: the libraries' code and data)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _rss() -> int:
+    return _status("VmRSS")
 
 
 def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _status("VmHWM")
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -528,7 +530,8 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     """Train `steps` optimizer steps with the run's own builders; the memory the training took.
 
     On CPU: peak RSS during those steps minus RSS just before the model is built (Linux: the
-    peak is reset through /proc/self/clear_refs), with glibc told to unmap freed tensors
+    peak is reset through /proc/self/clear_refs) and less the library pages the steps mapped in
+    (training_bytes), with glibc told to unmap freed tensors
     (track_live_memory) so that the resident set follows the live tensors. On a GPU: torch's peak
     allocated bytes. Then `timed_steps` more steps with glibc's usual heap, each timed
     (`step_seconds`); `peak_rss` is the whole process's peak resident set at the end.
@@ -562,7 +565,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         marks["live"] = track_live_memory(True)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS now starts from here
-        marks["before"] = _rss()
+        marks["before"], marks["files_before"] = _rss(), _status("RssFile")
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
             marks["gpu_before"] = torch.cuda.memory_allocated()
@@ -570,6 +573,13 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     built = build(cfg, strategy, before_model=start_measuring)  # the run's own build, in the run's order
     model, optimizer, objective = built.model, built.optimizer, built.objective
     before, gpu_before, live = marks["before"], marks.get("gpu_before"), marks["live"]
+
+    def training_bytes() -> int:
+        """The peak resident set since the mark, less the pages of library code and data the steps
+        mapped in (RssFile's growth): those are the libraries', not the training's, and how many a
+        first call maps depends on the page cache (the kernel maps the neighbours of a faulted page
+        that are cached): 29 MiB apart between two venvs of the same packages, seen here."""
+        return _peak_rss() - before - (_status("RssFile") - marks["files_before"])
     batch = {key: value.to(accelerator.device) for key, value in next(iter(built.train_loader)).items()}
     model.train()
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
@@ -578,7 +588,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     saved = None if offload.on else SavedActivations(model)
     for step in range(steps + timed_steps):
         if step == steps:  # the memory steps are over: their peak, then glibc's usual heap for the timing
-            result = {"training_bytes": _peak_rss() - before}
+            result = {"training_bytes": training_bytes()}
             if on_cuda:
                 result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
             track_live_memory(False)
@@ -599,7 +609,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         summed.item()  # waits for the device
         seconds.append(time.perf_counter() - start)
     if not timed_steps:
-        result = {"training_bytes": _peak_rss() - before}
+        result = {"training_bytes": training_bytes()}
         if on_cuda:
             result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
     shards["parameters"] = _storage_bytes(local_shard(p) for p in model.parameters())
