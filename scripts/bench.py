@@ -171,6 +171,22 @@ def worker_hf(cfg, steps: int, out: Path) -> None:
     log.close()
 
 
+def model_flops_utilisation(cfg, tokens_per_s: float) -> float | None:
+    """tokens/s x training FLOPs per token over the GPU's dense peak for the precision, as trainloop
+    logs its own `mfu` (trainloop.flops); None on a CPU or a GPU whose peak is not in the table."""
+    import torch
+
+    from trainloop.data import build_tokenizer
+    from trainloop.flops import flops_per_token, peak_tflops
+    from trainloop.model import build_model_config
+
+    if not torch.cuda.is_available():
+        return None
+    peak = peak_tflops(torch.device("cuda"), cfg.precision.name, None)
+    config = build_model_config(cfg.model, len(build_tokenizer(None, None)))
+    return None if peak is None else tokens_per_s * flops_per_token(config, cfg.data.seq_len) / (peak * 1e12)
+
+
 def timed_steps(times: list[float], intervals: list[tuple[float, float]], warmup: int) -> list[float]:
     """Durations of the steps that count towards tokens/s.
 
@@ -379,13 +395,16 @@ def main() -> None:
                 for v, r in rounds[-1].items()), file=sys.stderr)
 
     results = {v: summarize([r[v] for r in rounds]) for v in variants}
+    for r in results.values():  # the same model and tokens for all three: one FLOPs count
+        r["mfu"] = model_flops_utilisation(cfg, r["tokens_per_s"])
     print(f"\n{args.size} size, {args.steps} steps x {args.rounds} rounds, turns of {args.turn:g} s, "
           f"{tokens_per_step} tokens/step; tokens/s over the steps that ran whole inside one turn, "
           f"after {args.warmup} warm-up steps and the first step of each turn (median over rounds)\n")
-    print("| variant | tokens/s | runs | peak memory (GiB) | start to 1st step (s) |")
-    print("|---|---:|---|---:|---:|")
+    print("| variant | tokens/s | MFU | runs | peak memory (GiB) | start to 1st step (s) |")
+    print("|---|---:|---:|---|---:|---:|")
     for v, r in results.items():
-        print(f"| {v} | {r['tokens_per_s']:,.0f} | {r['all_tokens_per_s']} | {r['peak_memory_gib']:.2f} | "
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        print(f"| {v} | {r['tokens_per_s']:,.0f} | {mfu} | {r['all_tokens_per_s']} | {r['peak_memory_gib']:.2f} | "
               f"{r['first_step_s']:.1f} |")
     paired = {}
     if "trainloop" in results:

@@ -87,7 +87,8 @@ def _fp8(machine: Machine, overrides: list[str]) -> tuple[list[str], str]:
 def _bench_figures(out: Path) -> dict:
     results = json.loads((out / "bench.json").read_text())["results"]
     return {"tokens/s": ", ".join(f"{v} {r['tokens_per_s']:,.0f}" for v, r in results.items()),
-            "peak memory": ", ".join(f"{v} {r['peak_memory_gib']:.2f} GiB" for v, r in results.items())}
+            "peak memory": ", ".join(f"{v} {r['peak_memory_gib']:.2f} GiB" for v, r in results.items()),
+            "MFU": ", ".join(f"{v} {r['mfu']:.1%}" for v, r in results.items() if r.get("mfu") is not None)}
 
 
 def _methods_figures(out: Path) -> dict:
