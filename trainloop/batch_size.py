@@ -78,7 +78,8 @@ def candidates(effective: int, limit: int):
         size = max(d for d in range(1, size // 2 + 1) if effective % d == 0)
 
 
-def _proc_status_bytes(key: str) -> int | None:
+def proc_status_bytes(key: str) -> int | None:
+    """A byte count of /proc/self/status (VmData, VmRSS, VmHWM, RssFile...); None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -121,7 +122,7 @@ def memory_budget(device: torch.device, budget: int | None):
     import resource
 
     budget = budget if budget is not None else _mem_available()
-    held = _proc_status_bytes("VmData")
+    held = proc_status_bytes("VmData")
     if budget is None or held is None:  # not Linux: no way to cap the process here
         yield
         return

@@ -329,15 +329,16 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
 
     autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
-    chunked = cfg.trainer.loss_chunk_tokens > 0
-    packed = cfg.data.packing == "documents"
     fp8 = cfg.precision.name == "fp8"
     tp = cfg.parallel.tp_size
     sp = cfg.parallel.sequence_parallel and tp > 1
-    saved, recompute = activation_bytes(
-        shape, batch, cfg.data.seq_len, half, autocast=autocast,
-        checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation, chunked=chunked,
-        packed=packed, fp8=fp8, tp=tp, sequence_parallel=sp)
+
+    def activations(checkpointing: bool) -> tuple[int, int]:  # this run's, with or without checkpointing
+        return activation_bytes(shape, batch, cfg.data.seq_len, half, autocast=autocast, checkpointing=checkpointing,
+                                attention=cfg.model.attn_implementation, chunked=cfg.trainer.loss_chunk_tokens > 0,
+                                packed=cfg.data.packing == "documents", fp8=fp8, tp=tp, sequence_parallel=sp)
+
+    saved, recompute = activations(cfg.model.gradient_checkpointing)
     if fp8:
         plan.notes.append("precision=fp8: the blocks' linear weights are cast to float8 (1 B/param) for the matmuls "
                           "and kept for the backward; torchao's float8 inputs are counted at 16 bits (an overestimate)")
@@ -358,12 +359,10 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                  note="one layer's activations, rebuilt during the backward pass"))
     if not cfg.model.gradient_checkpointing:
         without = saved
-        with_gc = sum(activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                       True, cfg.model.attn_implementation, chunked, packed, fp8, tp, sp))
+        with_gc = sum(activations(True))
         plan.notes.append(f"activations {_gib(without)}; with model.gradient_checkpointing=true {_gib(with_gc)}")
     else:
-        without = activation_bytes(shape, batch, cfg.data.seq_len, half, autocast,
-                                   False, cfg.model.attn_implementation, chunked, packed, fp8, tp, sp)[0]
+        without = activations(False)[0]
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
@@ -447,21 +446,14 @@ def verdict(plan: MemoryPlan, machine: Machine) -> tuple[bool | None, list[str]]
 
 
 def _status(field: str) -> int:
-    """A byte count of /proc/self/status: VmRSS (resident now), VmHWM (its peak), RssFile (of it,
-    the pages of mapped files: the libraries' code and data)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    """A byte count of /proc/self/status, which the measurement needs: VmRSS (resident now), VmHWM
+    (its peak), RssFile (of it, the pages of mapped files: the libraries' code and data)."""
+    from trainloop.batch_size import proc_status_bytes
 
-
-def _rss() -> int:
-    return _status("VmRSS")
-
-
-def _peak_rss() -> int:
-    return _status("VmHWM")
+    found = proc_status_bytes(field)
+    if found is None:
+        raise RuntimeError(f"no {field} in /proc/self/status")
+    return found
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -531,7 +523,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
 
     On CPU: peak RSS during those steps minus RSS just before the model is built (Linux: the
     peak is reset through /proc/self/clear_refs) and less the library pages the steps mapped in
-    (training_bytes), with glibc told to unmap freed tensors
+    (memory_used), with glibc told to unmap freed tensors
     (track_live_memory) so that the resident set follows the live tensors. On a GPU: torch's peak
     allocated bytes. Then `timed_steps` more steps with glibc's usual heap, each timed
     (`step_seconds`); `peak_rss` is the whole process's peak resident set at the end.
@@ -565,7 +557,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         marks["live"] = track_live_memory(True)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS now starts from here
-        marks["before"], marks["files_before"] = _rss(), _status("RssFile")
+        marks["before"], marks["files_before"] = _status("VmRSS"), _status("RssFile")
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
             marks["gpu_before"] = torch.cuda.memory_allocated()
@@ -574,12 +566,16 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     model, optimizer, objective = built.model, built.optimizer, built.objective
     before, gpu_before, live = marks["before"], marks.get("gpu_before"), marks["live"]
 
-    def training_bytes() -> int:
+    def memory_used() -> dict:
         """The peak resident set since the mark, less the pages of library code and data the steps
         mapped in (RssFile's growth): those are the libraries', not the training's, and how many a
         first call maps depends on the page cache (the kernel maps the neighbours of a faulted page
-        that are cached): 29 MiB apart between two venvs of the same packages, seen here."""
-        return _peak_rss() - before - (_status("RssFile") - marks["files_before"])
+        that are cached): 29 MiB apart between two venvs of the same packages, seen here. On a GPU,
+        torch's peak allocated bytes beside it."""
+        used = {"training_bytes": _status("VmHWM") - before - (_status("RssFile") - marks["files_before"])}
+        if on_cuda:
+            used["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+        return used
     batch = {key: value.to(accelerator.device) for key, value in next(iter(built.train_loader)).items()}
     model.train()
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
@@ -588,9 +584,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     saved = None if offload.on else SavedActivations(model)
     for step in range(steps + timed_steps):
         if step == steps:  # the memory steps are over: their peak, then glibc's usual heap for the timing
-            result = {"training_bytes": training_bytes()}
-            if on_cuda:
-                result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+            result = memory_used()
             track_live_memory(False)
         start = time.perf_counter()
         for micro in range(accumulation):
@@ -609,16 +603,14 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         summed.item()  # waits for the device
         seconds.append(time.perf_counter() - start)
     if not timed_steps:
-        result = {"training_bytes": training_bytes()}
-        if on_cuda:
-            result["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+        result = memory_used()
     shards["parameters"] = _storage_bytes(local_shard(p) for p in model.parameters())
     shards["optimizer states"] = _storage_bytes(local_shard(v) for state in optimizer.state.values()
                                                 for v in state.values() if isinstance(v, torch.Tensor))
-    result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _peak_rss(),
+    result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _status("VmHWM"),
               "cpu_training_bytes": result.pop("training_bytes"), **result, "glibc_live_tracking": live,
-              "shard_bytes": shards, "saved_activation_bytes": saved and saved.bytes, "step_seconds": seconds[steps:], "tokens_per_step": accumulation
-              * cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size}
+              "shard_bytes": shards, "saved_activation_bytes": saved and saved.bytes, "step_seconds": seconds[steps:],
+              "tokens_per_step": accumulation * cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size}
     if strategy.world_size > 1:  # every process's measurement, on every process
         gathered = [None] * strategy.world_size
         torch.distributed.all_gather_object(gathered, result)
