@@ -127,6 +127,15 @@ PEAK_TFLOPS = {
 }
 
 
+def table_peak(gpu_name: str, kind: str) -> float | None:
+    """PEAK_TFLOPS' dense `kind` (bf16, tf32...) figure of the first key found in `gpu_name` (as
+    torch.cuda.get_device_name() or `plan --suggest --gpu` names it), or None."""
+    for key, peaks in PEAK_TFLOPS.items():
+        if key.lower() in gpu_name.lower():
+            return peaks.get(kind)
+    return None
+
+
 def matmul_precision(precision: str) -> str:
     """What the matmuls run in: fp32 runs on tf32 tensor cores when torch allows it."""
     import torch
@@ -149,11 +158,9 @@ def peak_tflops(device, precision: str, override: float | None) -> float | None:
 
     name = torch.cuda.get_device_name(device)
     kind = matmul_precision(precision)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in name:
-            if kind in peaks:
-                return peaks[kind]
-            break
+    peak = table_peak(name, kind)
+    if peak is not None:
+        return peak
     log.warning("no peak TFLOPS known for %s in %s: mfu is null; set logging.peak_tflops=N (the GPU's "
                 "dense %s peak) to report it", name, kind, kind)
     return None

@@ -189,17 +189,18 @@ def layout_overrides(layout: dict) -> list[str]:
 
 
 def peak_tflops(values: dict, precision) -> float:
-    """The assumed GPU's dense peak for what the matmuls run in (fp8 against bf16's, as trainloop.flops does)."""
-    from trainloop.flops import PEAK_TFLOPS
+    """The assumed GPU's dense peak for what the matmuls run in (fp8 against bf16's, as trainloop.flops does),
+    looked up as a run looks up its own GPU's (trainloop.flops.table_peak)."""
+    from trainloop.flops import PEAK_TFLOPS, table_peak
 
     if values["peak_tflops"]:
         return float(values["peak_tflops"])
     kind = {"fp8": "bf16", "fp32": "tf32" if precision.tf32 else "fp32"}.get(precision.name, precision.name)
-    peaks = next((p for key, p in PEAK_TFLOPS.items() if key.lower() == str(values["gpu"]).lower()), None)
-    if peaks is None or kind not in peaks:
+    peak = table_peak(str(values["gpu"]), kind)
+    if peak is None:
         raise ConfigError(f"--gpu {values['gpu']}: no {kind} peak known (known: {', '.join(PEAK_TFLOPS)}); "
                           "give --peak-tflops N")
-    return peaks[kind]
+    return peak
 
 
 def model_flops(cfg, shape) -> tuple[float, float]:
