@@ -128,6 +128,7 @@ class FSDP2(Strategy):
         shard_note = f"1/{n} per process (FSDP2)" if n > 1 else "one process: the shard is everything"
         add = plan.lines.append
         accumulating = cfg.trainer.gradient_accumulation_steps > 1
+        summed_in_shards = accumulating and cfg.fsdp.sync_each_batch  # each micro-batch reduce-scattered into them
         held_unsharded = accumulating and not cfg.fsdp.sync_each_batch
         adapters = trainable if shape.trainable is not None else []  # an adapter's matrices come on top of the base
         add(Line("parameters", 4 * sum(math.prod(s) for s in sharded + adapters), home,
@@ -135,9 +136,9 @@ class FSDP2(Strategy):
         # made by a micro-batch's reduce-scatter (the first one's when each is synced: held through the
         # later ones' forward and backward), freed by zero_grad
         add(Line("gradients", 4 * sum(math.prod(s) for s in trainable), home,
-                 None if accumulating and not held_unsharded else "optimizer step",
+                 None if summed_in_shards else "optimizer step",
                  note=f"fp32 shards (reduce-scattered), {shard_note}, freed by zero_grad"
-                      + (", summed over the micro-batches" if accumulating and not held_unsharded else "")))
+                      + (", summed over the micro-batches" if summed_in_shards else "")))
         states = planned_state_bytes(opt, trainable, shape.hidden_matrix)
         t = max(1, sum(math.prod(s) for s in trainable))
         add(Line("optimizer states", states, home, note=f"{opt.name} on the shards, {states / t:.2f} B per local param"))
@@ -182,17 +183,16 @@ class FSDP2(Strategy):
         pb, N, t = (2 if half else 4), shape.num_params, shape.num_trainable
         gathers = 2 if cfg.fsdp.reshard_after_forward else 1
         reduces = micro if cfg.fsdp.sync_each_batch else 1
+        each = "fp32, " + ("every micro-batch" if reduces > 1 else "once per step")
         if n > 1:
             add(Transfer("parameter all-gather", micro * gathers * ring_bytes("all-gather", pb * N, n), "dp",
                          note=f"{pb} B/param, {'forward and backward' if gathers == 2 else 'forward'} "
                               "of every micro-batch"))
-            add(Transfer("gradient reduce-scatter", reduces * ring_bytes("reduce-scatter", 4 * t, n), "dp",
-                         note="fp32, " + ("every micro-batch" if reduces > 1 else "once per step")))
+            add(Transfer("gradient reduce-scatter", reduces * ring_bytes("reduce-scatter", 4 * t, n), "dp", note=each))
         if cfg.fsdp.offload == "cpu":
             add(Transfer("shards to the device", micro * gathers * 4 * math.ceil(N / n), "pcie",
                          note="fp32, before each all-gather"))
-            add(Transfer("gradient shards to the host", reduces * 4 * math.ceil(t / n), "pcie",
-                         note="fp32, " + ("every micro-batch" if reduces > 1 else "once per step")))
+            add(Transfer("gradient shards to the host", reduces * 4 * math.ceil(t / n), "pcie", note=each))
 
     @staticmethod
     def problems(cfg) -> list[str]:
