@@ -117,6 +117,7 @@ def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
     state_dict = strategy.full_state_dict(model)
     outcome = [None]
     if accelerator.is_main_process:
+        bars = transformers_logging.is_progress_bar_enabled()
         try:
             # transformers' own "Writing model shards" bar would break the run's progress bar and log
             transformers_logging.disable_progress_bar()
@@ -130,7 +131,8 @@ def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
         except Exception as err:  # noqa: BLE001 - handed to every rank below
             outcome = [f"{type(err).__name__}: {err}"]
         finally:
-            transformers_logging.enable_progress_bar()
+            if bars:  # as it was: a user may have turned transformers' bars off
+                transformers_logging.enable_progress_bar()
     if strategy.world_size > 1:
         broadcast_object_list(outcome, from_process=0)
     if outcome[0] is not None:
