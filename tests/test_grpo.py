@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import sys
 from pathlib import Path
@@ -448,3 +449,35 @@ def test_a_reward_function_of_the_wrong_length_is_named(tmp_path):
     with pytest.raises(ConfigError, match=rf"^the reward function {REWARDS}:too_few returned 31 values for 32 "
                                           r"completions: it must return a list with one number \(or None\) per"):
         train(tmp_path / "run", *FULL, f"objective.rewards=[{REWARDS}:too_few]")
+
+
+# --- rewards that were not computed (issue 33) ------------------------------------------------------
+
+CHEAP = [*TASK, "data.batch_size=2", "objective.num_generations=2", "objective.max_new_tokens=4",
+         "trainer.eval_batches=1"]  # 4 completions a step
+
+
+@pytest.mark.parametrize("function, value, row", [("nan_first", "nan", 0), ("infinite_last", "inf", 2)])
+def test_a_nan_or_infinite_reward_is_a_broken_verifier_named_with_its_row(function, value, row):
+    """None says "does not apply"; NaN or inf says the verifier broke: refused, not read as None."""
+    from trainloop.rewards import Rewards
+
+    spec = f"{REWARDS}:{function}"
+    with pytest.raises(ConfigError, match=rf"^the reward function {re.escape(spec)} returned {value} for completion "
+                                          rf"{row} of the batch, prompt 'p{row}', completion 'c{row}': give a finite"):
+        Rewards([f"{REWARDS}:letters", spec]).score(["p0", "p1", "p2"], ["c0", "c1", "c2"], {})
+
+
+def test_a_nan_reward_or_a_step_that_nothing_scored_stops_the_run_before_it_logs(tmp_path):
+    """Acceptance 1 of issue 33: NaN for one completion stops the run at its first step, naming
+    the function and the row; so does a step whose every completion each function returned None
+    for. Neither logs a train line (no reward of 0.0 that nothing computed)."""
+    with pytest.raises(ConfigError, match=rf"^the reward function {re.escape(str(REWARDS))}:nan_first returned nan "
+                                          r"for completion 0 of the batch, prompt 'Write \w+:'"):
+        train(tmp_path / "nan", *CHEAP, f"objective.rewards=[{REWARDS}:letters,{REWARDS}:nan_first]")
+    with pytest.raises(ConfigError, match=r"^no reward function scored any of the 4 completions of step 1: "
+                                          rf"{re.escape(str(REWARDS))}:none returned None for each; give a number"):
+        train(tmp_path / "none", *CHEAP, f"objective.rewards=[{REWARDS}:none]")
+    for run_dir in (tmp_path / "nan", tmp_path / "none"):
+        assert not [r for r in read_metrics(run_dir) if "loss" in r]
+

@@ -3,7 +3,8 @@
     f(prompts=[...], completions=[...], **columns) -> [float | None, ...]
 
 one value per completion; None where the function does not apply to that row (a completion that
-no function scores gets no advantage). `prompts` and `completions` are text, or, for conversational
+no function scores gets no advantage, and is counted on the train line as `unscored`; a step in
+which no completion is scored stops the run). `prompts` and `completions` are text, or, for conversational
 prompts (data=prompts), lists of messages and [{"role": "assistant", "content": TEXT}]. `columns`
 are the rows' other columns (data=prompts keeps them all), one value per completion; a function
 takes the ones it needs and **kwargs for the rest.
@@ -11,8 +12,8 @@ takes the ones it needs and **kwargs for the rest.
 A function is named `module:function` (importable, e.g. `trainloop.rewards:exact_answer`) or
 `path/to/file.py:function` (a file of your own, loaded by its path). A name that cannot be loaded
 is refused when the config is checked, before anything is built. A function that raises, returns
-the wrong number of values or something other than a number or None stops the run with one line
-naming it and the row.
+the wrong number of values, something other than a number or None, or a NaN or infinite number (a
+broken verifier, not "does not apply") stops the run with one line naming it and the row.
 
 The two functions below are examples to start from (README "Train with rewards"); copy one into a
 file of your own to change it. This module imports nothing heavy: config checks load it.
@@ -123,7 +124,7 @@ class Rewards:
 
     def score(self, prompts: list, completions: list, columns: dict[str, list]) -> list[list[float]]:
         """Each function's values for the completions ([functions][completions], NaN for None).
-        Raises ConfigError naming the function and the row of a bad value."""
+        Raises ConfigError naming the function and the row of a bad value (NaN and infinities too)."""
         scores = []
         for spec, function in zip(self.specs, self.functions):
             try:
@@ -136,10 +137,15 @@ class Rewards:
                 raise ConfigError(f"the reward function {spec} returned {got} for {len(completions)} completions: "
                                   "it must return a list with one number (or None) per completion")
             for i, value in enumerate(values):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     raise ConfigError(f"the reward function {spec} returned {value!r} ({type(value).__name__}) "
                                       f"for {row_of(prompts, completions, i)}: give a number, or None where it "
                                       "does not apply")
+                if not math.isfinite(value):  # None says "does not apply"; a NaN says the verifier broke
+                    raise ConfigError(f"the reward function {spec} returned {value} for {row_of(prompts, completions, i)}: "
+                                      "give a finite number, or None where it does not apply")
             scores.append([math.nan if v is None else float(v) for v in values])
         return scores
 

@@ -14,3 +14,17 @@ def fails(prompts, completions, **columns):
 
 def too_few(prompts, completions, **columns):
     return [1.0] * (len(completions) - 1)
+
+
+def nan_first(prompts, completions, **columns):
+    """A broken verifier: NaN for the first completion of each call."""
+    return [float("nan")] + [0.5] * (len(completions) - 1)
+
+
+def none(prompts, completions, **columns):
+    """A function that applies to no completion (a column it reads that no row holds)."""
+    return [None] * len(completions)
+
+
+def infinite_last(prompts, completions, **columns):
+    return [0.5] * (len(completions) - 1) + [float("inf")]

@@ -144,6 +144,7 @@ def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
 class GRPO(Objective):
     name = "grpo"
     prompts = True
+    headline = ("reward", "reward_std", "kl", "unscored")
     reads = ("objective.beta", "objective.loss_type", "objective.rewards", "objective.reward_weights",
              "objective.num_generations", "objective.temperature", "objective.top_p", "objective.max_new_tokens",
              "objective.scale_rewards", "objective.epsilon", "objective.epsilon_high", "objective.num_iterations")
@@ -245,6 +246,7 @@ class GRPO(Objective):
         weights = torch.tensor(self.rewards.weights, device=rewards.device)
         advantages, summed = group_advantages(rewards, weights, self.cfg.num_generations, self.cfg.scale_rewards,
                                               lambda x: self.batch_moments(strategy, x))
+        self.require_scored(strategy, summed, step)
         self.record(rollouts, rewards, summed)
         batches, start = [], 0
         for rollout in rollouts:
@@ -320,6 +322,20 @@ class GRPO(Objective):
             raise next((s for s in scores if isinstance(s, Exception)), None) or ConfigError(
                 "a reward function failed on another rank: its message is in that rank's output")
         return torch.cat(scores)
+
+    def require_scored(self, strategy, summed: torch.Tensor, step: int) -> None:
+        """Stop (every rank) when no function scored any completion of the step: every advantage
+        would be 0, a step that trains nothing while the run looks healthy."""
+        import torch
+
+        from trainloop.errors import ConfigError
+
+        counts = torch.stack([(~torch.isnan(summed)).sum(), torch.tensor(len(summed), device=summed.device)])
+        scored, completions = strategy.reduce_sum(counts.to(strategy.device)).tolist()
+        if not scored:
+            raise ConfigError(f"no reward function scored any of the {completions} completions of step {step + 1}: "
+                              f"{', '.join(self.rewards.specs)} returned None for each; give a number where a "
+                              "function applies (does each row hold the columns it reads?)")
 
     def batch_moments(self, strategy, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and std (NaN skipped, Bessel's correction) of every rank's rewards of the step, in two passes."""
@@ -428,8 +444,11 @@ class GRPO(Objective):
         lengths, truncated, tokens, clipped, kl = total[-5:]
         values = {}
         if completions:  # none inside a num_iterations window: its steps train on earlier completions
-            values["reward"] = reward / max(scored, 1)
-            values["reward_std"] = (max(squares - reward ** 2 / scored, 0.0) / (scored - 1)) ** 0.5 if scored > 1 else 0.0
+            values["unscored"] = int(completions - scored)  # no function applied: advantage 0
+            if scored:  # a reward not computed is left out, never 0.0
+                values["reward"] = reward / scored
+            if scored > 1:
+                values["reward_std"] = (max(squares - reward ** 2 / scored, 0.0) / (scored - 1)) ** 0.5
             for f, name in enumerate(self.rewards.names):  # over the completions it applied to (not None)
                 if total[5 + 2 * f]:
                     values[f"rewards/{name}"] = total[4 + 2 * f] / total[5 + 2 * f]
