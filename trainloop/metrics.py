@@ -32,8 +32,9 @@ class Metrics:
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
                  progress_bar: bool, world_size: int, flops_per_token: float | None = None,
-                 peak_tflops: float | None = None, trackers=None):
+                 peak_tflops: float | None = None, trackers=None, headline: tuple[str, ...] = ()):
         self.enabled = enabled
+        self.headline = headline  # the objective's main values (Objective.headline), on screen beside the loss
         self.trackers = trackers  # trainloop.trackers.Trackers: every record goes there too
         self.run_dir = Path(run_dir)
         self.flops_per_token = flops_per_token  # trainloop.flops: counted once at start
@@ -63,15 +64,15 @@ class Metrics:
             tflops = values["tokens_per_s"] / self.world_size * self.flops_per_token / 1e12
             values.update(tflops=tflops, mfu=tflops / self.peak_tflops if self.peak_tflops else None)
         self.write({"step": step, **values})
+        # a window without a value (grpo's reward on a step that trained on earlier completions) shows none
+        headline = {key: f"{values[key]:.4g}" for key in self.headline if values.get(key) is not None}
         if self.bar is not None:
             mfu = {"mfu": f"{values['mfu']:.1%}"} if values.get("mfu") is not None else {}
-            if "rewards/accuracy" in values:  # a preference objective's (objective=dpo)
-                mfu["acc"] = f"{values['rewards/accuracy']:.2f}"
             self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
-                                 tok_s=f"{values['tokens_per_s']:,.0f}", **mfu, refresh=False)
+                                 tok_s=f"{values['tokens_per_s']:,.0f}", **mfu, **headline, refresh=False)
         elif self.enabled:
-            log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s", step, values["loss"],
-                     values["lr"], values["tokens_per_s"])
+            log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s%s", step, values["loss"], values["lr"],
+                     values["tokens_per_s"], "".join(f"  {key} {value}" for key, value in headline.items()))
 
     def say(self, text: str) -> None:
         """A line for the user, above the progress bar (or in the log without one); main process only."""
@@ -87,10 +88,13 @@ class Metrics:
                  + "".join(f"  {key} {value:.4g}" for key, value in more.items()))
 
     def samples(self, step: int, samples: list[dict]) -> None:
-        """eval.prompts and what the model wrote after each (trainloop.samples): event=samples."""
+        """eval.prompts and what the model wrote after each (trainloop.samples), or an objective's
+        examples with their rewards (objective=grpo: None where a function did not apply): event=samples."""
         self.write({"step": step, "event": "samples", "samples": samples})
         for sample in samples:
-            self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}")
+            rewards = ", ".join(f"{name} {'None' if value is None else f'{value:.4g}'}"
+                                for name, value in sample.get("rewards", {}).items())
+            self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}" + (f"  rewards: {rewards}" if rewards else ""))
 
     def telemetry(self, step: int, **values) -> None:
         """A sample of the machine (trainloop.telemetry): its own line, event=telemetry."""

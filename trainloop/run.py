@@ -77,7 +77,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, strategy.world_size, flops_per_token=built.flops_per_token,
                       peak_tflops=peak_tflops(accelerator.device, cfg.precision.name, cfg.logging.peak_tflops)
-                      if accelerator.is_main_process else None, trackers=trackers)
+                      if accelerator.is_main_process else None, trackers=trackers, headline=built.objective.headline)
     if built.batch_search is not None:
         metrics.write(built.batch_search.record(strategy.dp_size))
     guard = StepGuard(cfg, strategy, checkpointer, Preemption())

@@ -27,7 +27,8 @@ class Objective:
     - count(batch): the units a batch's loss is summed over, read before any forward, so that a
       step's total (one reduce over its micro-batches and ranks) normalises every micro-batch.
     - batch_loss(model, batch): the BatchLoss of one training forward.
-    - window(strategy): values for the train log line since the last one, over every rank.
+    - window(strategy): values for the train log line since the last one, over every rank; those
+      named in `headline` are on screen too, the rest in metrics.jsonl and the trackers.
     - draws(step), step_batches(strategy, model, group, step): whether a step reads micro-batches
       from the data, and the micro-batches it trains on, made from those (objective=grpo generates
       completions for the prompts read); for most objectives, always and the ones read.
@@ -48,6 +49,7 @@ class Objective:
     read_when: dict = {}
     chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.chunked_loss
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
+    headline: tuple[str, ...] = ()  # window() keys the progress bar and the log line show beside loss and lr
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -54,6 +54,7 @@ class PairObjective(Objective):
     pairs = True
     sequences = 2  # chosen and rejected, in one forward
     chunks_loss = True  # completion_logps reads trainer.loss_chunk_tokens
+    headline = ("rewards/accuracy", "rewards/margin")
 
     def __init__(self, cfg, device):
         import torch
