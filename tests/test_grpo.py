@@ -481,3 +481,45 @@ def test_a_nan_reward_or_a_step_that_nothing_scored_stops_the_run_before_it_logs
     for run_dir in (tmp_path / "nan", tmp_path / "none"):
         assert not [r for r in read_metrics(run_dir) if "loss" in r]
 
+
+# Returns None (does not apply) for every other completion, and on its third call, step 3's, sends
+# this process SIGTERM as a scheduler would: a preemption at a known step, in process.
+PREEMPTING = '''
+import os
+import signal
+
+calls = []
+
+
+def half(prompts, completions, **columns):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+'''
+
+
+def test_a_preempted_run_logs_its_partial_window_and_counts_the_unscored(tmp_path, caplog):
+    """Item 11 and acceptance 1 of issue 33: with trainer.log_every=4, SIGTERM in step 3 writes a
+    train line for steps 1-3 before the run exits (6 of their 12 completions unscored, on the log
+    line too); the resumed run's step-4 line holds step 4 alone. Each sample shows its rewards."""
+    import logging
+
+    from trainloop.errors import Preempted
+
+    rewards = tmp_path / "half.py"
+    rewards.write_text(PREEMPTING)
+    run = [*CHEAP, f"objective.rewards=[{rewards}:half]", "trainer.max_steps=4", "trainer.log_every=4",
+           "trainer.eval_every=4"]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with caplog.at_level(logging.INFO, logger="trainloop"), pytest.raises(Preempted, match="by SIGTERM after step 3"):
+            train(tmp_path / "run", *run)
+    finally:  # a preempted run ignores further signals until its process exits: this one goes on
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert re.search(r"step 3  loss \S+  lr \S+  \S+ tok/s  reward 1  reward_std 0  unscored 6\n", caplog.text)
+    assert "  rewards: half 1\n" in caplog.text and "  rewards: half None\n" in caplog.text
+    train(tmp_path / "run", *run)
+    lines = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [(r["step"], r["unscored"], r["reward"]) for r in lines] == [(3, 6, 1.0), (4, 2, 1.0)]
