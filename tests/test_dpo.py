@@ -290,13 +290,14 @@ def test_a_full_fine_tune_under_zero3_and_fsdp2_gives_the_step_of_one_process(tm
 
 # --- it learns --------------------------------------------------------------------------------
 
-def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
+def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path, caplog, capsys):
     """Chosen answers end with '!', rejected ones with '.'. A tiny model first fine-tuned on both
     endings alike (SFT: it echoes, with no preference), then DPO with LoRA on it: the held-out
     pairs' reward accuracy goes from 0.5 at the first step (the policy is its reference: every
     reward ties, a tie counts half) to at least 0.95; final/ loads merged in transformers and its
     adapter on the SFT model in peft. objective.precompute_reference=true (the reference's log-probs
-    computed before training) gives the same losses within 1e-6."""
+    computed before training) gives the same losses within 1e-6. The log line, the progress bar
+    and the report show the accuracy and the margin."""
     words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
     rng = random.Random(0)
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(96)]
@@ -309,11 +310,19 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
     dpo = [*DPO, "model=hf", f"model.name_or_path={base}", f"data.path={path}", "trainer.max_steps=4",
            "trainer.eval_every=4", "trainer.eval_batches=null", "data.batch_size=8", "data.validation_fraction=0.25",
            "optimizer.lr=1e-2", "scheduler=constant"]
-    run_dir = train(tmp_path / "run", *dpo)
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        run_dir = train(tmp_path / "run", *dpo)
     lines = read_metrics(run_dir)
     first = next(r for r in lines if "loss" in r)
     assert first["step"] == 1 and first["rewards/margin"] == 0.0 and first["rewards/accuracy"] == 0.5
+    assert re.search(r"step 1  loss \S+  lr \S+  \S+ tok/s  rewards/accuracy 0.5  rewards/margin 0\n", caplog.text)
     held_out = [r for r in lines if "eval_loss" in r][-1]
+    from trainloop.tools.report import main as report  # eval lines repeat the train keys: each drawn apart
+
+    drawn = {ax.get_title(): ax for ax in report([str(run_dir)]).axes}
+    assert {line.get_label(): line.get_ydata().tolist() for line in drawn["reward accuracy"].get_lines()} == {
+        "run train": [r["rewards/accuracy"] for r in lines if "loss" in r], "run eval": [held_out["rewards/accuracy"]]}
+    assert "reward margin" in drawn and "reward" not in drawn
     assert held_out["rewards/accuracy"] >= 0.95 and held_out["rewards/margin"] > 0
     assert held_out["eval_loss"] < first["loss"]
     assert "eval_ppl" not in held_out
@@ -321,7 +330,9 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
 
     name, worst = logits_agree(run_dir / "final", base)
     assert name == "LlamaForCausalLM" and worst < 1e-4, worst
-    precomputed = train(tmp_path / "precomputed", *dpo, "objective.precompute_reference=true")
+    capsys.readouterr()
+    precomputed = train(tmp_path / "precomputed", *dpo, "objective.precompute_reference=true", "logging.progress_bar=true")
+    assert re.search(r"4/4 \[.*, tok_s=\S+, rewards/accuracy=\S+, rewards/margin=\S+\]", capsys.readouterr().err)
     assert (precomputed / "reference_logps.pt").is_file()
     assert_same_losses(precomputed, run_dir, tolerance=1e-6)
 

@@ -499,13 +499,15 @@ def half(prompts, completions, **columns):
 '''
 
 
-def test_a_preempted_run_logs_its_partial_window_and_counts_the_unscored(tmp_path, caplog):
-    """Item 11 and acceptance 1 of issue 33: with trainer.log_every=4, SIGTERM in step 3 writes a
-    train line for steps 1-3 before the run exits (6 of their 12 completions unscored, on the log
-    line too); the resumed run's step-4 line holds step 4 alone. Each sample shows its rewards."""
+def test_a_preempted_run_logs_its_partial_window_and_counts_the_unscored(tmp_path, caplog, capsys):
+    """Items 11, 1 and 4 of issue 33: with trainer.log_every=4, SIGTERM in step 3 writes a train line
+    for steps 1-3 before the run exits (6 of their 12 completions unscored, on the log line too);
+    the resumed run's step-4 line holds step 4 alone, its progress bar the headline metrics. Each
+    sample shows its rewards; the report draws the reward."""
     import logging
 
     from trainloop.errors import Preempted
+    from trainloop.tools.report import main as report
 
     rewards = tmp_path / "half.py"
     rewards.write_text(PREEMPTING)
@@ -520,6 +522,11 @@ def test_a_preempted_run_logs_its_partial_window_and_counts_the_unscored(tmp_pat
             signal.signal(sig, handler)
     assert re.search(r"step 3  loss \S+  lr \S+  \S+ tok/s  reward 1  reward_std 0  unscored 6\n", caplog.text)
     assert "  rewards: half 1\n" in caplog.text and "  rewards: half None\n" in caplog.text
-    train(tmp_path / "run", *run)
+    train(tmp_path / "run", *run, "logging.progress_bar=true")
     lines = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [(r["step"], r["unscored"], r["reward"]) for r in lines] == [(3, 6, 1.0), (4, 2, 1.0)]
+    assert re.search(r"4/4 \[.*, loss=\S+, lr=\S+, tok_s=\S+, reward=1, reward_std=0, unscored=2\]", capsys.readouterr().err)
+    drawn = {ax.get_title(): ax for ax in report([str(tmp_path / "run")]).axes}
+    assert {line.get_label(): list(line.get_xydata().tolist()) for line in drawn["reward"].get_lines()} == {
+        "run train": [[3, 1.0], [4, 1.0]], "run eval": [[4, 1.0]]}
+    assert "KL to the reference" not in drawn  # objective.beta=0: no KL logged, no panel

@@ -145,6 +145,18 @@ def test_three_runs_with_long_names_all_show_in_the_legend(two_runs, tmp_path):
         assert 0 <= box.x0 and box.x1 <= width, (text.get_text(), box, width)
 
 
+def test_a_name_longer_than_the_picture_is_wrapped_inside_it(two_runs, tmp_path):
+    """The header fits the image: a label wider than the figure (a run dir named for its overrides)
+    is broken into lines, not cut at the picture's edges."""
+    name = "grpo_" + "_".join(f"objective.rewards=reward_functions.py:verifier_{i}" for i in range(5))
+    shutil.copytree(two_runs[0], tmp_path / name)
+    fig = main([str(tmp_path / name), "-o", str(tmp_path / "long.png")])
+    (text,) = fig.legends[0].get_texts()
+    box = text.get_window_extent(fig.canvas.get_renderer())
+    assert text.get_text().count("\n") >= 1 and text.get_text().replace("\n", "") == name
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)
+
+
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     proc = launch(["python", "-m", "trainloop.report", str(tmp_path)], check=False)
     assert proc.returncode == 2

@@ -68,8 +68,9 @@ class Metrics:
         headline = {key: f"{values[key]:.4g}" for key in self.headline if values.get(key) is not None}
         if self.bar is not None:
             mfu = {"mfu": f"{values['mfu']:.1%}"} if values.get("mfu") is not None else {}
-            self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
-                                 tok_s=f"{values['tokens_per_s']:,.0f}", **mfu, **headline, refresh=False)
+            # a dict, not keywords, which tqdm would sort: the objective's values after the common ones
+            self.bar.set_postfix({"loss": f"{values['loss']:.4f}", "lr": f"{values['lr']:.2e}",
+                                  "tok_s": f"{values['tokens_per_s']:,.0f}", **mfu, **headline}, refresh=False)
         elif self.enabled:
             log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s%s", step, values["loss"], values["lr"],
                      values["tokens_per_s"], "".join(f"  {key} {value}" for key, value in headline.items()))

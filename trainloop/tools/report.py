@@ -1,8 +1,9 @@
 """`python -m trainloop.report RUN_DIR [RUN_DIR ...] [-o PATH]`: see a run instead of its JSON.
 
 Draws, from each run's metrics.jsonl, six panels against the optimizer step: train and eval loss,
-learning rate, tokens/s, MFU, gradient norm and memory (the telemetry lines), one colour per run
-with a legend, into RUN_DIR/report.png (the first run's) or -o. A sweep directory stands for its
+learning rate, tokens/s, MFU, gradient norm and memory (the telemetry lines), then the objective's
+own where a run logged them (grpo: reward, KL, completion length; dpo and simpo: accuracy and
+margin), one colour per run with a legend, into RUN_DIR/report.png (the first run's) or -o. A sweep directory stands for its
 jobs. A resumed run appends to its metrics.jsonl and logs some steps again: each step keeps its
 last value, so a curve shows the run as it finally stands. Drawn with matplotlib's Agg canvas,
 imported only here so that `python -m trainloop` does not pay for it.
@@ -14,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,11 @@ class Series:
     label: str
     style: str = "-"
     scale: float = 1.0
+    eval: bool | None = None  # read from eval lines only (True), train lines only (False), or any line
+
+    def reads(self, record: dict) -> bool:
+        """Whether this record holds a point of the series: dpo's eval lines repeat the train keys."""
+        return self.eval is None or self.eval == ("eval_loss" in record)
 
 
 @dataclass(frozen=True)
@@ -57,22 +64,34 @@ PANELS = (
                      Series("rss_bytes", "host RSS", ":", 1 / GIB)), ylabel="GiB", zero=True,
           no_data="no data: telemetry lines come with logging.telemetry_every=N"),
 )
-KEYS = tuple(s.key for panel in PANELS for s in panel.series)
-FIGSIZE, DPI = (12.0, 11.0), 100  # inches and dots per inch: a 1200 x 1100 PNG
+# The objective's own numbers (Objective.headline and more), each panel drawn when a run logged it.
+OBJECTIVE_PANELS = (
+    Panel("reward", (Series("reward", "train"), Series("eval_reward", "eval", "--"))),
+    Panel("KL to the reference", (Series("kl", "kl"),)),
+    Panel("completion length", (Series("completion_length", "mean"), Series("completion_length_max", "max", "--")),
+          ylabel="tokens", zero=True),
+    Panel("reward accuracy", (Series("rewards/accuracy", "train", eval=False),
+                              Series("rewards/accuracy", "eval", "--", eval=True)), percent=True),
+    Panel("reward margin", (Series("rewards/margin", "train", eval=False),
+                            Series("rewards/margin", "eval", "--", eval=True))),
+)
+SERIES = tuple(dict.fromkeys(s for panel in PANELS + OBJECTIVE_PANELS for s in panel.series))
+LOSS, EVAL_LOSS = PANELS[0].series
+FIGSIZE, DPI = (12.0, 11.0), 100  # inches and dots per inch: a 1200 x 1100 PNG of PANELS' three rows
 
 
 class ReportError(Exception):
     """Input the report cannot draw; main() prints it and exits 2, as argparse does."""
 
 
-def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """key -> [(step, value)] sorted by step; a step logged twice (a resumed run) keeps its last value."""
+def read_curves(run_dir: Path) -> dict[Series, list[tuple[int, float]]]:
+    """Series -> [(step, value)] sorted by step; a step logged twice (a resumed run) keeps its last value."""
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines()
     if not any(line.strip() for line in lines):
         raise ReportError(f"{path} is empty: the run logged nothing yet (its first line comes at "
                           "trainer.log_every steps)")
-    curves: dict[str, dict[int, float]] = {key: {} for key in KEYS}
+    curves: dict[Series, dict[int, float]] = {series: {} for series in SERIES}
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -83,11 +102,11 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
                 print(f"note: {path}: the last line is cut short; it is left out", file=sys.stderr)
                 continue
             raise ReportError(f"{path}, line {number}: not JSON: {line[:80]!r}") from None
-        for key in KEYS:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record:
-                curves[key][record["step"]] = float(value)
-    return {key: sorted(values.items()) for key, values in curves.items()}
+        for series in SERIES:
+            value = record.get(series.key)
+            if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record and series.reads(record):
+                curves[series][record["step"]] = float(value)
+    return {series: sorted(values.items()) for series, values in curves.items()}
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -134,7 +153,7 @@ def draw_panel(ax, panel: Panel, runs: list[tuple[str, object, dict]]) -> None:
     values, styles = [], []
     for label, color, curves in runs:
         for series in panel.series:
-            points = curves[series.key]
+            points = curves[series]
             if not points:
                 continue
             steps, ys = zip(*points)
@@ -166,25 +185,46 @@ def draw_report(labels: list[str], curves: list[dict]):
     """The report as a matplotlib Figure on an Agg canvas (no display needed); a run per label."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     colors = run_colors(len(labels))
     runs = list(zip(labels, colors, curves))
-    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    panels = PANELS + tuple(p for p in OBJECTIVE_PANELS if any(run[p.series[0]] for run in curves))
+    rows = math.ceil(len(panels) / 2)
+    fig = Figure(figsize=(FIGSIZE[0], FIGSIZE[1] * rows / 3), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3, 2, sharex=True)  # one step axis: a loss spike lines up with its grad norm
-    for ax, panel in zip(axes.flat, PANELS):
+    axes = fig.subplots(rows, 2, sharex=True)  # one step axis: a loss spike lines up with its grad norm
+    for ax, panel in zip(axes.flat, panels):
         draw_panel(ax, panel, runs)
+    if len(panels) % 2:  # an odd panel out: the one above the empty slot shows the steps
+        fig.delaxes(axes[-1, 1])
+        axes[-2, 1].xaxis.set_tick_params(labelbottom=True)
+        axes[-2, 1].set_xlabel("step")
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    handles = [Line2D([], [], color=c, linewidth=2, label=label) for label, c in zip(labels, colors)]
-    for ncols in range(min(len(labels), 3), 0, -1):  # fewer columns until the legend fits the figure's width
+    header(fig, labels, colors)
+    return fig
+
+
+def header(fig, labels: list[str], colors: list) -> None:
+    """The legend above the panels, in as many columns (up to 3) as fit the figure's width; a label
+    too long for the width alone is wrapped, so none is cut at the picture's edges."""
+    from matplotlib.lines import Line2D
+
+    renderer, texts, ncols = fig.canvas.get_renderer(), labels, min(len(labels), 3)
+    while True:
+        handles = [Line2D([], [], color=c, linewidth=2, label=text) for text, c in zip(texts, colors)]
         legend = fig.legend(handles=handles, loc="outside upper center", ncols=ncols,
                             title=f"trainloop report: {len(labels)} run(s)")
-        if ncols == 1 or legend.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width:
-            break
+        width = legend.get_window_extent(renderer).width
+        widest = max(len(line) for text in texts for line in text.splitlines())
+        if width <= fig.bbox.width or (ncols == 1 and widest <= 20):
+            return
         legend.remove()
-    return fig
+        if ncols > 1:  # fewer columns first
+            ncols -= 1
+        else:  # then shorter lines, in proportion to the overflow
+            per_line = max(20, int(widest * fig.bbox.width / width) - 2)
+            texts = [textwrap.fill(label, per_line) for label in labels]
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -205,7 +245,7 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 def summary(label: str, curves: dict) -> str:
     """One line per run: how far it got and where its losses ended."""
-    losses, evals = curves["loss"], curves["eval_loss"]
+    losses, evals = curves[LOSS], curves[EVAL_LOSS]
     parts = [f"{label}: {losses[-1][0] if losses else 0} steps"]
     parts += [f"loss {losses[-1][1]:.4f}"] if losses else []
     parts += [f"eval_loss {evals[-1][1]:.4f}"] if evals else []
@@ -217,7 +257,8 @@ def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         prog="python -m trainloop.report",
         description="Draw loss, eval loss, learning rate, tokens/s, MFU, grad norm and memory of "
-                    "one or more runs against the step, into a PNG.")
+                    "one or more runs against the step, and the objective's reward, KL, accuracy or "
+                    "margin where logged, into a PNG.")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
                         help="a run directory (with metrics.jsonl) or a sweep directory")
     parser.add_argument("-o", "--out", type=Path, help="the PNG to write (default: FIRST_RUN_DIR/report.png)")
