@@ -150,7 +150,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
             last = state.step == tc.max_steps
             stop = verdict.stop or state.step == tc.stop_at_step
             saving = checkpointer.due(state.step) or last or stop
-            # a stop (a signal, trainer.stop_at_step) writes the window so far: a resumed run logs only the steps after it
+            # a stop (a signal, trainer.stop_at_step) writes the window so far: the resumed run logs the steps after it
             log_due = state.step % tc.log_every == 0 or last or stop
             if names and (saving or log_due):  # on the host only when written: no sync per step
                 state.tokens_per_source = dict(zip(names, source_tokens.tolist()))

@@ -95,7 +95,8 @@ class Metrics:
         for sample in samples:
             rewards = ", ".join(f"{name} {'None' if value is None else f'{value:.4g}'}"
                                 for name, value in sample.get("rewards", {}).items())
-            self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}" + (f"  rewards: {rewards}" if rewards else ""))
+            self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}"
+                     + (f"  rewards: {rewards}" if rewards else ""))
 
     def telemetry(self, step: int, **values) -> None:
         """A sample of the machine (trainloop.telemetry): its own line, event=telemetry."""

@@ -144,8 +144,9 @@ class Rewards:
                                       f"for {row_of(prompts, completions, i)}: give a number, or None where it "
                                       "does not apply")
                 if not math.isfinite(value):  # None says "does not apply"; a NaN says the verifier broke
-                    raise ConfigError(f"the reward function {spec} returned {value} for {row_of(prompts, completions, i)}: "
-                                      "give a finite number, or None where it does not apply")
+                    raise ConfigError(f"the reward function {spec} returned {value} for "
+                                      f"{row_of(prompts, completions, i)}: give a finite number, or None where it "
+                                      "does not apply")
             scores.append([math.nan if v is None else float(v) for v in values])
         return scores
 

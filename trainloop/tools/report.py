@@ -3,9 +3,9 @@
 Draws, from each run's metrics.jsonl, six panels against the optimizer step: train and eval loss,
 learning rate, tokens/s, MFU, gradient norm and memory (the telemetry lines), then the objective's
 own where a run logged them (grpo: reward, KL, completion length; dpo and simpo: accuracy and
-margin), one colour per run with a legend, into RUN_DIR/report.png (the first run's) or -o. A sweep directory stands for its
-jobs. A resumed run appends to its metrics.jsonl and logs some steps again: each step keeps its
-last value, so a curve shows the run as it finally stands. Drawn with matplotlib's Agg canvas,
+margin), one colour per run with a legend, into RUN_DIR/report.png (the first run's) or -o. A
+sweep directory stands for its jobs. A resumed run appends to its metrics.jsonl and logs some
+steps again: each step keeps its last value, so a curve shows the run as it finally stands. Drawn with matplotlib's Agg canvas,
 imported only here so that `python -m trainloop` does not pay for it.
 """
 
