@@ -4,10 +4,10 @@
 
 one value per completion; None where the function does not apply to that row (a completion that
 no function scores gets no advantage, and is counted on the train line as `unscored`; a step in
-which no completion is scored stops the run). `prompts` and `completions` are text, or, for conversational
-prompts (data=prompts), lists of messages and [{"role": "assistant", "content": TEXT}]. `columns`
-are the rows' other columns (data=prompts keeps them all), one value per completion; a function
-takes the ones it needs and **kwargs for the rest.
+which no completion is scored stops the run). `prompts` and `completions` are text, or, for
+conversational prompts (data=prompts), lists of messages and [{"role": "assistant", "content":
+TEXT}]. `columns` are the rows' other columns (data=prompts keeps them all), one value per
+completion; a function takes the ones it needs and **kwargs for the rest.
 
 A function is named `module:function` (importable, e.g. `trainloop.rewards:exact_answer`) or
 `path/to/file.py:function` (a file of your own, loaded by its path). A name that cannot be loaded

@@ -328,14 +328,17 @@ class GRPO(Objective):
         would be 0, a step that trains nothing while the run looks healthy."""
         import torch
 
-        from trainloop.errors import ConfigError
-
         counts = torch.stack([(~torch.isnan(summed)).sum(), torch.tensor(len(summed), device=summed.device)])
         scored, completions = strategy.reduce_sum(counts.to(strategy.device)).tolist()
         if not scored:
-            raise ConfigError(f"no reward function scored any of the {completions} completions of step {step + 1}: "
-                              f"{', '.join(self.rewards.specs)} returned None for each; give a number where a "
-                              "function applies (does each row hold the columns it reads?)")
+            raise self.nothing_scored(f"the {completions} completions of step {step + 1}")
+
+    def nothing_scored(self, what: str):
+        """The error of a step (or an evaluation) whose completions no function scored."""
+        from trainloop.errors import ConfigError
+
+        return ConfigError(f"no reward function scored any of {what}: {', '.join(self.rewards.specs)} returned None "
+                           "for each; give a number where a function applies (does each row hold the columns it reads?)")
 
     def batch_moments(self, strategy, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and std (NaN skipped, Bessel's correction) of every rank's rewards of the step, in two passes."""
@@ -497,5 +500,7 @@ class GRPO(Objective):
         finally:
             module.train()
         total = strategy.reduce_sum(total)
-        reward = (total[0] / total[1].clamp(min=1)).item()
+        if not total[1]:  # a mean of nothing is no reward of 0.0
+            raise self.nothing_scored("the greedy completions of the validation prompts")
+        reward = (total[0] / total[1]).item()
         return {"eval_loss": -reward, "eval_reward": reward}

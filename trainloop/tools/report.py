@@ -5,8 +5,9 @@ learning rate, tokens/s, MFU, gradient norm and memory (the telemetry lines), th
 own where a run logged them (grpo: reward, KL, completion length; dpo and simpo: accuracy and
 margin), one colour per run with a legend, into RUN_DIR/report.png (the first run's) or -o. A
 sweep directory stands for its jobs. A resumed run appends to its metrics.jsonl and logs some
-steps again: each step keeps its last value, so a curve shows the run as it finally stands. Drawn with matplotlib's Agg canvas,
-imported only here so that `python -m trainloop` does not pay for it.
+steps again: each step keeps its last value, so a curve shows the run as it finally stands.
+Drawn with matplotlib's Agg canvas, imported only here so that `python -m trainloop` does not
+pay for it.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def draw_report(labels: list[str], curves: list[dict]):
 
     colors = run_colors(len(labels))
     runs = list(zip(labels, colors, curves))
-    panels = PANELS + tuple(p for p in OBJECTIVE_PANELS if any(run[p.series[0]] for run in curves))
+    panels = PANELS + tuple(p for p in OBJECTIVE_PANELS if any(run[s] for run in curves for s in p.series))
     rows = math.ceil(len(panels) / 2)
     fig = Figure(figsize=(FIGSIZE[0], FIGSIZE[1] * rows / 3), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
