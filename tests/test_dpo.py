@@ -328,20 +328,25 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path):
 
 def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_path):
     """Acceptance 4, a full fine-tune with objective.precompute_reference=true: SIGTERM after step 2
-    -> exit 75 with a checkpoint; the same command resumes, reads the reference's log-probs back
-    from the run dir instead of computing them, and every logged loss and reward of the two runs is
-    bitwise that of a run that was not stopped."""
-    from test_resume import finish, start, wait_for_step
+    -> exit 75 with a checkpoint; the command its message gives resumes, reads the reference's
+    log-probs back from the run dir instead of computing them, and every logged loss and reward of
+    the two runs is bitwise that of a run that was not stopped. The stopped run has Hydra's default
+    run dir (outputs/DATE/TIME, new at each launch), so that command must name it (issue 33, item 5)."""
+    import subprocess
+    import time
 
-    def command(run_dir: Path) -> list[str]:
-        return [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
-                "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false",
-                f"hydra.run.dir={run_dir}"]
+    from test_resume import finish, wait_for_step
 
-    launch(command(tmp_path / "straight"), cwd=tmp_path)
-    run = tmp_path / "stopped"
-    proc = start(command(run), tmp_path / "output.txt")
+    command = [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
+               "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false"]
+    launch([*command, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    with open(tmp_path / "output.txt", "w") as output:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
+        while not list(tmp_path.glob("outputs/*/*")):
+            assert proc.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        run = next(tmp_path.glob("outputs/*/*"))
         wait_for_step(run, 2, proc)
         proc.send_signal(signal.SIGTERM)
         code = finish(proc, timeout=300)
@@ -351,7 +356,9 @@ def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_p
     assert code == 75, out[-4000:]
     stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out)[1])
     assert 2 <= stopped < 20
-    again = launch(command(run), cwd=tmp_path)
+    given = re.search(r"; run the same command with (\S+) again to continue", out)
+    assert given and given[1] == f"hydra.run.dir={run}", out[-2000:]
+    again = launch([*command, given[1]], cwd=tmp_path)
     assert "reference's log-probabilities of 40 + 8 pairs read from" in again.stdout + again.stderr
     assert [step for step, key, _ in dpo_losses(run) if key == "loss"] == list(range(1, 21))  # resumed, not restarted
     assert dpo_losses(run) == dpo_losses(tmp_path / "straight")

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
 from trainloop.parallel.tensors import local_shard
+from trainloop.rundir import same_command
 
 log = logging.getLogger("trainloop")
 
@@ -274,7 +275,8 @@ class Checkpointer:
         self.every = cfg.checkpoint.every_steps
         self.keep_last = cfg.checkpoint.keep_last
         self.accelerator = strategy.accelerator
-        self.root = Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
         self.data_fingerprint: dict = {}  # set by check_data once the data is built
         self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
         self.async_save = strategy.saves_async and cfg.checkpoint.async_save  # DCP (trainloop.dcp) writes in the background
@@ -438,8 +440,9 @@ class Checkpointer:
     def _save_error(self, failure: BaseException | None, tmp: Path, final: Path) -> BaseException:
         previous = self.complete()
         needed = sum(file_sizes(previous[-1]).values()) if previous else 0
-        resumes = (f"the previous checkpoint {previous[-1]} is intact, and running the same command "
-                   "again resumes from it" if previous else "no checkpoint was saved before it")
+        resumes = (f"the previous checkpoint {previous[-1]} is intact, and running "
+                   f"{same_command(self.run_dir)} again resumes from it" if previous
+                   else "no checkpoint was saved before it")
         if failure is None:
             return CheckpointError(f"saving checkpoint {final} failed on another rank (see its message); {resumes}")
         if not no_space_left(failure, tmp if tmp.exists() else self.root, needed):
