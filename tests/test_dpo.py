@@ -96,6 +96,9 @@ def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
     ({"chosen": "2", "rejected": "3"}, r"a plain-text pair needs its prompt"),
     ({"prompt": "1+1=", "chosen": [{"role": "assistant", "content": "2"}], "rejected": "3"},
      r"mixes text and conversations"),
+    ({"prompt": "", "chosen": "2", "rejected": "3"}, r"data.prompt_field='prompt' is empty"),  # as data=prompts
+    ({"prompt": "1+1=", "chosen": 2, "rejected": "3"}, r"data.chosen_field='chosen' is a number: give text"),
+    ({"prompt": 11, "chosen": "2", "rejected": "3"}, r"data.prompt_field='prompt' is a number: give text"),
     ({"prompt": [{"role": "user", "content": "1+1="}], "chosen": [{"role": "assistant", "content": "2"}],
       "rejected": [{"role": "assistant", "content": "3"}, {"role": "user", "content": "sure?"}]},
      r"rejected's last turn is the user's, not the assistant's"),
@@ -125,6 +128,22 @@ def test_identical_pairs_and_overlong_prompts_are_skipped_and_counted(tmp_path, 
         build(path, "data.seq_len=4")
     with pytest.raises(ConfigError, match=r"is a pair to learn from: each has chosen identical to rejected$"):
         build(write_rows(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "b"}] * 3))
+
+
+def test_truncating_every_pair_warns_and_nothing_left_to_tell_them_apart_is_refused(tmp_path, caplog):
+    """Issue 33, item 7: every pair cut by data.seq_len is a warning, not a note; pairs whose chosen
+    and rejected differ only past data.seq_len are skipped, and none left is refused."""
+    ends = [{"prompt": f"{i}:", "chosen": f"{i}" + "x" * 70, "rejected": f"{i + 1}" + "x" * 70} for i in range(12)]
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        train, valid = build(write_rows(tmp_path / "long.jsonl", ends))
+    assert len(train) + len(valid) == 12
+    said = [r for r in caplog.records if "with their completions truncated" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+    assert "of 12 pairs (data.seq_len=64, the longest 76 tokens): 12 with their completions truncated" in caplog.text
+    alike = [{"prompt": f"{i}:", "chosen": "x" * 70 + "a", "rejected": "x" * 70 + "b"} for i in range(12)]
+    with pytest.raises(ConfigError, match=r"^data.seq_len=64: no pair keeps a part of its completions that tells "
+                                          r"chosen from rejected \(the longest pair is 75 tokens\); raise data.seq_len$"):
+        build(write_rows(tmp_path / "alike.jsonl", alike))
 
 
 def test_the_data_fingerprint_sees_the_pairs(tmp_path):
