@@ -60,17 +60,22 @@ def completion(tokenizer, item: dict, side: str) -> str:
 
 # --- the format -------------------------------------------------------------------------------
 
-def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
+def test_the_three_row_forms_give_one_pair_per_row(tmp_path, caplog):
     import pandas
 
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data import byte_level_tokenizer, trained_chat_template
+    from trainloop.formats.chat import BUILTIN_CHAT_TEMPLATE
 
     tokenizer, rows = byte_level_tokenizer(), sums()
     plain = write_rows(tmp_path / "plain.jsonl", rows)
     conversational = write_rows(tmp_path / "conversational.jsonl", [as_conversation(r) for r in rows])
     implicit = write_rows(tmp_path / "implicit.jsonl", [as_implicit(r) for r in rows])
     pandas.DataFrame([as_conversation(r) for r in rows]).to_parquet(tmp_path / "conversational.parquet")
+    caplog.set_level(logging.INFO, logger="trainloop")
     train, valid = build(plain)
+    # final/ carries the built-in template after plain text too, but only rendered rows say so (issue 33, item 9)
+    assert trained_chat_template(compose(*DPO, f"data.path={plain}").data, tokenizer) == BUILTIN_CHAT_TEMPLATE
+    assert "chat template" not in caplog.text
     assert len(train) + len(valid) == len(rows)
     item = train[0]
     assert item["chosen_input_ids"].shape == item["rejected_labels"].shape == (64,)  # padded to data.seq_len
@@ -80,6 +85,7 @@ def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
     assert completion(tokenizer, item, "rejected") == row["rejected"] + tokenizer.eos_token
     built = {name: build(path) for name, path in [("conversational", conversational), ("implicit", implicit),
                                                    ("parquet", tmp_path / "conversational.parquet")]}
+    assert "the tokenizer has no chat template: using trainloop's built-in one" in caplog.text
     for name, (t, v) in built.items():
         assert len(t) + len(v) == len(rows), name
         for key in item:  # the implicit prompt is the shared turns: the same tokens as the explicit one

@@ -25,7 +25,7 @@ from collections import Counter
 
 from trainloop.errors import ConfigError
 from trainloop.formats.base import DataFormat, ragged_table
-from trainloop.formats.chat import chat_template, message_problem
+from trainloop.formats.chat import chat_template, message_problem, template_of
 from trainloop.formats.rows import json_kind, read_rows
 from trainloop.schema import DataConfig
 from trainloop.tokenizer import IGNORE
@@ -193,7 +193,7 @@ class Preference(DataFormat):
     def chat_template(self, cfg: DataConfig, tokenizer) -> str | None:
         """The template conversations are rendered with, which final/'s tokenizer then carries; for
         plain-text pairs none is used, but final/ carries it as for data=chat (read without the rows)."""
-        return chat_template(cfg, tokenizer)
+        return template_of(cfg, tokenizer)
 
 
 def pair_problem(cfg: DataConfig, prompt, chosen, rejected) -> str | None:
