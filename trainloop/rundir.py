@@ -112,22 +112,26 @@ def same_command(run_dir: str | os.PathLike, *overrides: str) -> str:
     """The command that continues a stopped run from its checkpoints in run_dir: the same one, with
     `overrides`. Hydra's default run dir (outputs/DATE/TIME) is made from the launch's time, so the
     same command would start afresh in a new one: then the command names this run's."""
-    if run_dir_from_launch_time():
-        overrides = (*overrides, shlex.quote(f"hydra.run.dir={run_dir}"))
+    named = launch_time_dir(run_dir)
+    if named:
+        overrides = (*overrides, shlex.quote(named))
     return "the same command" + (f" with {' '.join(overrides)}" if overrides else "")
 
 
-def run_dir_from_launch_time() -> bool:
-    """Whether Hydra made this launch's run dir from the time (a ${now:...} in hydra.run.dir, the
-    default). False without Hydra: an in-process run (tests, tools) is given its run dir."""
+def launch_time_dir(run_dir: str | os.PathLike) -> str | None:
+    """hydra.run.dir=RUN_DIR where Hydra made this launch's dir from the time (a ${now:...} in it, the
+    default), hydra.sweep.dir=SWEEP_DIR for a sweep's job (in SWEEP_DIR/JOB_NUMBER); None where the
+    same command finds it again, or without Hydra (an in-process run is given its run dir)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     if not HydraConfig.initialized():
-        return False
+        return None
     hydra = HydraConfig.get()
     key = "sweep" if hydra.mode.name == "MULTIRUN" else "run"
-    return "${now:" in str(OmegaConf.to_container(hydra[key], resolve=False)["dir"])
+    if "${now:" not in str(OmegaConf.to_container(hydra[key], resolve=False)["dir"]):
+        return None
+    return f"hydra.{key}.dir={Path(run_dir).parent if key == 'sweep' else run_dir}"
 
 
 def run_dir_problem(run_dir: str | os.PathLike) -> str | None:
