@@ -141,7 +141,8 @@ def run_dir_problem(run_dir: str | os.PathLike) -> str | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        made = next(p for p in path.absolute().parents if p.exists())  # "/" at the latest
+        where = path.absolute()
+        made = next(p for p in (where, *where.parents) if p.exists())  # "/" at the latest
         why = f"{made} is a file" if not made.is_dir() else f"{err.strerror}: {err.filename}"
         return f"cannot create the run dir {path} ({why})"
     if not os.access(path, os.W_OK | os.X_OK):
