@@ -110,8 +110,8 @@ def test_a_run_dir_that_cannot_be_written_is_named():
         writable.mkdir()
         os.chmod(writable, 0o777)
         assert not_as_root(run_dir_problem, writable / "run") == "None"
-    proc = run_dir_problem("/proc/trainloop/run")  # a place nobody may create a folder in, root included
-    assert proc.startswith("cannot create the run dir /proc/trainloop/run ("), proc
+    said = run_dir_problem("/proc/trainloop/run")  # a place nobody may create a folder in, root included
+    assert said.startswith("cannot create the run dir /proc/trainloop/run ("), said
 
 
 def test_a_second_launch_into_a_running_run_dir_is_refused(tmp_path):
