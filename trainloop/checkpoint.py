@@ -305,13 +305,18 @@ class Checkpointer:
         found = self.complete()
         return str(found[-1]) if found else "none (no checkpoint was saved yet)"
 
+    def back_to_last_good(self) -> str:
+        """After non-finite numbers: where to go back to, and the command that does."""
+        return (f"The last good checkpoint is {self.last_good()}: to resume from it with a lower learning rate, "
+                f"run {same_command(self.run_dir, 'optimizer.lr=LOWER')}")
+
     def save(self, state, model) -> Path:
         acc = self.accelerator
         final = self.root / f"step_{state.step:07d}"
         self._settle()  # one save at a time: the one in flight commits first
         if not parameters_finite(acc, model):
             raise NonFiniteError(f"the parameters are not finite after optimizer step {state.step}; "
-                                 f"not saving them. The last good checkpoint is {self.last_good()}")
+                                 f"not saving them. {self.back_to_last_good()}")
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)

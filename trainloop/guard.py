@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from trainloop.errors import NonFiniteError
-from trainloop.rundir import same_command
 
 log = logging.getLogger("trainloop")
 
@@ -57,10 +56,9 @@ class StepGuard:
         message = (f"non-finite {what} at optimizer step {state.step + 1} (mean loss {mean_loss:.4g}, "
                    f"gradient norm {grad_norm.item():.4g})")
         if self.policy == "stop":
-            again = same_command(self.checkpointer.run_dir, "optimizer.lr=LOWER")
-            raise NonFiniteError(f"{message}; stopped (trainer.on_nonfinite=stop). The last good "
-                                 f"checkpoint is {self.checkpointer.last_good()}: to resume from it with a lower "
-                                 f"learning rate, run {again} (or with trainer.on_nonfinite=skip to skip such steps)")
+            raise NonFiniteError(f"{message}; stopped (trainer.on_nonfinite=stop). "
+                                 f"{self.checkpointer.back_to_last_good()} (or with trainer.on_nonfinite=skip "
+                                 "to skip such steps)")
         state.nonfinite_steps += 1
         log.warning("%s; update skipped (trainer.on_nonfinite=skip, %d so far)", message,
                     state.nonfinite_steps)

@@ -208,7 +208,8 @@ def pair_problem(cfg: DataConfig, prompt, chosen, rejected) -> str | None:
         if value is not None and not isinstance(value, (str, list)):
             return f"{key} is {json_kind(value)}: give text, or a list of {{role, content}} messages"
     if prompt == "" or prompt == []:
-        return f"{prompt_key} is empty: a pair needs its prompt (or no prompt column: conversations sharing first turns)"
+        return (f"{prompt_key} is empty: a pair needs its prompt (or no prompt column: conversations sharing "
+                "their first turns)")
     kinds = {type(v) for v in (prompt, chosen, rejected) if v is not None}
     if kinds == {str}:
         if prompt is None:
