@@ -99,6 +99,8 @@ def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_pa
     step = int(stopped[1])
     good = run / "checkpoints" / f"step_{step - 1:07d}"
     assert str(good) in proc.stderr  # the message names the checkpoint to go back to
+    # and the command that resumes it: the same one, as hydra.run.dir was given (no new run dir)
+    assert "run the same command with optimizer.lr=LOWER (" in proc.stderr, proc.stderr[-3000:]
     assert (run / "checkpoints" / "latest").read_text() == good.name
     assert (good / COMPLETE).is_file()
     weights = load_file(good / "model.safetensors")

@@ -60,17 +60,22 @@ def completion(tokenizer, item: dict, side: str) -> str:
 
 # --- the format -------------------------------------------------------------------------------
 
-def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
+def test_the_three_row_forms_give_one_pair_per_row(tmp_path, caplog):
     import pandas
 
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data import byte_level_tokenizer, trained_chat_template
+    from trainloop.formats.chat import BUILTIN_CHAT_TEMPLATE
 
     tokenizer, rows = byte_level_tokenizer(), sums()
     plain = write_rows(tmp_path / "plain.jsonl", rows)
     conversational = write_rows(tmp_path / "conversational.jsonl", [as_conversation(r) for r in rows])
     implicit = write_rows(tmp_path / "implicit.jsonl", [as_implicit(r) for r in rows])
     pandas.DataFrame([as_conversation(r) for r in rows]).to_parquet(tmp_path / "conversational.parquet")
+    caplog.set_level(logging.INFO, logger="trainloop")
     train, valid = build(plain)
+    # final/ carries the built-in template after plain text too, but only rendered rows say so (issue 33, item 9)
+    assert trained_chat_template(compose(*DPO, f"data.path={plain}").data, tokenizer) == BUILTIN_CHAT_TEMPLATE
+    assert "chat template" not in caplog.text
     assert len(train) + len(valid) == len(rows)
     item = train[0]
     assert item["chosen_input_ids"].shape == item["rejected_labels"].shape == (64,)  # padded to data.seq_len
@@ -80,6 +85,7 @@ def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
     assert completion(tokenizer, item, "rejected") == row["rejected"] + tokenizer.eos_token
     built = {name: build(path) for name, path in [("conversational", conversational), ("implicit", implicit),
                                                    ("parquet", tmp_path / "conversational.parquet")]}
+    assert "the tokenizer has no chat template: using trainloop's built-in one" in caplog.text
     for name, (t, v) in built.items():
         assert len(t) + len(v) == len(rows), name
         for key in item:  # the implicit prompt is the shared turns: the same tokens as the explicit one
@@ -96,6 +102,9 @@ def test_the_three_row_forms_give_one_pair_per_row(tmp_path):
     ({"chosen": "2", "rejected": "3"}, r"a plain-text pair needs its prompt"),
     ({"prompt": "1+1=", "chosen": [{"role": "assistant", "content": "2"}], "rejected": "3"},
      r"mixes text and conversations"),
+    ({"prompt": "", "chosen": "2", "rejected": "3"}, r"data.prompt_field='prompt' is empty"),  # as data=prompts
+    ({"prompt": "1+1=", "chosen": 2, "rejected": "3"}, r"data.chosen_field='chosen' is a number: give text"),
+    ({"prompt": 11, "chosen": "2", "rejected": "3"}, r"data.prompt_field='prompt' is a number: give text"),
     ({"prompt": [{"role": "user", "content": "1+1="}], "chosen": [{"role": "assistant", "content": "2"}],
       "rejected": [{"role": "assistant", "content": "3"}, {"role": "user", "content": "sure?"}]},
      r"rejected's last turn is the user's, not the assistant's"),
@@ -125,6 +134,22 @@ def test_identical_pairs_and_overlong_prompts_are_skipped_and_counted(tmp_path, 
         build(path, "data.seq_len=4")
     with pytest.raises(ConfigError, match=r"is a pair to learn from: each has chosen identical to rejected$"):
         build(write_rows(tmp_path / "same.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "b"}] * 3))
+
+
+def test_truncating_every_pair_warns_and_nothing_left_to_tell_them_apart_is_refused(tmp_path, caplog):
+    """Issue 33, item 7: every pair cut by data.seq_len is a warning, not a note; pairs whose chosen
+    and rejected differ only past data.seq_len are skipped, and none left is refused."""
+    ends = [{"prompt": f"{i}:", "chosen": f"{i}" + "x" * 70, "rejected": f"{i + 1}" + "x" * 70} for i in range(12)]
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        train, valid = build(write_rows(tmp_path / "long.jsonl", ends))
+    assert len(train) + len(valid) == 12
+    said = [r for r in caplog.records if "with their completions truncated" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+    assert "of 12 pairs (data.seq_len=64, the longest 76 tokens): 12 with their completions truncated" in caplog.text
+    alike = [{"prompt": f"{i}:", "chosen": "x" * 70 + "a", "rejected": "x" * 70 + "b"} for i in range(12)]
+    with pytest.raises(ConfigError, match=r"^data.seq_len=64: no pair keeps a part of its completions that tells "
+                                          r"chosen from rejected \(the longest pair is 75 tokens\); raise data.seq_len$"):
+        build(write_rows(tmp_path / "alike.jsonl", alike))
 
 
 def test_the_data_fingerprint_sees_the_pairs(tmp_path):
@@ -339,20 +364,25 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path, cap
 
 def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_path):
     """Acceptance 4, a full fine-tune with objective.precompute_reference=true: SIGTERM after step 2
-    -> exit 75 with a checkpoint; the same command resumes, reads the reference's log-probs back
-    from the run dir instead of computing them, and every logged loss and reward of the two runs is
-    bitwise that of a run that was not stopped."""
-    from test_resume import finish, start, wait_for_step
+    -> exit 75 with a checkpoint; the command its message gives resumes, reads the reference's
+    log-probs back from the run dir instead of computing them, and every logged loss and reward of
+    the two runs is bitwise that of a run that was not stopped. The stopped run has Hydra's default
+    run dir (outputs/DATE/TIME, new at each launch), so that command must name it (issue 33, item 5)."""
+    import subprocess
+    import time
 
-    def command(run_dir: Path) -> list[str]:
-        return [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
-                "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false",
-                f"hydra.run.dir={run_dir}"]
+    from test_resume import finish, wait_for_step
 
-    launch(command(tmp_path / "straight"), cwd=tmp_path)
-    run = tmp_path / "stopped"
-    proc = start(command(run), tmp_path / "output.txt")
+    command = [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
+               "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false"]
+    launch([*command, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    with open(tmp_path / "output.txt", "w") as output:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
+        while not list(tmp_path.glob("outputs/*/*")):
+            assert proc.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        run = next(tmp_path.glob("outputs/*/*"))
         wait_for_step(run, 2, proc)
         proc.send_signal(signal.SIGTERM)
         code = finish(proc, timeout=300)
@@ -362,7 +392,9 @@ def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_p
     assert code == 75, out[-4000:]
     stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out)[1])
     assert 2 <= stopped < 20
-    again = launch(command(run), cwd=tmp_path)
+    given = re.search(r"; run the same command with (\S+) again to continue", out)
+    assert given and given[1] == f"hydra.run.dir={run}", out[-2000:]
+    again = launch([*command, given[1]], cwd=tmp_path)
     assert "reference's log-probabilities of 40 + 8 pairs read from" in again.stdout + again.stderr
     assert [step for step, key, _ in dpo_losses(run) if key == "loss"] == list(range(1, 21))  # resumed, not restarted
     assert dpo_losses(run) == dpo_losses(tmp_path / "straight")

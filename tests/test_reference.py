@@ -31,6 +31,36 @@ def test_reference_lists_every_key_option_and_preset():
             assert f"| `{option.stem}` |" in section, f"{group.name}={option.stem} is missing"
 
 
+def test_readme_lists_every_option_of_every_group():
+    """README's "Configuring a run" table names each option of each group in conf/ (issue 33, item 8),
+    and its presets table each preset."""
+    readme = (REPO / "README.md").read_text()
+
+    def table(header: str) -> dict[str, str]:
+        return dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", readme.split(header, 1)[1].split("\n\n", 1)[0],
+                               flags=re.MULTILINE))
+
+    groups, presets = table("\n| group | options |\n"), table("\n| preset | what |\n")
+    def listed(group: str, option: str) -> bool:
+        return option in presets if group == "preset" else f"`{option}`" in groups.get(group, "")
+
+    missing = [f"{group.name}={option.stem}" for group in sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir())
+               for option in sorted(group.glob("*.yaml")) if not listed(group.name, option.stem)]
+    assert not missing, f"README's table of groups and options (or of presets) lacks {missing}"
+
+
+def test_troubleshooting_names_the_objectives_that_chunk_the_loss():
+    from trainloop.objectives import OBJECTIVES
+
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    said = re.search(r"\*\*A large vocabulary: `trainer.loss_chunk_tokens=N`\*\* \(objective=([^)]*)\)", text)
+    assert said, "docs/troubleshooting.md has no 'A large vocabulary' paragraph naming its objectives"
+    readers = {name for name, row in OBJECTIVES.items() if row.chunks_loss}
+    assert set(re.findall(r"\w+", said[1].replace(" or ", " "))) == readers
+    refused = re.search(r"an objective that does not read it \(objective=([^)]*?),? for now\)", text)
+    assert refused and set(re.findall(r"\w+", refused[1].replace(" or ", " "))) == set(OBJECTIVES) - readers
+
+
 def test_every_key_and_option_is_described():
     undocumented = [row.split("|")[1].strip() for row in render().splitlines()
                     if row.startswith("| `") and not row.rstrip(" |").split("|")[-1].strip()]

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from conftest import SMALL, clean_env, end_family, family, launch
 from trainloop.config import ConfigError
-from trainloop.rundir import RUN_LOCK, hold_run_dir
+from trainloop.rundir import RUN_LOCK, hold_run_dir, run_dir_problem
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -62,6 +63,55 @@ def test_the_lock_of_a_killed_run_does_not_block_the_next(tmp_path):
     assert proc.wait() == -signal.SIGKILL and f'"pid": {proc.pid},' in (tmp_path / RUN_LOCK).read_text()
     with hold_run_dir(tmp_path):
         pass
+
+
+def test_a_run_dir_under_a_file_is_one_line_before_hydra_logs(tmp_path):
+    """Issue 33, item 6: Hydra's log file handler would fail there with a 30-line traceback. Root
+    may write anywhere chmod forbids, so the run dir is under a regular file."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = launch(["python", "-m", "trainloop", f"hydra.run.dir={blocker / 'run'}"], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"trainloop: error: cannot create the run dir {blocker / 'run'} ({blocker} "
+                                        "is a file); choose another hydra.run.dir"], proc.stderr[-3000:]
+    assert proc.stdout == ""
+
+
+def not_as_root(function, *args) -> str:
+    """repr(function(*args)), called in a child process that is not root, where permissions count."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only plain system calls, then out without any exit hook
+        try:
+            os.close(read)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)  # nobody
+            os.write(write, repr(function(*args)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as result:
+        said = result.read()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_a_run_dir_that_cannot_be_written_is_named():
+    with tempfile.TemporaryDirectory(dir="/tmp") as root:  # not under tmp_path, which only root may enter
+        read_only = Path(root) / "read_only"
+        read_only.mkdir(mode=0o555)
+        os.chmod(root, 0o755)
+        assert not_as_root(run_dir_problem, read_only) == repr(
+            f"cannot write into the run dir {read_only} (permission denied)")
+        assert not_as_root(run_dir_problem, read_only / "run") == repr(
+            f"cannot create the run dir {read_only / 'run'} (Permission denied: {read_only / 'run'})")
+        writable = Path(root) / "writable"
+        writable.mkdir()
+        os.chmod(writable, 0o777)
+        assert not_as_root(run_dir_problem, writable / "run") == "None"
+    said = run_dir_problem("/proc/trainloop/run")  # a place nobody may create a folder in, root included
+    assert said.startswith("cannot create the run dir /proc/trainloop/run ("), said
 
 
 def test_a_second_launch_into_a_running_run_dir_is_refused(tmp_path):

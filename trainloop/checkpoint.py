@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
 from trainloop.parallel.tensors import local_shard
+from trainloop.rundir import same_command
 
 log = logging.getLogger("trainloop")
 
@@ -274,7 +275,8 @@ class Checkpointer:
         self.every = cfg.checkpoint.every_steps
         self.keep_last = cfg.checkpoint.keep_last
         self.accelerator = strategy.accelerator
-        self.root = Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
         self.data_fingerprint: dict = {}  # set by check_data once the data is built
         self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
         self.async_save = strategy.saves_async and cfg.checkpoint.async_save  # DCP (trainloop.dcp) writes in the background
@@ -303,13 +305,18 @@ class Checkpointer:
         found = self.complete()
         return str(found[-1]) if found else "none (no checkpoint was saved yet)"
 
+    def back_to_last_good(self) -> str:
+        """After non-finite numbers: where to go back to, and the command that does."""
+        return (f"The last good checkpoint is {self.last_good()}: to resume from it with a lower learning rate, "
+                f"run {same_command(self.run_dir, 'optimizer.lr=LOWER')}")
+
     def save(self, state, model) -> Path:
         acc = self.accelerator
         final = self.root / f"step_{state.step:07d}"
         self._settle()  # one save at a time: the one in flight commits first
         if not parameters_finite(acc, model):
             raise NonFiniteError(f"the parameters are not finite after optimizer step {state.step}; "
-                                 f"not saving them. The last good checkpoint is {self.last_good()}")
+                                 f"not saving them. {self.back_to_last_good()}")
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -438,8 +445,9 @@ class Checkpointer:
     def _save_error(self, failure: BaseException | None, tmp: Path, final: Path) -> BaseException:
         previous = self.complete()
         needed = sum(file_sizes(previous[-1]).values()) if previous else 0
-        resumes = (f"the previous checkpoint {previous[-1]} is intact, and running the same command "
-                   "again resumes from it" if previous else "no checkpoint was saved before it")
+        resumes = (f"the previous checkpoint {previous[-1]} is intact, and running "
+                   f"{same_command(self.run_dir)} again resumes from it" if previous
+                   else "no checkpoint was saved before it")
         if failure is None:
             return CheckpointError(f"saving checkpoint {final} failed on another rank (see its message); {resumes}")
         if not no_space_left(failure, tmp if tmp.exists() else self.root, needed):

@@ -8,7 +8,8 @@ exit 1 whenever a rank exits non-zero, and print each rank's code):
       saved (disk full) or loaded (truncated, corrupt)
   3   stopped on a non-finite loss or gradient norm (trainer.on_nonfinite=stop)
   75  preempted: SIGTERM, SIGUSR1 or one Ctrl-C; a checkpoint was saved, run the same command
-      again to continue (EX_TEMPFAIL: "try again later"; 143 would look like a plain kill)
+      again to continue, with hydra.run.dir=RUN_DIR where Hydra made the run dir from the launch
+      time (EX_TEMPFAIL: "try again later"; 143 would look like a plain kill)
   130 a second Ctrl-C: stopped at once, without a checkpoint
 
 This module imports nothing from trainloop, so every module can raise these.

@@ -56,38 +56,7 @@ def problems(cfg) -> list[str]:
     return problems
 
 
-class TorchaoNotices(logging.Filter):
-    """Drops what torchao logs when it is imported (transformers imports it whenever it is
-    installed, for every model) that says nothing about a run: its CUDA-only kernels not loading
-    into a CPU build of torch, no Triton on a CPU, and its own use of a deprecated torch call."""
-
-    NOTICES = ("Failed to load", "Detected no triton", "is an Enum subclass and is now natively supported")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        cpu_only = "Failed to load" not in message or "torchao/_C" in message
-        return not (cpu_only and any(notice in message for notice in self.NOTICES) and not _cuda_build())
-
-
-def _cuda_build() -> bool:
-    import torch
-
-    return torch.version.cuda is not None
-
-
-TORCHAO_NOTICES = TorchaoNotices()
-
-
-def quiet_torchao_notices() -> None:
-    """Install TorchaoNotices on the loggers torchao's import writes to (before transformers imports it)."""
-    for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):
-        logger = logging.getLogger(name)
-        if TORCHAO_NOTICES not in logger.filters:
-            logger.addFilter(TORCHAO_NOTICES)
-
-
 def _import_torchao():
-    quiet_torchao_notices()
     import torchao.float8
 
     return torchao.float8

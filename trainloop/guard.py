@@ -56,9 +56,9 @@ class StepGuard:
         message = (f"non-finite {what} at optimizer step {state.step + 1} (mean loss {mean_loss:.4g}, "
                    f"gradient norm {grad_norm.item():.4g})")
         if self.policy == "stop":
-            raise NonFiniteError(f"{message}; stopped (trainer.on_nonfinite=stop). The last good "
-                                 f"checkpoint is {self.checkpointer.last_good()}. Lower optimizer.lr, "
-                                 "or set trainer.on_nonfinite=skip to skip such steps")
+            raise NonFiniteError(f"{message}; stopped (trainer.on_nonfinite=stop). "
+                                 f"{self.checkpointer.back_to_last_good()} (or with trainer.on_nonfinite=skip "
+                                 "to skip such steps)")
         state.nonfinite_steps += 1
         log.warning("%s; update skipped (trainer.on_nonfinite=skip, %d so far)", message,
                     state.nonfinite_steps)

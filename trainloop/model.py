@@ -101,9 +101,6 @@ def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: 
     from transformers import AutoModelForCausalLM
 
     from trainloop.adapter import quantization_config
-    from trainloop.fp8 import quiet_torchao_notices
-
-    quiet_torchao_notices()  # transformers imports torchao when installed, fp8 or not
 
     try:
         if cfg.name == "hf" and not shapes_only:

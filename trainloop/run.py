@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from trainloop.config import check_complete, validate
-from trainloop.rundir import LaunchRecord, hold_run_dir
+from trainloop.rundir import LaunchRecord, hold_run_dir, same_command
 
 log = logging.getLogger("trainloop")
 
@@ -90,10 +90,10 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
                                "checkpoint": str(checkpointer.last_good())})
                 accelerator.end_training()
                 raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
-                                f"saved in {checkpointer.last_good()}; run the same command again to continue")
+                                f"saved in {checkpointer.last_good()}; run {same_command(run_dir)} again to continue")
         if state.step < cfg.trainer.max_steps:
-            log.info("stopped at trainer.stop_at_step=%d of %d; run again with trainer.stop_at_step=null "
-                     "to continue", state.step, cfg.trainer.max_steps)
+            log.info("stopped at trainer.stop_at_step=%d of %d; run %s to continue", state.step,
+                     cfg.trainer.max_steps, same_command(run_dir, "trainer.stop_at_step=null"))
         elif cfg.checkpoint.save_final_model:  # a failed export fails the run in the trackers too
             metrics.close()  # the bar ends before the export logs
             export_model(strategy, model, built.tokenizer, Path(run_dir) / "final", cfg)

@@ -19,12 +19,16 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import socket
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainloop.errors import ConfigError
+from hydra.experimental.callback import Callback
+
+from trainloop.errors import EXIT_BAD_CONFIG, ConfigError
 
 log = logging.getLogger("trainloop")
 
@@ -102,3 +106,69 @@ class LaunchRecord:
 def _next_launch_dir(launches: Path) -> Path:
     numbers = [int(p.name) for p in launches.glob("[0-9][0-9][0-9]*") if p.name.isdigit()]
     return launches / f"{max(numbers, default=0) + 1:03d}"
+
+
+def same_command(run_dir: str | os.PathLike, *overrides: str) -> str:
+    """The command that continues a stopped run from its checkpoints in run_dir: the same one, with
+    `overrides`. Hydra's default run dir (outputs/DATE/TIME) is made from the launch's time, so the
+    same command would start afresh in a new one: then the command names this run's."""
+    named = launch_time_dir(run_dir)
+    if named:
+        overrides = (*overrides, shlex.quote(named))
+    return "the same command" + (f" with {' '.join(overrides)}" if overrides else "")
+
+
+def launch_time_dir(run_dir: str | os.PathLike) -> str | None:
+    """hydra.run.dir=RUN_DIR where Hydra made this launch's dir from the time (a ${now:...} in it, the
+    default), hydra.sweep.dir=SWEEP_DIR for a sweep's job (in SWEEP_DIR/JOB_NUMBER); None where the
+    same command finds it again, or without Hydra (an in-process run is given its run dir)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    key = "sweep" if hydra.mode.name == "MULTIRUN" else "run"
+    if "${now:" not in str(OmegaConf.to_container(hydra[key], resolve=False)["dir"]):
+        return None
+    return f"hydra.{key}.dir={Path(run_dir).parent if key == 'sweep' else run_dir}"
+
+
+def run_dir_problem(run_dir: str | os.PathLike) -> str | None:
+    """Why a run cannot write into run_dir (None if it can). The folder is made here, as Hydra makes
+    it next: a path under a file or in a read-only place fails now, by its own error, for root too."""
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = path.absolute()
+        made = next(p for p in (where, *where.parents) if p.exists())  # "/" at the latest
+        why = f"{made} is a file" if not made.is_dir() else f"{err.strerror}: {err.filename}"
+        return f"cannot create the run dir {path} ({why})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cannot write into the run dir {path} (permission denied)"
+    return None
+
+
+class RunDirCheck(Callback):
+    """Registered in conf/train.yaml: refuse a run dir nothing can be written to in one line, before
+    Hydra opens its log file there (whose failure is a 30-line traceback)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        try:
+            run_dir = OmegaConf.select(config, key)
+        except Exception:  # an interpolation only Hydra's job can resolve: Hydra checks it itself
+            return
+        problem = run_dir_problem(run_dir)
+        if problem:  # a callback's exception would only be a warning to Hydra
+            print(f"trainloop: error: {problem}; choose another {key}", file=sys.stderr)
+            sys.exit(EXIT_BAD_CONFIG)

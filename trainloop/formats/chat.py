@@ -34,7 +34,18 @@ TOLD_BUILTIN = weakref.WeakSet()
 
 
 def chat_template(cfg: DataConfig, tokenizer) -> str:
-    """data.chat_template if given, else the tokenizer's own, else the built-in one."""
+    """The template rows are rendered with (template_of); the built-in one is said once, as rows are
+    rendered with it."""
+    template = template_of(cfg, tokenizer)
+    if template is BUILTIN_CHAT_TEMPLATE and tokenizer not in TOLD_BUILTIN:
+        TOLD_BUILTIN.add(tokenizer)
+        log.info("the tokenizer has no chat template: using trainloop's built-in one (data.chat_template=FILE to choose)")
+    return template
+
+
+def template_of(cfg: DataConfig, tokenizer) -> str:
+    """data.chat_template if given, else the tokenizer's own, else the built-in one. Said nothing:
+    final/'s tokenizer carries it also after plain-text pairs or prompts, which render none."""
     if cfg.chat_template:
         path = Path(cfg.chat_template).expanduser()
         if not path.is_file():
@@ -45,9 +56,6 @@ def chat_template(cfg: DataConfig, tokenizer) -> str:
         own = own.get("default")
     if own:
         return check_generation_markers(cfg, tokenizer, own)
-    if tokenizer not in TOLD_BUILTIN:
-        TOLD_BUILTIN.add(tokenizer)
-        log.info("the tokenizer has no chat template: using trainloop's built-in one (data.chat_template=FILE to choose)")
     return BUILTIN_CHAT_TEMPLATE
 
 

@@ -7,13 +7,15 @@ else the built-in one). Without a prompt column, chosen and rejected are whole c
 their shared leading turns are the prompt (TRL's implicit prompt). The completion starts where the
 tokenized prompt and prompt + completion part (TRL's rule); plain completions end with the EOS token.
 
-The rules for a row (README "Tune on preferences"): a row without chosen or rejected, a row that
-mixes text and conversations, a plain-text row without a prompt, or a conversation whose last turn
-is not the assistant's is refused naming its FILE:LINE; a row whose chosen equals its rejected
-teaches nothing and is skipped and counted. A pair longer than data.seq_len keeps its prompt and
-has its completions truncated; a pair whose prompt alone fills data.seq_len is skipped and counted
-(none left: refused). Each pair is one item, chosen and rejected each padded on the right to
-data.seq_len with labels IGNORE outside the completion: pairs are not packed together.
+The rules for a row (README "Tune on preferences"): a row without chosen or rejected, a value that
+is neither text nor a list of messages (a number), an empty prompt, a row that mixes text and
+conversations, a plain-text row without a prompt, or a conversation whose last turn is not the
+assistant's is refused naming its FILE:LINE; a row whose chosen equals its rejected teaches nothing
+and is skipped and counted. A pair longer than data.seq_len keeps its prompt and has its completions
+truncated (counted; a warning when every pair is); a pair whose prompt alone fills data.seq_len, or
+whose truncated chosen and rejected are the same, is skipped and counted (none left: refused). Each
+pair is one item, chosen and rejected each padded on the right to data.seq_len with labels IGNORE
+outside the completion: pairs are not packed together.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections import Counter
 
 from trainloop.errors import ConfigError
 from trainloop.formats.base import DataFormat, ragged_table
-from trainloop.formats.chat import chat_template, message_problem
+from trainloop.formats.chat import chat_template, message_problem, template_of
 from trainloop.formats.rows import json_kind, read_rows
 from trainloop.schema import DataConfig
 from trainloop.tokenizer import IGNORE
@@ -152,20 +154,30 @@ class Preference(DataFormat):
 
         tokens = self.tokenize(cfg, tokenizer, self.load(cfg, tokenizer))
         L, pad = cfg.seq_len, pad_id(tokenizer)
-        pairs, truncated = [], 0
+        pairs, truncated, full, alike, longest = [], 0, 0, 0, 0
         for prompt, chosen, rejected in zip(tokens["prompt_ids"], tokens["chosen_ids"], tokens["rejected_ids"]):
-            if len(prompt) >= L:
+            room, longest = L - len(prompt), max(longest, len(prompt) + max(len(chosen), len(rejected)))
+            if room <= 0:
+                full += 1
                 continue
-            room = L - len(prompt)
-            truncated += max(len(chosen), len(rejected)) > room
-            pairs.append((prompt, chosen[:room], rejected[:room]))
-        dropped = len(tokens) - len(pairs)
-        if not pairs:
+            cut = chosen[:room], rejected[:room]
+            if max(len(chosen), len(rejected)) > room:
+                truncated += 1
+                if cut[0] == cut[1]:  # what tells chosen from rejected was cut off: nothing to learn
+                    alike += 1
+                    continue
+            pairs.append((prompt, *cut))
+        if full == len(tokens):
             raise ConfigError(f"data.seq_len={L}: the prompt of every one of the {len(tokens)} pairs fills it, "
                               "leaving no room for a completion; raise data.seq_len")
-        if dropped or truncated:
-            log.info("data: of %d pairs (data.seq_len=%d): %d with their completions truncated, %d skipped "
-                     "as their prompt alone fills data.seq_len", len(tokens), L, truncated, dropped)
+        if not pairs:
+            raise ConfigError(f"data.seq_len={L}: no pair keeps a part of its completions that tells chosen from "
+                              f"rejected (the longest pair is {longest} tokens); raise data.seq_len")
+        if truncated or full:  # losing every pair's ends, or whole pairs, is worth more than a note
+            say = log.warning if full or alike or truncated == len(tokens) else log.info
+            say("data: of %d pairs (data.seq_len=%d, the longest %d tokens): %d with their completions truncated, "
+                "%d skipped as their prompt alone fills data.seq_len, %d skipped as truncated chosen and rejected "
+                "are the same", len(tokens), L, longest, truncated, full, alike)
         tensors = {f"{side}_{key}": torch.full((len(pairs), L), fill, dtype=torch.int64)
                    for side in SIDES for key, fill in (("input_ids", pad), ("labels", IGNORE))}
         for i, (prompt, *completions) in enumerate(pairs):
@@ -181,18 +193,27 @@ class Preference(DataFormat):
     def chat_template(self, cfg: DataConfig, tokenizer) -> str | None:
         """The template conversations are rendered with, which final/'s tokenizer then carries; for
         plain-text pairs none is used, but final/ carries it as for data=chat (read without the rows)."""
-        return chat_template(cfg, tokenizer)
+        return template_of(cfg, tokenizer)
 
 
 def pair_problem(cfg: DataConfig, prompt, chosen, rejected) -> str | None:
     """What makes a row unusable (named with its place); None for a pair, even an identical one."""
-    for key, value in (("data.chosen_field", chosen), ("data.rejected_field", rejected)):
-        if value is None or value == "" or value == []:
-            return f"{key}={getattr(cfg, key[5:])!r} is missing or empty; every row needs chosen and rejected"
+    named = {f"data.{side}_field={getattr(cfg, f'{side}_field')!r}": value
+             for side, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
+    prompt_key, chosen_key, rejected_key = named
+    for key in (chosen_key, rejected_key):
+        if named[key] is None or named[key] == "" or named[key] == []:
+            return f"{key} is missing or empty; every row needs chosen and rejected"
+    for key, value in named.items():
+        if value is not None and not isinstance(value, (str, list)):
+            return f"{key} is {json_kind(value)}: give text, or a list of {{role, content}} messages"
+    if prompt == "" or prompt == []:
+        return (f"{prompt_key} is empty: a pair needs its prompt (or no prompt column: conversations sharing "
+                "their first turns)")
     kinds = {type(v) for v in (prompt, chosen, rejected) if v is not None}
     if kinds == {str}:
         if prompt is None:
-            return (f"data.prompt_field={cfg.prompt_field!r} is missing: a plain-text pair needs its prompt "
+            return (f"{prompt_key} is missing: a plain-text pair needs its prompt "
                     "(only conversations may leave it out, sharing their first turns)")
         return None
     if kinds != {list}:

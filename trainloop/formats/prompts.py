@@ -22,7 +22,7 @@ import logging
 
 from trainloop.errors import ConfigError
 from trainloop.formats.base import DataFormat
-from trainloop.formats.chat import chat_template, message_problem
+from trainloop.formats.chat import chat_template, message_problem, template_of
 from trainloop.formats.rows import data_files, json_kind, json_records, root_cause
 from trainloop.schema import DataConfig
 
@@ -158,5 +158,6 @@ class Prompts(DataFormat):
         return part(~held_out), part(held_out)
 
     def chat_template(self, cfg: DataConfig, tokenizer) -> str | None:
-        """The template conversations are rendered with, which final/'s tokenizer then carries."""
-        return chat_template(cfg, tokenizer)
+        """The template conversations are rendered with, which final/'s tokenizer then carries (also
+        after plain-text prompts, which render none: said only where rows are rendered)."""
+        return template_of(cfg, tokenizer)
