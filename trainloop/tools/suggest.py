@@ -208,9 +208,10 @@ class Suggestion:
         return fastest(o for o in self.options if o.fits and o.method)
 
     def not_fitting(self) -> list[Option]:
-        """For each layout and checkpointing choice none of whose micro-batches fits: its smallest."""
+        """For each layout and checkpointing choice none of whose micro-batches fits: its smallest
+        (the methods' are not listed: a method is only offered where it fits)."""
         groups: dict[tuple[str, bool], list[Option]] = {}
-        for o in self.options:
+        for o in (o for o in self.options if not o.method):
             groups.setdefault((o.layout, o.checkpointing), []).append(o)
         return [min(g, key=lambda o: o.memory) for g in groups.values() if not any(o.fits for o in g)]
 
@@ -406,8 +407,8 @@ def assumption_lines(s: Suggestion) -> list[str]:
 
 def render(s: Suggestion, top: int) -> str:
     c = s.cluster
-    what = (f"GPUs of {_gib(c.gpu_memory)} ({_gib(GPU_USABLE * c.gpu_memory)} usable)" if c.device == "cuda"
-            else f"CPU processes, {_gib(c.host_ram)} of RAM")
+    what = (f"GPU{'s' if c.gpus > 1 else ''} of {_gib(c.gpu_memory)} ({_gib(GPU_USABLE * c.gpu_memory)} usable)"
+            if c.device == "cuda" else f"CPU processes, {_gib(c.host_ram)} of RAM")
     out = [f"trainloop plan --suggest: {s.num_params / 1e6:,.1f}M parameters on {c.gpus} {what}, {c.nodes} node"
            f"{'s' if c.nodes > 1 else ''} of {c.per_node}",
            f"global batch {s.global_batch} x {s.seq_len:,} tokens; fastest first by the estimate below", ""]
