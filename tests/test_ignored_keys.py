@@ -158,7 +158,6 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "deepspeed.overlap_comm": False, "deepspeed.contiguous_gradients": False,
         "deepspeed.reduce_bucket_size": 1000, "deepspeed.allgather_bucket_size": 1000,
         "deepspeed.stage3_prefetch_bucket_size": 1000, "deepspeed.stage3_param_persistence_threshold": 10,
-        "deepspeed.stage3_max_reuse_distance": 1000,
         "deepspeed.gather_16bit_weights_on_model_save": False, "deepspeed.zero3_init": True,
         "deepspeed.config_file": files["ds.json"],
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,

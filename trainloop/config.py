@@ -131,7 +131,7 @@ _READ_ONLY_BY = {
         "offload_optimizer", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
         "allgather_bucket_size", "config_file")},
     **{f"deepspeed.{key}": _ZERO3 for key in (
-        "offload_param", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
+        "offload_param", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "gather_16bit_weights_on_model_save", "zero3_init")},
     "deepspeed.nvme_path": (lambda c: "nvme" in (c.deepspeed.offload_optimizer, c.deepspeed.offload_param),
                             "deepspeed.offload_optimizer=nvme or deepspeed.offload_param=nvme"),

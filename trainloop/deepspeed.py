@@ -21,7 +21,7 @@ log = logging.getLogger("trainloop")
 AUTO = "auto"
 DEFAULTS = DeepSpeedConfig()
 TUNING = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
-          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_reuse_distance")
+          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 INSTALL_LIBAIO = ("install libaio and run again: `apt-get install libaio-dev` (Debian/Ubuntu, as root), "
                   "`dnf install libaio-devel` (Fedora/RHEL) or `conda install -c conda-forge libaio`; "
                   "scripts/setup.sh installs it when run as root on Debian/Ubuntu")

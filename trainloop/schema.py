@@ -171,9 +171,6 @@ class DeepSpeedConfig:
     allgather_bucket_size: int = 500_000_000  # elements gathered at once (stages 1 and 2)
     stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: parameter elements fetched ahead of their use
     stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller parameters stay whole on every rank
-    # stage 3: a gathered parameter used again within this many elements is kept, not released; DeepSpeed's
-    # default keeps the whole model gathered from its forward to its backward (0: release each after use)
-    stage3_max_reuse_distance: int = 1_000_000_000
     gather_16bit_weights_on_model_save: bool = True  # stage 3: accelerate's save_model may gather 16-bit weights
     zero3_init: bool = False  # stage 3: build the model partitioned (zero.Init), never whole; changes a random init
     config_file: Optional[str] = None  # a user's DeepSpeed JSON, checked against this config

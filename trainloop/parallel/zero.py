@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from trainloop.parallel.base import Strategy, running
 
+# DeepSpeed's stage3_max_reuse_distance, which trainloop leaves at DeepSpeed's default: a gathered
+# parameter used again within this many elements is kept (partitioned_param_coordinator.py)
+MAX_REUSE_DISTANCE = 1_000_000_000
+
 
 class DeepSpeedZeRO(Strategy):
     name = "zero"
@@ -121,12 +125,12 @@ class DeepSpeedZeRO(Strategy):
         else:
             small = sum(math.prod(s) for s in shape.shapes if math.prod(s) < ds.stage3_param_persistence_threshold)
             # a parameter is released after its forward only if its backward (the blocks after it, twice)
-            # is further than the reuse distance: the last blocks stay gathered, at the default all of them
-            kept = min(n - small, ds.stage3_max_reuse_distance // 2 + shape.largest_layer_params)
+            # is further than the reuse distance: the last blocks stay gathered, below 500M parameters all
+            kept = min(n - small, MAX_REUSE_DISTANCE // 2 + shape.largest_layer_params)
             gathered = kept + small + min(ds.stage3_prefetch_bucket_size, n)
             add(Line("reduce bucket", bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
             add(Line("gathered parameters", pb * gathered, dev, "forward/backward", exact=False,
-                     note="those reused within deepspeed.stage3_max_reuse_distance + the prefetch bucket "
+                     note="those reused within DeepSpeed's stage3_max_reuse_distance + the prefetch bucket "
                           "+ persistent small parameters"))
             if ds.offload_optimizer == "none":  # the step flattens this rank's gradients into one fp32 tensor
                 flat = [(part(t, True),)]
