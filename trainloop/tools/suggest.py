@@ -399,7 +399,7 @@ def assumption_lines(s: Suggestion) -> list[str]:
     if c.device == "cpu":
         out.append("CPU processes: the step times still assume the GPUs above; only the memory side means anything")
     out.append("not modelled: kernel efficiency at small micro-batches (one MFU for all), a collective's latency "
-               "(only its bytes), overlap, shared PCIe switches, stragglers, the data loader")
+               "(only its bytes), overlap, shared PCIe switches, stragglers, the data loader, QLoRA's dequantization")
     if s.dropped:
         out.append(f"your overrides the layouts replace: {' '.join(s.dropped)}")
     return out
