@@ -57,9 +57,11 @@ def test_8b_on_8x80_lists_layouts_and_its_first_choice_fits_by_its_own_plan(llam
     assert ddp and not any(o.fits for o in ddp)
     assert min(o.memory for o in ddp) > 16 * s.num_params
     text = suggestion.render(s, top=5)
-    assert text.splitlines()[3].lstrip().startswith("1 ") and first.layout in text.splitlines()[3]
+    assert text.splitlines()[4].lstrip().startswith("1 ") and text.splitlines()[4].endswith(first.name)
     assert "DDP: GPU:" in text and "does NOT fit" in text
-    assert " + SP: fsdp=full_shard parallel.tp_size=" in suggestion.render(s, top=0)  # the override on its line
+    every = suggestion.render(s, top=0).splitlines()
+    sp_rows = [i for i, line in enumerate(every) if line.endswith(suggestion.SEQUENCE_PARALLEL)]
+    assert sp_rows and all("parallel.sequence_parallel=true" in every[i + 1] for i in sp_rows)  # its overrides below it
     for a in suggestion.ASSUMPTIONS.values():  # every number assumed, with its flag
         assert a.flag in text
     assert "MFU 0.4" in text and "NOT overlapped" in text and "450 GB/s" in text and "25 GB/s" in text
@@ -99,6 +101,56 @@ def test_the_step_time_model_moves_the_right_way(llama_8b):
         one = by_key.get((o.layout, o.micro_batch, o.checkpointing))
         if one:  # the same work per data-parallel rank, over slower links
             assert o.time.dp > one.time.dp, o.layout
+
+
+# Llama 3.2 1B's shape: 16 blocks of 2048, 32 query and 8 key/value heads, an MLP of 8,192, 128,256
+# tokens (the output head tied to the embedding), 2,048-token sequences in bf16.
+LLAMA_1B = ["precision=bf16", "model.hidden_size=2048", "model.num_layers=16", "model.num_heads=32",
+            "model.num_kv_heads=8", "model.intermediate_size=8192", "model.vocab_multiple=128256",
+            "model.max_position_embeddings=2048", "data.seq_len=2048"]
+
+
+def test_1b_on_one_24_gib_gpu_offers_8_bit_adamw_and_apart_lora_and_qlora():
+    """Item 10 of issue 33: on 1 x 24 GiB the whole 1B model trains with AdamW only with its optimizer
+    on the host, but 8-bit (and paged 8-bit) AdamW fits on the GPU: the suggestion lists it among the
+    plain-method layouts, planned again from its own overrides. LoRA and QLoRA, which train adapters
+    instead of the model, are listed apart under "if you can change the method"; QLoRA's 4-bit base
+    needs less than LoRA's. Every line printed fits in 100 characters."""
+    s = suggestion.run(args("--suggest", "--gpus", "1", "--gpu-memory", "24", *LLAMA_1B))
+    assert 1.2e9 < s.num_params < 1.3e9
+    eight_bit = [o for o in s.fitting if o.stand_in]
+    assert eight_bit and {o.stand_in for o in eight_bit} == {"adamw8bit"}
+    assert all(o.also == ["paged_adamw8bit"] and o.name.endswith("adamw8bit or paged_adamw8bit") for o in eight_bit)
+    first = eight_bit[0]
+    cfg = compose_config(LLAMA_1B + first.overrides)  # the run the user would start
+    assert cfg.optimizer.name == "adamw8bit"
+    assert plan_memory(cfg, model_shape(cfg), 1, "cuda").peak("gpu") == first.memory <= GPU_USABLE * 24 * GIB
+    plain = [o for o in s.options if not o.stand_in and not o.method and "offload" not in o.layout]
+    assert plain and not any(o.fits for o in plain)  # AdamW on the GPU does not fit: 8-bit is what does
+    ddp = {(o.micro_batch, o.checkpointing): o for o in s.options if o.layout == "DDP"}
+    for o in (o for o in eight_bit if o.layout == "DDP + adamw8bit"):
+        assert o.memory < ddp[o.micro_batch, o.checkpointing].memory
+    assert not any(o.method for o in s.fitting)
+    methods = {(o.method, o.micro_batch, o.checkpointing): o for o in s.fitting_methods}
+    assert {m for m, _, _ in methods} == {"LoRA", "QLoRA"}
+    lora = methods["LoRA", 1, True]
+    assert "adapter=lora" in lora.overrides and lora.plan.peak("gpu") < first.memory
+    assert methods["QLoRA", 1, True].memory < lora.memory and "model.quantization=4bit" in methods["QLoRA", 1, True].overrides
+    text = suggestion.render(s, top=0)
+    lines = text.splitlines()
+    apart = lines.index("if you can change the method (what trains is no longer the whole model):")
+    assert any(line.endswith(" adamw8bit or paged_adamw8bit") for line in lines[:apart])
+    assert not any(line.endswith(("LoRA", "QLoRA")) for line in lines[:apart])
+    assert any(line.endswith(" QLoRA") for line in lines[apart:]) and any(line.endswith(" LoRA") for line in lines[apart:])
+    assert max(len(line) for line in lines) <= suggestion.WIDTH == 100, max(lines, key=len)
+    out = suggestion.to_json(s)
+    assert {o["method"] for o in out["methods"]} == {"LoRA", "QLoRA"} and not any(o["method"] for o in out["fits"])
+
+
+def test_every_line_of_the_8b_suggestion_fits_in_100_characters(llama_8b):
+    for top in (5, 0):
+        lines = suggestion.render(llama_8b, top).splitlines()
+        assert max(len(line) for line in lines) <= suggestion.WIDTH, max(lines, key=len)
 
 
 @pytest.mark.parametrize("argv, says", [

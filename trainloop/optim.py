@@ -226,6 +226,9 @@ class Optimizer:
     fsdp2: bool = True  # steps on FSDP2's DTensor shards (torch's optimizers do, through DTensor ops)
     not_fsdp2_because: str = ""
     library: str = ""  # the package that implements it, where that is not torch or transformers
+    # the row whose update this one makes with less state, reading the same keys: `plan --suggest`
+    # offers it where that row's optimizer is configured (the same method, its state quantized)
+    stands_in_for: str = ""
 
 
 ADAM_KEYS = ("lr", "weight_decay", "betas", "eps")
@@ -234,7 +237,7 @@ EIGHT_BIT = dict(state_bytes=_adam8bit_state, shared_state_bytes=2 * 256 * 4, re
                  not_zero3_because="ZeRO-3 partitions the parameters the 8-bit optimizer must see whole",
                  fsdp2=False, not_fsdp2_because="bitsandbytes' 8-bit kernels take plain tensors, not FSDP2's "
                  "DTensor shards (seen: 'got mixed torch.Tensor and DTensor')",
-                 library="bitsandbytes")
+                 library="bitsandbytes", stands_in_for="adamw")
 
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, _adamw_state, _adamw_temporaries, reads=(*ADAM_KEYS, "impl"), cpu_offload=True),

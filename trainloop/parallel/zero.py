@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from trainloop.parallel.base import Strategy, running
 
+# DeepSpeed's stage3_max_reuse_distance, which trainloop leaves at DeepSpeed's default: a gathered
+# parameter used again within this many elements is kept (partitioned_param_coordinator.py)
+MAX_REUSE_DISTANCE = 1_000_000_000
+
 
 class DeepSpeedZeRO(Strategy):
     name = "zero"
@@ -89,10 +93,12 @@ class DeepSpeedZeRO(Strategy):
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """Stage 1 partitions the optimizer states (fp32 master + the optimizer's, K bytes per
         parameter) over the ranks, stage 2 also the gradients, stage 3 also the parameters; offload
-        moves them to CPU or NVMe; the reduce buckets and ZeRO-3's gathered layer are estimates."""
+        moves them to CPU or NVMe; the reduce buckets and ZeRO-3's gathered parameters and step
+        temporaries are estimates (DeepSpeed 0.19's stage3.py and partitioned_param_coordinator.py,
+        checked against scripts/bench_parallel.py)."""
         import math
 
-        from trainloop.optim import planned_state_bytes
+        from trainloop.optim import planned_state_bytes, planned_step_temporaries
         from trainloop.parallel.memory import Line
 
         add, opt, ds = plan.lines.append, cfg.optimizer, cfg.deepspeed
@@ -118,11 +124,19 @@ class DeepSpeedZeRO(Strategy):
             add(Line("reduce buckets", copies * bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
         else:
             small = sum(math.prod(s) for s in shape.shapes if math.prod(s) < ds.stage3_param_persistence_threshold)
-            gathered = shape.largest_layer_params + min(ds.stage3_prefetch_bucket_size, n)
+            # a parameter is released after its forward only if its backward (the blocks after it, twice)
+            # is further than the reuse distance: the last blocks stay gathered, below 500M parameters all
+            kept = min(n - small, MAX_REUSE_DISTANCE // 2 + shape.largest_layer_params)
+            gathered = kept + small + min(ds.stage3_prefetch_bucket_size, n)
             add(Line("reduce bucket", bucket, dev, exact=False, note="deepspeed.reduce_bucket_size"))
-            add(Line("gathered parameters", pb * (gathered + small), dev, "forward/backward", exact=False,
-                     note="one layer + the prefetch bucket + persistent small parameters"))
-            add(Line("gathered parameters", pb * gathered, dev, "optimizer step", exact=False))
+            add(Line("gathered parameters", pb * gathered, dev, "forward/backward", exact=False,
+                     note="those reused within DeepSpeed's stage3_max_reuse_distance + the prefetch bucket "
+                          "+ persistent small parameters"))
+            if ds.offload_optimizer == "none":  # the step flattens this rank's gradients into one fp32 tensor
+                flat = [(part(t, True),)]
+                add(Line("optimizer step temporaries", 4 * part(t, True) + planned_step_temporaries(
+                    opt, plan.device == "cuda", flat), dev, "optimizer step", exact=False,
+                         note=f"the fp32 gradient partition, and {opt.name}'s own on the flat partition"))
 
     @staticmethod
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:

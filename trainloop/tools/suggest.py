@@ -14,6 +14,11 @@ GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimate
              copies) / its link's bandwidth, NOT overlapped with compute: an upper bound
     + CPU    an offloaded optimizer's step (plan.cpu_stepped_params) at an assumed rate
 
+Where the configured optimizer has a row in trainloop.optim.OPTIMIZERS that stands in for it with
+less state (8-bit and paged 8-bit AdamW for AdamW), every layout that accepts it is planned with it
+too. Methods that train something else (LoRA, QLoRA: adapters on a frozen base) are planned apart
+and listed under "if you can change the method". Every line printed fits in WIDTH characters.
+
 Every number assumed is a row of ASSUMPTIONS, with its flag, printed with the answer. Not
 modelled: kernel efficiency at small micro-batches (one MFU for all), overlap, shared PCIe
 switches, stragglers. The memory side is measured on CPU (tests/test_suggest.py); the step-time
@@ -22,13 +27,15 @@ side cannot be here, only its monotone properties are tested.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, field
 
-from trainloop.config import ConfigError, compose_config
+from trainloop.config import ConfigError, compose_config, validate
 from trainloop.parallel.memory import MemoryPlan
 from trainloop.tools import plan as planner
 from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, Machine, _gib, model_shape, plan_memory, verdict
@@ -85,6 +92,23 @@ STRATEGIES: dict[str, dict] = {
 
 
 SEQUENCE_PARALLEL = " + SP"  # a tp layout's name with parallel.sequence_parallel=true
+WIDTH = 100  # the longest line printed (a terminal's, with room)
+
+
+@dataclass(frozen=True)
+class Method:
+    overrides: tuple[str, ...]
+    trains: str
+    pretrained: bool = False  # quantizes pretrained weights: a run needs model=hf model.name_or_path=DIR
+
+
+# What changes what is trained, listed apart ("if you can change the method"); each planned with the
+# plain layout (every GPU holds the frozen base), the adapter's size from conf/adapter/lora.yaml.
+METHODS = {
+    "LoRA": Method(("adapter=lora",), "adapters (adapter.r) on every linear layer, the base frozen"),
+    "QLoRA": Method(("adapter=lora", "model.quantization=4bit"), "LoRA on a base stored in 4 bits (NF4), "
+                    "loaded from pretrained weights (model=hf model.name_or_path=DIR)", pretrained=True),
+}
 
 
 def layouts(gpus_per_node: int) -> dict[str, dict]:
@@ -134,7 +158,7 @@ class StepTime:
 
 @dataclass
 class Option:
-    layout: str
+    layout: str  # with the optimizer that stands in for the configured one, or the method's name
     overrides: list[str]  # what to add to the command line for it
     micro_batch: int
     accumulation: int
@@ -143,6 +167,13 @@ class Option:
     fits: bool | None
     verdict: list[str]
     time: StepTime  # estimated for every option; listed only for those that fit
+    method: str = ""  # a METHODS key: it trains something else
+    stand_in: str = ""  # the optimizer in the configured one's place (its layout says so too)
+    also: list[str] = field(default_factory=list)  # other stand-ins with the same plan
+
+    @property
+    def name(self) -> str:
+        return self.layout + "".join(f" or {name}" for name in self.also)
 
     @property
     def memory(self) -> int:
@@ -166,22 +197,45 @@ class Suggestion:
     options: list[Option] = field(default_factory=list)
     not_applied: dict[str, str] = field(default_factory=dict)  # layout -> why it cannot run this config
     dropped: list[str] = field(default_factory=list)  # the user's overrides the layouts replace
+    stand_ins: dict[str, list[str]] = field(default_factory=dict)  # optimizer -> the layouts that refuse it
 
     @property
     def fitting(self) -> list[Option]:
-        return sorted((o for o in self.options if o.fits), key=lambda o: (o.time.total, o.memory))
+        return fastest(o for o in self.options if o.fits and not o.method)
+
+    @property
+    def fitting_methods(self) -> list[Option]:
+        return fastest(o for o in self.options if o.fits and o.method)
 
     def not_fitting(self) -> list[Option]:
-        """For each layout and checkpointing choice none of whose micro-batches fits: its smallest."""
+        """For each layout and checkpointing choice none of whose micro-batches fits: its smallest
+        (the methods' are not listed: a method is only offered where it fits)."""
         groups: dict[tuple[str, bool], list[Option]] = {}
-        for o in self.options:
+        for o in (o for o in self.options if not o.method):
             groups.setdefault((o.layout, o.checkpointing), []).append(o)
         return [min(g, key=lambda o: o.memory) for g in groups.values() if not any(o.fits for o in g)]
 
 
+def fastest(options) -> list[Option]:
+    return sorted(options, key=lambda o: (o.time.total, o.memory))
+
+
+def key_of(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def is_chosen(override: str) -> bool:
-    key = override.lstrip("+~").split("=", 1)[0]
-    return any(key == c or key.startswith(c + ".") for c in CHOSEN)
+    return any(key_of(override) == c or key_of(override).startswith(c + ".") for c in CHOSEN)
+
+
+def stand_ins(cfg, kept: list[str]) -> dict:
+    """The optimizers that stand in for the configured one with less state (OPTIMIZERS' stands_in_for),
+    each composed with the user's optimizer.* values: name -> its optimizer config."""
+    from trainloop.optim import OPTIMIZERS
+
+    own = [o for o in kept if key_of(o) != "optimizer"]
+    return {name: compose_config(own + [f"optimizer={name}"], check=False).optimizer
+            for name, row in OPTIMIZERS.items() if row.stands_in_for == cfg.optimizer.name}
 
 
 def layout_overrides(layout: dict) -> list[str]:
@@ -215,10 +269,11 @@ def model_flops(cfg, shape) -> tuple[float, float]:
     return flops_per_token(config, cfg.data.seq_len, trained), head
 
 
-def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, head_flops: float) -> StepTime:
+def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, model: tuple[float, float]) -> StepTime:
+    """`model`: model_flops' (FLOPs per token, those of the head)."""
     v, c = s.values, s.cluster
     tokens = s.global_batch * s.seq_len
-    flops = tokens * (s.flops_per_token + (tp - 1) * head_flops) * (4 / 3 if checkpointing else 1)
+    flops = tokens * (model[0] + (tp - 1) * model[1]) * (4 / 3 if checkpointing else 1)
     compute = flops / (c.gpus * s.peak_tflops * 1e12 * v["mfu"])
     dp_link = v["intra_node_gbs"] if c.nodes == 1 else v["inter_node_gbs"]
     return StepTime(compute, dp=plan.sent("dp") / (dp_link * 1e9), tp=plan.sent("tp") / (v["intra_node_gbs"] * 1e9),
@@ -229,7 +284,7 @@ def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, hea
 def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: int | None = None) -> Suggestion:
     """Every layout planned for this cluster; the ones that fit timed. Raises ConfigError for a
     config that does not compose or a global batch the cluster cannot split."""
-    cfg = compose_config(overrides)  # the user's own config: its model and its global batch
+    user = cfg = compose_config(overrides)  # the user's own config: its model and its global batch
     tp = cfg.parallel.tp_size
     if cluster.gpus % tp:
         raise ConfigError(f"parallel.tp_size={tp} does not divide --gpus {cluster.gpus}: the default global batch "
@@ -238,11 +293,13 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
         global_batch = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps * (cluster.gpus // tp)
     peak = peak_tflops(values, cfg.precision)  # an unknown --gpu says so before the model is built
     shape = model_shape(cfg)  # the layouts do not change the model: built once
-    flops, head = model_flops(cfg, shape)
+    flops = model_flops(cfg, shape)
     kept = [o for o in overrides if not is_chosen(o)]
-    s = Suggestion(shape.num_params, cluster, global_batch, cfg.data.seq_len, flops, peak, values,
+    s = Suggestion(shape.num_params, cluster, global_batch, cfg.data.seq_len, flops[0], peak, values,
                    dropped=[o for o in overrides if is_chosen(o)])
-    machine = cluster.machine()
+    optimizers = stand_ins(cfg, kept)
+    s.stand_ins = {name: [] for name in optimizers}
+    methods = METHODS if user.adapter.name == "none" and user.model.quantization == "none" else {}
     for name, layout in layouts(cluster.per_node).items():
         tp = layout.get("parallel.tp_size", 1)
         dp = cluster.gpus // tp
@@ -255,25 +312,63 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
         try:
             cfg = compose_config(kept + layout_overrides(layout))
         except ConfigError as err:
-            s.not_applied[name] = str(err).replace("invalid config:\n  ", "").replace("\n  ", "; ")
+            s.not_applied[name] = one_line(err)
             continue
         if name.endswith(SEQUENCE_PARALLEL) and shape.sequence_parallel_problem:  # blocks not laid out as Llama's
             s.not_applied[name] = shape.sequence_parallel_problem
             continue
         shown = [f"{k}={v}" for k, v in layout.items()]
-        for checkpointing in (False, True):
-            for micro in divisors(global_batch // dp):
-                cfg.model.gradient_checkpointing = checkpointing  # the same composed config, resized
-                cfg.data.batch_size, cfg.trainer.gradient_accumulation_steps = micro, global_batch // dp // micro
-                plan = plan_memory(cfg, shape, cluster.gpus, cluster.device, cluster.per_node, name)
-                fits, lines = verdict(plan, machine)
-                option = Option(name, shown + (["model.gradient_checkpointing=true"] if checkpointing else [])
-                                + [f"data.batch_size={micro}",
-                                   f"trainer.gradient_accumulation_steps={global_batch // dp // micro}"],
-                                micro, global_batch // dp // micro, checkpointing, plan, fits, lines,
-                                step_time(plan, checkpointing, tp, s, head))
-                s.options.append(option)
+        add_options(s, name, cfg, shape, shown, dp, tp, flops)
+        for optimizer, optimizer_cfg in optimizers.items():
+            variant = copy.deepcopy(cfg)
+            variant.optimizer = optimizer_cfg
+            try:
+                validate(variant)
+            except ConfigError:  # the stand-in's row refuses this layout (ZeRO-3, FSDP2, CPU offload)
+                s.stand_ins[optimizer].append(name)
+                continue
+            add_options(s, name, variant, shape, shown + [f"optimizer={optimizer}"], dp, tp, flops, stand_in=optimizer)
+    for name, method in methods.items() if "DDP" not in s.not_applied else ():  # DDP over every GPU
+        try:  # a shape without pretrained weights still plans a QLoRA run of that shape (a run needs model=hf)
+            cfg = compose_config(kept + layout_overrides({}) + list(method.overrides),
+                                 check=not method.pretrained or user.model.name == "hf")
+        except ConfigError as err:
+            s.not_applied[name] = one_line(err)
+            continue
+        trained = model_shape(cfg)
+        add_options(s, name, cfg, trained, list(method.overrides), cluster.gpus, 1, model_flops(cfg, trained),
+                    method=name)
     return s
+
+
+def one_line(err: ConfigError) -> str:
+    return str(err).replace("invalid config:\n  ", "").replace("\n  ", "; ")
+
+
+def add_options(s: Suggestion, layout: str, cfg, shape, shown: list[str], dp: int, tp: int,
+                flops: tuple[float, float], stand_in: str = "", method: str = "") -> None:
+    """One option per checkpointing choice and micro-batch of the global batch, planned; one with
+    the same plan as another stand-in's on the same layout joins that one (paged AdamW and AdamW8bit)."""
+    c = s.cluster
+    name = f"{layout} + {stand_in}" if stand_in else layout
+    for checkpointing in (False, True):
+        for micro in divisors(s.global_batch // dp):
+            accumulation = s.global_batch // dp // micro
+            cfg.model.gradient_checkpointing = checkpointing  # the same composed config, resized
+            cfg.data.batch_size, cfg.trainer.gradient_accumulation_steps = micro, accumulation
+            plan = plan_memory(cfg, shape, c.gpus, c.device, c.per_node, name)
+            fits, lines = verdict(plan, c.machine())
+            option = Option(name, shown + (["model.gradient_checkpointing=true"] if checkpointing else [])
+                            + [f"data.batch_size={micro}", f"trainer.gradient_accumulation_steps={accumulation}"],
+                            micro, accumulation, checkpointing, plan, fits, lines,
+                            step_time(plan, checkpointing, tp, s, flops), method, stand_in)
+            twin = next((o for o in s.options if stand_in and o.stand_in and o.layout == f"{layout} + {o.stand_in}"
+                         and (o.micro_batch, o.checkpointing, o.memory, o.time) ==
+                         (micro, checkpointing, option.memory, option.time)), None)
+            if twin:
+                twin.also.append(stand_in)
+            else:
+                s.options.append(option)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +399,7 @@ def assumption_lines(s: Suggestion) -> list[str]:
     if c.device == "cpu":
         out.append("CPU processes: the step times still assume the GPUs above; only the memory side means anything")
     out.append("not modelled: kernel efficiency at small micro-batches (one MFU for all), a collective's latency "
-               "(only its bytes), overlap, shared PCIe switches, stragglers, the data loader")
+               "(only its bytes), overlap, shared PCIe switches, stragglers, the data loader, QLoRA's dequantization")
     if s.dropped:
         out.append(f"your overrides the layouts replace: {' '.join(s.dropped)}")
     return out
@@ -312,34 +407,57 @@ def assumption_lines(s: Suggestion) -> list[str]:
 
 def render(s: Suggestion, top: int) -> str:
     c = s.cluster
-    what = (f"GPUs of {_gib(c.gpu_memory)} ({_gib(GPU_USABLE * c.gpu_memory)} usable)" if c.device == "cuda"
-            else f"CPU processes, {_gib(c.host_ram)} of RAM")
+    what = (f"GPU{'s' if c.gpus > 1 else ''} of {_gib(c.gpu_memory)} ({_gib(GPU_USABLE * c.gpu_memory)} usable)"
+            if c.device == "cuda" else f"CPU processes, {_gib(c.host_ram)} of RAM")
     out = [f"trainloop plan --suggest: {s.num_params / 1e6:,.1f}M parameters on {c.gpus} {what}, {c.nodes} node"
-           f"{'s' if c.nodes > 1 else ''} of {c.per_node}; global batch {s.global_batch} x {s.seq_len:,} tokens; "
-           "fastest first by the estimate below", ""]
-    fitting = s.fitting
-    if not fitting:
-        out.append("no layout fits.")
-    else:
-        out.append(f"  {'#':>3}  {'step ~':>9} {'tokens/s':>10}  {'memory':>10}  {'compute':>8} {'comm':>7}  layout: overrides")
-        for i, o in enumerate(fitting[:top or None], 1):
-            t = o.time
-            tokens = s.global_batch * s.seq_len / t.total
-            out.append(f"  {i:>3}  {_seconds(t.total):>9} {tokens:>10,.0f}  {_gib(o.memory):>10}  {_seconds(t.compute):>8} "
-                       f"{_seconds(t.total - t.compute):>7}  {o.layout}: {' '.join(o.overrides)}")
-        if top and len(fitting) > top:
-            out.append(f"  ... {len(fitting) - top} more fit (--top 0 lists them all)")
+           f"{'s' if c.nodes > 1 else ''} of {c.per_node}",
+           f"global batch {s.global_batch} x {s.seq_len:,} tokens; fastest first by the estimate below", ""]
+    out += table(s, s.fitting, top) or ["no layout fits."]
     missed = s.not_fitting()
     if missed:
         out += ["", "does not fit (its smallest micro-batch):"]
         for o in sorted(missed, key=lambda o: o.memory):
             why = next((x for x in o.verdict if "does NOT fit" in x), o.verdict[0])
             out.append(f"  {o.layout}{' + checkpointing' if o.checkpointing else ''}: {why}; biggest: {o.biggest_line()}")
-    if s.not_applied:
+    methods = s.fitting_methods
+    if methods:
+        out += ["", "if you can change the method (what trains is no longer the whole model):"]
+        out += [f"  {name}: {m.trains}" for name, m in METHODS.items() if any(o.method == name for o in methods)]
+        out += table(s, methods, top)
+    refused: dict[tuple, list[str]] = {}  # the layouts -> the stand-ins they refuse
+    for name, layouts in s.stand_ins.items():
+        if layouts:
+            refused.setdefault(tuple(layouts), []).append(f"optimizer={name}")
+    if s.not_applied or refused:
         out += ["", "does not apply to this config:"]
         out += [f"  {name}: {why}" for name, why in s.not_applied.items()]
+        out += [f"  {' or '.join(names)} with {', '.join(layouts)}: refused by its row in trainloop/optim.py"
+                for layouts, names in refused.items()]
     out += ["", "assumptions:"] + [f"  {line}" for line in assumption_lines(s)]
-    return "\n".join(out)
+    return "\n".join(wrap(line) for line in out)
+
+
+def table(s: Suggestion, options: list[Option], top: int) -> list[str]:
+    """A row of numbers per option, its overrides (what to add to the command line) on the lines below."""
+    if not options:
+        return []
+    out = [f"  {'#':>3}  {'step ~':>8} {'tokens/s':>9}  {'memory':>10}  {'compute':>8} {'comm':>7}  layout"]
+    for i, o in enumerate(options[:top or None], 1):
+        t = o.time
+        out.append(f"  {i:>3}  {_seconds(t.total):>8} {s.global_batch * s.seq_len / t.total:>9,.0f}  "
+                   f"{_gib(o.memory):>10}  {_seconds(t.compute):>8} {_seconds(t.total - t.compute):>7}  {o.name}")
+        out.append(" " * 7 + " ".join(o.overrides))
+    if top and len(options) > top:
+        out.append(f"  ... {len(options) - top} more fit (--top 0 lists them all)")
+    return out
+
+
+def wrap(line: str) -> str:
+    """The line in lines of at most WIDTH characters, each continuation indented 2 past the line's own
+    indent; an override (no spaces) is never split."""
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False)) or line
 
 
 def _seconds(x: float) -> str:
@@ -348,7 +466,7 @@ def _seconds(x: float) -> str:
 
 def to_json(s: Suggestion) -> dict:
     def option(o: Option) -> dict:
-        return {"layout": o.layout, "overrides": o.overrides, "micro_batch": o.micro_batch,
+        return {"layout": o.name, "method": o.method, "overrides": o.overrides, "micro_batch": o.micro_batch,
                 "accumulation": o.accumulation, "checkpointing": o.checkpointing, "fits": o.fits,
                 "memory_bytes": o.memory, "verdict": o.verdict, "biggest": o.biggest_line(),
                 "step_seconds": {**asdict(o.time), "total": o.time.total},
@@ -360,7 +478,8 @@ def to_json(s: Suggestion) -> dict:
             "seq_len": s.seq_len, "flops_per_token": s.flops_per_token, "peak_tflops": s.peak_tflops,
             "assumptions": {**s.values, "lines": assumption_lines(s)}, "usable_fraction": GPU_USABLE,
             "fits": [option(o) for o in s.fitting], "does_not_fit": [option(o) for o in s.not_fitting()],
-            "does_not_apply": s.not_applied, "dropped_overrides": s.dropped}
+            "methods": [option(o) for o in s.fitting_methods], "does_not_apply": s.not_applied,
+            "stand_ins_refused": s.stand_ins, "dropped_overrides": s.dropped}
 
 
 # ---------------------------------------------------------------------------------------------
