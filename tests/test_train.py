@@ -73,7 +73,7 @@ def test_an_in_process_run_leaves_torch_distributed_as_it_found_it(tmp_path):
     """An FSDP2 run without a launcher makes a 1-process group and exports LOCAL_RANK for it; when it
     fails (or ends) neither is left, so the next 1-process run is no DDP group of one (whose reducer
     once hung freeing its gloo group at the end of tests/test_distributed.py's reference). The run is
-    refused at its checkpoint check, after the group is made: 2 s, where one training step takes 30."""
+    refused at its checkpoint check, after the group is made: no step is trained."""
     import os
 
     import torch.distributed as dist
