@@ -57,6 +57,17 @@ def train(run_dir: Path, *overrides: str, small: bool = True):
     return run_dir
 
 
+@pytest.fixture(autouse=True)
+def distributed_left_as_found():
+    """Every test leaves torch.distributed and the rank variables as it found them, as run() does: a
+    test that builds a DeepSpeed or FSDP2 accelerator itself (tests/test_deepspeed_config.py) left
+    LOCAL_RANK behind, which makes the next 1-process run on that worker a DDP group of one."""
+    from trainloop.accelerator import distributed_as_found
+
+    with distributed_as_found():
+        yield
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
