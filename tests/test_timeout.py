@@ -11,6 +11,8 @@ from conftest import REPO, clean_env
 HANGS = '''
 import time
 
+import trainloop.accelerator  # noqa: F401 - conftest's autouse fixture imports it (torch): at collection, untimed
+
 
 def test_hangs():
     time.sleep(120)  # past the time-out
@@ -32,6 +34,7 @@ def test_a_test_past_the_time_out_fails_alone_with_its_stack(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-4000:]
     assert "Timeout (0:00:02)!" in out, out[-4000:]  # faulthandler's dump, every thread's stack
-    assert 'test_hangs.py", line 6 in test_hangs' in out, out[-4000:]
+    line = HANGS.splitlines().index("    time.sleep(120)  # past the time-out") + 1
+    assert f'test_hangs.py", line {line} in test_hangs' in out, out[-4000:]
     assert "worker 'gw0' crashed while running 'test_hangs.py::test_hangs'" in out, out[-4000:]
     assert "1 failed, 1 passed" in out, out[-4000:]  # the worker is replaced and the suite goes on
