@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -54,6 +55,17 @@ def train(run_dir: Path, *overrides: str, small: bool = True):
     run_dir.mkdir(parents=True, exist_ok=True)
     run(cfg, run_dir=run_dir)
     return run_dir
+
+
+@pytest.fixture(autouse=True)
+def distributed_left_as_found():
+    """Every test leaves torch.distributed and the rank variables as it found them, as run() does: a
+    test that builds a DeepSpeed or FSDP2 accelerator itself (tests/test_deepspeed_config.py) left
+    LOCAL_RANK behind, which makes the next 1-process run on that worker a DDP group of one."""
+    from trainloop.accelerator import distributed_as_found
+
+    with distributed_as_found():
+        yield
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -152,6 +164,7 @@ def local_tokenizer(tmp_path: Path) -> Path:
 # session ends first (`-x`): killing it would leave a stale lock that blocks the next build.
 OPS_FIXTURE = "deepspeed_ops"
 OPS_LOG = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "trainloop-build.log"
+OPS_BUILD_WAIT_S = 1800
 _ops_build: subprocess.Popen | None = None
 
 
@@ -166,6 +179,9 @@ def pytest_collection_modifyitems(session, config, items):
     # Under xdist each worker collects the same sorted list and the load scheduler hands tests
     # out in that order, so the DeepSpeed tests still come last.
     items.sort(key=lambda item: (OPS_FIXTURE in item.fixturenames, position[id(item)]))
+    for item in items:  # the first of them may wait for the build: pytest-timeout's limit counts it
+        if OPS_FIXTURE in item.fixturenames:
+            item.add_marker(pytest.mark.timeout(OPS_BUILD_WAIT_S + float(config.getini("timeout"))))
     if config.option.collectonly or not any(OPS_FIXTURE in item.fixturenames for item in items):
         return
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
@@ -181,11 +197,35 @@ def pytest_collection_modifyitems(session, config, items):
 def deepspeed_ops() -> None:
     """DeepSpeed's CPU ops, built (or found built) by the background build started at collection."""
     if _ops_build is None:  # e.g. the fixture requested indirectly: build in the foreground
-        launch(["python", "-m", "trainloop.deepspeed"], timeout=1800, env=clean_env(DS_ACCELERATOR="cpu"))
+        launch(["python", "-m", "trainloop.deepspeed"], timeout=OPS_BUILD_WAIT_S, env=clean_env(DS_ACCELERATOR="cpu"))
         return
     started = time.monotonic()
-    code = _ops_build.wait(timeout=1800)
+    code = _ops_build.wait(timeout=OPS_BUILD_WAIT_S)
     waited = time.monotonic() - started
     if code != 0:
         pytest.fail(f"python -m trainloop.deepspeed exited {code}:\n{OPS_LOG.read_text()[-6000:]}")
     print(f"waited {waited:.0f} s for DeepSpeed's ops: {OPS_LOG.read_text().strip().splitlines()[-1]}")
+
+
+# --- The per-test time-out ------------------------------------------------------------------------
+# pytest-timeout sets the limit (pyproject.toml's `timeout`, @pytest.mark.timeout); faulthandler's
+# watchdog keeps it. It is a C thread, so a hang in C code that holds the GIL (gloo's destructor,
+# once) still ends; it writes every thread's stack to the real stderr, which xdist shows (pytest-
+# timeout's own dump goes to a worker's terminal, which xdist drops); and it ends the worker: xdist
+# reports that test as crashed, starts another, and the suite goes on.
+_stderr: int | None = None
+
+
+def pytest_configure(config):
+    global _stderr
+    _stderr = os.dup(2)  # output capture is off here; during a test fd 2 is pytest's capture file
+
+
+def pytest_timeout_set_timer(item, settings):
+    faulthandler.dump_traceback_later(settings.timeout, exit=True, file=_stderr)
+    return True
+
+
+def pytest_timeout_cancel_timer(item):
+    faulthandler.cancel_dump_traceback_later()
+    return True

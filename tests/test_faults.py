@@ -42,6 +42,19 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def rot(path: Path) -> None:
+    """Bit rot: 4 KiB in the middle of the file flipped in place; size and headers stay as they were."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = bytes(b ^ 0xFF for b in data[middle:middle + 4096])
+    path.write_bytes(data)
+
+
+# (file, damage): truncation is caught by sizes and formats, bit rot by the checksums alone
+DAMAGES = [("model.safetensors", truncate), ("optimizer.bin", truncate), (STATE_FILE, truncate),
+           ("model.safetensors", rot)]
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     """The single `trainloop: error:` line of a run that failed on bad input, without a traceback."""
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -80,10 +93,10 @@ def test_a_full_disk_during_a_save_is_one_message_and_the_previous_checkpoint_st
 
 # --- Broken checkpoints -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("broken", ["model.safetensors", "optimizer.bin", STATE_FILE])
-def test_resume_auto_falls_back_to_the_newest_checkpoint_that_loads(finished_run, tmp_path, caplog, broken):
+@pytest.mark.parametrize("broken, damage", DAMAGES)
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_loads(finished_run, tmp_path, caplog, broken, damage):
     run = copy_of(finished_run, tmp_path)
-    truncate(run / "checkpoints" / "step_0000004" / broken)
+    damage(run / "checkpoints" / "step_0000004" / broken)
     with caplog.at_level(logging.INFO, logger="trainloop"):
         train(run, *FINISHED, "trainer.max_steps=5")
     warned = [r.getMessage() for r in caplog.records if "does not load" in r.getMessage()]
@@ -94,10 +107,10 @@ def test_resume_auto_falls_back_to_the_newest_checkpoint_that_loads(finished_run
     assert sorted(p.name for p in root.iterdir()) == ["broken_step_0000004", "latest", "step_0000004", "step_0000005"]
 
 
-@pytest.mark.parametrize("broken", ["model.safetensors", "optimizer.bin", STATE_FILE])
-def test_an_explicit_checkpoint_that_does_not_load_is_refused_naming_the_file(finished_run, tmp_path, broken):
+@pytest.mark.parametrize("broken, damage", DAMAGES)
+def test_an_explicit_checkpoint_that_does_not_load_is_refused_naming_the_file(finished_run, tmp_path, broken, damage):
     run = copy_of(finished_run, tmp_path)
-    truncate(run / "checkpoints" / "step_0000004" / broken)
+    damage(run / "checkpoints" / "step_0000004" / broken)
     with pytest.raises(ConfigError, match=re.escape(f"step_0000004/{broken}")) as refused:
         train(tmp_path / "elsewhere", f"checkpoint.resume={run / 'checkpoints' / 'step_0000004'}")
     assert f"The newest intact checkpoint beside it is {run / 'checkpoints' / 'step_0000003'}" in str(refused.value)
@@ -112,12 +125,17 @@ def test_a_broken_checkpoint_is_one_message_from_the_command_line(finished_run, 
 
 
 def test_checkpoints_without_a_file_list_are_checked_by_their_formats(finished_run, tmp_path):
-    """Checkpoints saved before trainloop recorded file sizes: headers and zip directories."""
+    """Checkpoints saved before trainloop recorded file sizes and checksums: headers and zip
+    directories. They still resume (a warning says so): damage in place goes unseen in them."""
     ckpt = copy_of(finished_run, tmp_path) / "checkpoints" / "step_0000004"
     state = json.loads((ckpt / STATE_FILE).read_text())
-    del state["files"]
+    del state["files"], state["crc32"]
     (ckpt / STATE_FILE).write_text(json.dumps(state))
     assert why_unloadable(ckpt) is None
+    intact = (ckpt / "model.safetensors").read_bytes()
+    rot(ckpt / "model.safetensors")
+    assert why_unloadable(ckpt) is None
+    (ckpt / "model.safetensors").write_bytes(intact)
     for name, problem in [("optimizer.bin", "is truncated or corrupt"),
                           ("model.safetensors", "is 304776 bytes, but its header describes 609552")]:
         intact = (ckpt / name).read_bytes()
@@ -126,6 +144,23 @@ def test_checkpoints_without_a_file_list_are_checked_by_their_formats(finished_r
         (ckpt / name).write_bytes(intact)
     (ckpt / "model.safetensors").write_bytes(b"\x01")
     assert "header is cut off" in why_unloadable(ckpt)
+
+
+def test_every_file_has_a_checksum_and_verify_resume_names_a_damaged_one(finished_run, tmp_path, capsys):
+    from trainloop.tools.verify_resume import main
+
+    run = copy_of(finished_run, tmp_path)
+    state = json.loads((run / "checkpoints" / "step_0000004" / STATE_FILE).read_text())
+    assert set(state["crc32"]) == set(state["files"]) >= {"model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                                                          "config.yaml"}
+    assert main(["--check", str(run)]) == 0
+    rot(run / "checkpoints" / "step_0000004" / "model.safetensors")
+    assert main(["--check", str(run)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == f"checkpoint {run / 'checkpoints' / 'step_0000003'}: intact"
+    assert out[-1].startswith(f"checkpoint {run / 'checkpoints' / 'step_0000004'}: DAMAGED: "
+                              f"{run / 'checkpoints' / 'step_0000004' / 'model.safetensors'} does not match the "
+                              "checksum saved with it"), out
 
 
 def test_resume_auto_refuses_when_no_checkpoint_loads(finished_run, tmp_path):

@@ -87,6 +87,12 @@ def test_resume_is_bitwise_at_the_same_world_size_and_reshards_across_world_size
     shards = sorted(p.name for p in (checkpoint(chain / "straight", 4) / "model_optimizer").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one shard per rank
     assert (checkpoint(chain / "straight", 4) / "random_states_1.pkl").is_file()
+    for saved in (checkpoint(chain / "straight", 4), checkpoint(chain / "one", 6)):  # synchronous, asynchronous
+        state = json.loads((saved / "trainer_state.json").read_text())  # every rank's files have a checksum
+        assert set(state["crc32"]) == set(state["files"]) >= {"model_optimizer/__0_0.distcp", "model_optimizer/.metadata"}
+        assert not (saved / ".checksums").exists()  # the ranks' records, gathered at the commit
+    assert "model_optimizer/__1_0.distcp" in json.loads(
+        (checkpoint(chain / "straight", 4) / "trainer_state.json").read_text())["crc32"]
 
     # 2 -> 2: the losses after the resume and the final weights, bitwise
     same = losses(chain / "same")

@@ -67,3 +67,31 @@ def test_a_default_run_says_only_what_matters(tmp_path):
              or "Removed shared tensor" in line
              or "tensor cores" in line or "not a multiple of" in line]
     assert not noise, "\n".join(noise)
+
+
+def test_an_in_process_run_leaves_torch_distributed_as_it_found_it(tmp_path):
+    """An FSDP2 run without a launcher makes a 1-process group and exports LOCAL_RANK for it; when it
+    fails (or ends) neither is left, so the next 1-process run is no DDP group of one (whose reducer
+    once hung freeing its gloo group at the end of tests/test_distributed.py's reference). The run is
+    refused at its checkpoint check, after the group is made: no step is trained."""
+    import os
+
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    from conftest import compose, reset_accelerate
+    from trainloop.accelerator import PROCESS_GROUP_ENV, build_accelerator
+    from trainloop.config import ConfigError
+
+    env = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
+    assert not dist.is_initialized()
+    (tmp_path / "run" / "checkpoints" / "step_0000001").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_0000001" / "COMPLETE").touch()
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        train(tmp_path / "run", "fsdp=full_shard", "checkpoint.resume=null")
+    assert not dist.is_initialized()
+    assert {k: os.environ.get(k) for k in PROCESS_GROUP_ENV} == env
+    reset_accelerate()
+    accelerator = build_accelerator(compose(*SMALL))  # what the next 1-process run starts with
+    assert (accelerator.distributed_type, accelerator.num_processes) == (DistributedType.NO, 1)
+    assert not dist.is_initialized()

@@ -63,6 +63,35 @@ def single_process_group_env() -> None:
     os.environ.update(_solo_env)
 
 
+# what a process group is made from: single_process_group_env sets them, and accelerate's CPU path too
+PROCESS_GROUP_ENV = (*LAUNCHER_RANK_VARS, "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def distributed_as_found():
+    """Leave torch.distributed and the rank variables as they were before a run in this process.
+
+    A DeepSpeed or FSDP2 run without a launcher exports LOCAL_RANK (single_process_group_env); left
+    behind, it made the next 1-process run in the same process (tests, sweeps) a gloo group of one
+    with a DDP-wrapped model, whose reducer could hang freeing its process group. A one-process group
+    this run made is destroyed even when the run failed: no peer can still be talking to it.
+    """
+    import torch.distributed as dist
+
+    saved = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
+    found = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not found and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _asked_processes() -> str:
     """The N of `--num_processes N` on the parent's (accelerate launch's) command line, if readable."""
     try:

@@ -2,8 +2,8 @@
 
 A save is written to a temporary folder by every rank (accelerate's save_state: model,
 optimizer, scheduler, scaler, every RNG per rank, the accumulation micro-step), completed with
-the trainer state and the config, synced to disk, marked COMPLETE, renamed into place, and only
-then named in `latest`. A folder without COMPLETE is never loaded (a save cut short by SIGKILL
+the config, every file's checksum (trainloop.integrity) and the trainer state, synced to disk,
+marked COMPLETE, renamed into place, and only then named in `latest`. A folder without COMPLETE is never loaded (a save cut short by SIGKILL
 leaves `.tmp_step_*`, removed at the next start), and older checkpoints are removed only after
 a newer one is complete. The parameters are checked to be finite first: a non-finite state is
 never saved over a good one. The checkpoints folder must be on a file system every node sees.
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from trainloop import integrity
 from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
 from trainloop.parallel.tensors import local_shard
 from trainloop.rundir import same_command
@@ -220,8 +221,8 @@ FILE_CHECKS = {".safetensors": safetensors_problem, ".bin": torch_file_problem, 
 
 
 def why_unloadable(path: Path) -> str | None:
-    """Why a complete checkpoint would fail to load, naming the file; None if it looks whole.
-    Cheap: sizes, headers and zip directories, no tensor read."""
+    """Why a complete checkpoint would fail to load, naming the file; None if it is whole: sizes,
+    headers and zip directories first, then every file's checksum (one read of the checkpoint)."""
     try:
         saved = read_state(path)
         saved["state"]["step"], saved["fingerprint"].items()
@@ -238,7 +239,7 @@ def why_unloadable(path: Path) -> str | None:
         problem = check(file) if check and file.is_file() else None
         if problem:
             return f"{file} {problem}"
-    return None
+    return integrity.damaged(path, saved.get(integrity.KEY, {}))
 
 
 def file_sizes(root: Path) -> dict:
@@ -337,6 +338,7 @@ class Checkpointer:
         from trainloop import dcp
 
         dcp.save_rank_states(self.accelerator, tmp)  # small: written now
+        integrity.record_rank_files(tmp, self.accelerator.process_index)
         if self._group is None:
             self._group = dcp.checkpoint_group(self.cfg.trainer.collective_timeout_s)
         self.unsettled = (tmp, final)
@@ -416,6 +418,7 @@ class Checkpointer:
 
     def _save_state(self, directory: Path, model) -> None:
         self.strategy.save_state(directory, model, self.adapter_only)
+        integrity.record_rank_files(directory, self.accelerator.process_index)
 
     def _load_state(self, path: Path, model) -> None:
         self.strategy.load_state(path, model, self.adapter_only)
@@ -460,11 +463,12 @@ class Checkpointer:
             "or move hydra.run.dir to a bigger disk")
 
     def _commit(self, tmp: Path, final: Path, state: dict, fingerprint: dict) -> None:
-        """Main process: trainer state, config, COMPLETE, fsync, rename into place, retention."""
-        (tmp / STATE_FILE).write_text(json.dumps(
-            {"state": state, "fingerprint": fingerprint,
-             "max_steps": self.cfg.trainer.max_steps, "files": file_sizes(tmp)}, indent=2))
+        """Main process: config, checksums, trainer state, COMPLETE, fsync, rename into place, retention."""
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        checksums = integrity.gather(tmp)
+        (tmp / STATE_FILE).write_text(json.dumps(
+            {"state": state, "fingerprint": fingerprint, "max_steps": self.cfg.trainer.max_steps,
+             "files": file_sizes(tmp), integrity.KEY: checksums}, indent=2))
         (tmp / COMPLETE).write_text("")
         _fsync_tree(tmp)
         if final.exists():  # another history's (find_resume refuses that) or a user's copy
@@ -539,6 +543,9 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint.resume={spec!r} does not load: {problem}. "
                                       + self._intact_sibling_hint(path))
         saved = read_state(path)
+        if integrity.KEY not in saved:  # refusing would strand every run saved before them
+            log.warning("checkpoint %s was saved before trainloop recorded checksums: its files are checked "
+                        "by size and format only", path)
         check_format(path, saved["fingerprint"], self.fingerprint)
         check_world_size_change(path, saved["fingerprint"], self.fingerprint, self.cfg.deepspeed.stage)
         refuse_changes(path, *self._comparable(saved["fingerprint"], self.fingerprint))

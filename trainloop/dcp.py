@@ -65,11 +65,28 @@ def load_rank_states(accelerator, path: Path) -> None:
         load_custom_state(obj, str(path), index)
 
 
+def _writer(directory: Path):
+    """DCP's file writer, which also hashes the shards this rank wrote (trainloop.integrity) before
+    DCP's closing collective: once rank 0's save is done, every rank's checksums are on disk."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainloop import integrity
+
+    class HashingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            written = super().write_data(plan, planner)
+            files = sorted({f"{MODEL_DIR}/{result.storage_data.relative_path}" for result in written.wait()})
+            integrity.record(directory, files, f"dcp_rank_{self.rank}")
+            return written
+
+    return HashingWriter(directory / MODEL_DIR)
+
+
 def save(directory: Path, model, optimizer, adapter_only: bool) -> None:
     """Every rank, together: the model and optimizer shards, written before this returns."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, _unwrap(optimizer), adapter_only), checkpoint_id=str(directory / MODEL_DIR))
+    dcp.save(_state(model, _unwrap(optimizer), adapter_only), storage_writer=_writer(directory))
 
 
 def load(path: Path, model, optimizer, adapter_only: bool) -> None:
@@ -118,8 +135,8 @@ def start_async(directory: Path, final: Path, model, optimizer, adapter_only: bo
     import torch.distributed.checkpoint as dcp
 
     started = time.monotonic()
-    future = dcp.async_save(_state(model, _unwrap(optimizer), adapter_only),
-                            checkpoint_id=str(directory / MODEL_DIR), process_group=group)
+    future = dcp.async_save(_state(model, _unwrap(optimizer), adapter_only), storage_writer=_writer(directory),
+                            process_group=group)
     save = InFlight(future, directory, final, state, fingerprint, started, time.monotonic() - started)
 
     def written(_):

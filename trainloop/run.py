@@ -26,9 +26,11 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None
     on); `record`, this launch's Hydra files, is written to run_dir/.hydra once the run is
     accepted: config, data and checkpoint checked, just before the first step.
     """
+    from trainloop.accelerator import distributed_as_found
+
     check_complete(cfg)
     validate(cfg)
-    with hold_run_dir(run_dir) if is_main_rank() else nullcontext():
+    with hold_run_dir(run_dir) if is_main_rank() else nullcontext(), distributed_as_found():
         return train_in_run_dir(cfg, run_dir, record)
 
 

@@ -3,7 +3,8 @@
 Trains N steps straight, then N/2 steps + stop + resume + N/2 steps, on the user's own config
 (the same overrides), each as a fresh launch of `python -m trainloop` (or torchrun with --nproc),
 and compares the per-step losses and the final weights: bitwise, and by the largest relative
-difference. Exit 0 when they agree within --rtol, 1 when not, 2 for a bad config.
+difference. Exit 0 when they agree within --rtol, 1 when not, 2 for a bad config. The checkpoint
+the resume loads is checked first (sizes, formats, checksums), as `--check PATH` checks any.
 
 Relative difference: |a - b| / |a| per loss; max|a - b| / max|a| per weight tensor.
 """
@@ -146,6 +147,9 @@ def parse(argv: list[str]):
                                            "'accelerate launch --multi_gpu --num_processes 2'")
     parser.add_argument("--dir", type=Path, help="where the two runs go (default: a temporary folder, "
                                                  "removed when they agree)")
+    parser.add_argument("--check", type=Path, metavar="PATH",
+                        help="only check the checkpoints under PATH (a run dir, or one checkpoint) for damage: "
+                             "sizes, formats and checksums; exit 1 naming a damaged file")
     parser.add_argument("--rtol", type=float, default=1e-6,
                         help="largest relative difference that still passes (default 1e-6; 0: bitwise)")
     args, overrides = parser.parse_known_args(argv)
@@ -159,6 +163,8 @@ def parse(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args, user = parse(sys.argv[1:] if argv is None else argv)
+    if args.check:
+        return check_checkpoints(args.check)
     from trainloop.config import ConfigError
 
     n, half = args.steps, args.steps // 2
@@ -191,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     launch(launcher, [*overrides, "checkpoint.resume=null", f"hydra.run.dir={straight}"], root / "straight.log")
     launch(launcher, [*overrides, "checkpoint.resume=null", f"trainer.stop_at_step={half}",
                       f"hydra.run.dir={resumed}"], root / "first_half.log")
+    if check_checkpoints(resumed / "checkpoints"):
+        return 1
     launch(launcher, [*overrides, "checkpoint.resume=auto", f"hydra.run.dir={resumed}"], root / "second_half.log")
 
     result = compare(straight, resumed, n)
@@ -200,6 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.dir is None:  # a folder of our own, and nothing in it to look into
         shutil.rmtree(root)
     return 0
+
+
+def check_checkpoints(path: Path) -> int:
+    """Every complete checkpoint under `path`, a line each: 0 when all are whole, 1 when one is damaged."""
+    from trainloop.checkpoint import COMPLETE, why_unloadable
+
+    found = sorted({marker.parent for marker in Path(path).rglob(COMPLETE)})
+    if not found:
+        print(f"verify_resume: error: no complete checkpoint under {path}", file=sys.stderr)
+        return 2
+    problems = [why_unloadable(checkpoint) for checkpoint in found]
+    for checkpoint, problem in zip(found, problems):
+        print(f"checkpoint {checkpoint}: " + (f"DAMAGED: {problem}" if problem else "intact"))
+    return 1 if any(problems) else 0
 
 
 def check_config(overrides: list[str]) -> None:
