@@ -1,8 +1,8 @@
 """Each objective's evaluation at step 0, built by trainloop's own build(), on the processes this
-runs in: `torchrun --nproc_per_node 2 tests/evaluation_ranks.py DIR 4` or, in-process, `evaluations(DIR, 8)`.
-Rank 0 prints {case: evaluation} as one JSON line. Every case's validation split is not a whole
-number of global batches of 8, and most leave rank 1 of 2 with nothing in the last one, so a padded
-or dropped item, or a rank that skips a forward under FSDP2, shows (tests/test_evaluation.py)."""
+runs in: `torchrun --nproc_per_node 2 tests/evaluation_ranks.py DIR 4` (rank 0 prints {case:
+evaluation} as one JSON line), or `evaluations(DIR, 8)` in one process (tests/test_evaluation.py).
+No case's validation split is a whole number of global batches of 8, so an item padded in or
+dropped moves its numbers, and a rank left without items must still join every forward (FSDP2)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,19 @@ DATA = Path(__file__).resolve().parent / "data"
 THIS = Path(__file__).resolve()
 
 SMOKE, FSDP = "+preset=smoke", "+preset=[smoke,fsdp]"
-# case -> its overrides; the validation items of each: causal_lm 9 blocks,
-# chat 11, dpo 12 pairs, simpo 10, grpo 10 prompts (8 + 1 to 4: rank 1's last share is empty)
+# case -> its overrides. The validation items: 12 text blocks, 12 pairs (dpo), 10 (simpo), 10 prompts,
+# 17 chat blocks (under FSDP2, the last in-process: it leaves a group of one): 8k + 1 to 4 each, so
+# rank 1 of 2 has no item in the last micro-step
 CASES = {
     "causal_lm": [SMOKE, "data=files", "data.path={dir}/text.jsonl", "data.validation_fraction=0.3"],
-    "chat/fsdp2": [FSDP, "data=chat", "data.path={dir}/chat.jsonl", "data.validation_fraction=0.3"],
-    "dpo": [SMOKE, "objective=dpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}", "adapter=lora",
-            "data.validation_fraction=0.25"],
+    "dpo": [SMOKE, "objective=dpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
+            "data.validation_fraction=0.25"],  # a full fine-tune: its reference copy runs every forward too
     "simpo": [SMOKE, "objective=simpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
               "data.validation_fraction=0.2"],
     "grpo": [SMOKE, "objective=grpo", "data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "objective.num_generations=2",
              f"objective.rewards=[{THIS}:answer_letter]", "objective.max_new_tokens=4",
              "data.validation_fraction=0.5"],
+    "chat/fsdp2": [FSDP, "data=chat", "data.path={dir}/chat.jsonl", "data.validation_fraction=0.3"],
 }
 
 
@@ -44,27 +45,36 @@ def write_data(directory: Path) -> None:
 
 
 def evaluations(directory: Path, batch_size: int) -> dict:
-    """{case: its evaluation} at data.batch_size, on the processes this runs in."""
+    """{case: its evaluation} at data.batch_size, on the processes this runs in (write_data's files
+    in `directory`). One process is left as found: no process group, no launcher variables."""
+    import os
+
+    import torch.distributed as dist
+
     from conftest import compose, reset_accelerate
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
     from trainloop.parallel import build_strategy
 
-    write_data(directory)
-    found = {}
-    for case, overrides in CASES.items():
-        reset_accelerate()
-        cfg = compose("trainer.eval_batches=null", f"data.batch_size={batch_size}",
-                      *(o.format(dir=directory) for o in overrides))
-        strategy = build_strategy(cfg, build_accelerator(cfg))
-        built = build(cfg, strategy)
-        found[case] = {"valid": len(built.valid_set), **built.objective.evaluate(
-            strategy, built.model, built.valid_loader, cfg.trainer.eval_batches)}
+    found, environ, grouped = {}, dict(os.environ), dist.is_initialized()
+    try:
+        for case, overrides in CASES.items():
+            reset_accelerate()
+            cfg = compose("trainer.eval_batches=null", f"data.batch_size={batch_size}",
+                          *(o.format(dir=directory) for o in overrides))
+            strategy = build_strategy(cfg, build_accelerator(cfg))
+            built = build(cfg, strategy)
+            found[case] = {"valid": len(built.valid_set), **built.objective.evaluate(
+                strategy, built.model, built.valid_loader, cfg.trainer.eval_batches)}
+    finally:
+        if dist.is_initialized() and not grouped:  # FSDP2's group of one
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     return found
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(THIS.parent))  # conftest's compose
     import torch.distributed as dist
 
     dist.init_process_group("gloo")  # one group for every case's accelerator
