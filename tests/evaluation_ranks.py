@@ -23,8 +23,8 @@ CASES = {
             "data.validation_fraction=0.25"],  # a full fine-tune: its reference copy runs every forward too
     "simpo": [SMOKE, "objective=simpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
               "data.validation_fraction=0.2"],
-    "grpo": [SMOKE, "objective=grpo", "data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "objective.num_generations=2",
-             f"objective.rewards=[{THIS}:answer_letter]", "objective.max_new_tokens=4",
+    "grpo": [SMOKE, "objective=grpo", "data=prompts", f"data.path={DATA / 'prompts.jsonl'}",
+             "objective.num_generations=2", f"objective.rewards=[{THIS}:answer_letter]", "objective.max_new_tokens=4",
              "data.validation_fraction=0.5"],
     "chat/fsdp2": [FSDP, "data=chat", "data.path={dir}/chat.jsonl", "data.validation_fraction=0.3"],
 }
