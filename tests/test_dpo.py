@@ -237,14 +237,10 @@ def assert_same_losses(got: Path, want: Path, tolerance: float = 1e-6) -> None:
     assert len({x for _, key, x in a if key == "loss"}) > 1  # the policy moved
 
 
-def test_accumulation_gives_the_step_of_the_whole_batch(tmp_path):
+def test_accumulation_and_two_processes_give_the_step_of_the_whole_batch(tmp_path):
     whole = train(tmp_path / "batch4", *STEP, "data.batch_size=4")
     accumulated = train(tmp_path / "accum4", *STEP, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
     assert_same_losses(accumulated, whole)
-
-
-def test_two_processes_give_the_step_of_one(tmp_path):
-    whole = train(tmp_path / "one", *STEP, "data.batch_size=4")
     run_dir = tmp_path / "two"
     launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
             "-m", "trainloop", *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
