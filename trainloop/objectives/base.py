@@ -104,12 +104,13 @@ class Objective:
         import torch
         from accelerate.utils import send_to_device
 
-        order = loader.batch_sampler
+        order, non_blocking = loader.batch_sampler, strategy.accelerator.non_blocking
         order.max_batches = max_batches  # read when the loader starts, in this process
         model.eval()
         try:
             with torch.no_grad():
-                sums = torch.stack([self.eval_sums(model, send_to_device(batch, strategy.device)) for batch in loader])
+                sums = torch.stack([self.eval_sums(model, send_to_device(batch, strategy.device, non_blocking=non_blocking))
+                                    for batch in loader])
         finally:
             model.train()
         return self.eval_values(strategy.reduce_sum(sums[:order.counted].sum(0)))
