@@ -32,9 +32,9 @@ class Objective:
       from the data, and the micro-batches it trains on, made from those (objective=grpo generates
       completions for the prompts read); for most objectives, always and the ones read.
     - examples(): a few of what it trained on since the last train line, for an event=samples record.
-    - eval_sums(model, batch): what an evaluation forward adds up, a float64 vector whose first two
-      are the summed loss and its units; eval_values(total): the eval line's values from their sums
-      over the validation split (evaluate() adds them up over this rank's batches and the ranks).
+    - eval_sums(model, batch): what an evaluation forward adds up, a float64 vector (by default the
+      summed loss and its units); eval_values(total): the eval line's values from their sums over
+      the validation split (evaluate() adds them up over this rank's batches and the ranks).
 
     The build (trainloop.build) asks two more things of it: `frozen_copy(model)`, before compile
     and sharding (a model the objective keeps unchanged, e.g. DPO's reference; None: none), and,
@@ -104,13 +104,13 @@ class Objective:
         import torch
         from accelerate.utils import send_to_device
 
-        order, non_blocking = loader.batch_sampler, strategy.accelerator.non_blocking
+        order, device = loader.batch_sampler, strategy.device
         order.max_batches = max_batches  # read when the loader starts, in this process
         model.eval()
         try:
             with torch.no_grad():
-                sums = torch.stack([self.eval_sums(model, send_to_device(batch, strategy.device, non_blocking=non_blocking))
-                                    for batch in loader])
+                sums = torch.stack([self.eval_sums(model, send_to_device(b, device, strategy.accelerator.non_blocking))
+                                    for b in loader])
         finally:
             model.train()
         return self.eval_values(strategy.reduce_sum(sums[:order.counted].sum(0)))
