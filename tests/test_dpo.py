@@ -245,8 +245,9 @@ def test_the_loss_and_rewards_are_trls_on_the_same_batch(tmp_path, loss_type):
 # --- the step ---------------------------------------------------------------------------------
 
 STEP = [*DPO, f"data.path={PAIRS}", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=null",
-        "data.validation_fraction=0.16", "optimizer=sgd", "optimizer.lr=0.5"]
-# 8 validation pairs: whole batches on 1 and 2 processes alike
+        "data.validation_fraction=0.2", "optimizer=sgd", "optimizer.lr=0.5"]
+# 10 validation pairs, no whole number of global batches of 4: on 2 processes x 2, rank 1 has none
+# left in the last micro-step and still joins its forward (ZeRO-3, FSDP2); each pair counts once
 
 
 def dpo_losses(run_dir: Path) -> list[tuple[int, str, float]]:
@@ -262,14 +263,10 @@ def assert_same_losses(got: Path, want: Path, tolerance: float = 1e-6) -> None:
     assert len({x for _, key, x in a if key == "loss"}) > 1  # the policy moved
 
 
-def test_accumulation_gives_the_step_of_the_whole_batch(tmp_path):
+def test_accumulation_and_two_processes_give_the_step_of_the_whole_batch(tmp_path):
     whole = train(tmp_path / "batch4", *STEP, "data.batch_size=4")
     accumulated = train(tmp_path / "accum4", *STEP, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
     assert_same_losses(accumulated, whole)
-
-
-def test_two_processes_give_the_step_of_one(tmp_path):
-    whole = train(tmp_path / "one", *STEP, "data.batch_size=4")
     run_dir = tmp_path / "two"
     launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
             "-m", "trainloop", *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -395,7 +392,7 @@ def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_p
     given = re.search(r"; run the same command with (\S+) again to continue", out)
     assert given and given[1] == f"hydra.run.dir={run}", out[-2000:]
     again = launch([*command, given[1]], cwd=tmp_path)
-    assert "reference's log-probabilities of 40 + 8 pairs read from" in again.stdout + again.stderr
+    assert "reference's log-probabilities of 38 + 10 pairs read from" in again.stdout + again.stderr
     assert [step for step, key, _ in dpo_losses(run) if key == "loss"] == list(range(1, 21))  # resumed, not restarted
     assert dpo_losses(run) == dpo_losses(tmp_path / "straight")
 

@@ -77,15 +77,18 @@ def test_evaluation_is_the_summed_loss_per_unit(name):
     from accelerate import Accelerator
 
     from conftest import reset_accelerate
+    from trainloop.data import build_dataloaders
     from trainloop.parallel import build_strategy
 
-    cfg = compose("+preset=smoke", f"objective={name}", *NEEDS[name])
+    cfg = compose("+preset=smoke", f"objective={name}", *NEEDS[name], "data.batch_size=4")
     batch, model = batch_for(cfg, name)
+    items = [{key: value[i] for key, value in batch.items()} for i in range(4)]  # the loader makes the batch again
+    _, loader = build_dataloaders(cfg.data, items, items, pin_memory=False)
     objective = build_objective(cfg, "cpu")
     reset_accelerate()
-    got = objective.evaluate(build_strategy(cfg, Accelerator(cpu=True)), model, [batch], max_batches=None)
+    got = objective.evaluate(build_strategy(cfg, Accelerator(cpu=True)), model, loader, max_batches=None)
     with torch.no_grad():
-        summed, count = objective.eval_sums(model, batch)
+        summed, count = objective.eval_sums(model, batch)[:2]
     assert got["eval_loss"] == pytest.approx((summed / count).item(), rel=1e-6)
     assert model.training  # evaluate() hands the model back in training mode
 

@@ -18,7 +18,7 @@ from conftest import SMALL, compose, launch, train
 from test_distributed import free_port
 from trainloop.checkpoint import check_world_size_change
 from trainloop.config import ConfigError
-from trainloop.order import GlobalOrder
+from trainloop.order import GlobalOrder, ValidationOrder
 from trainloop.tools.verify_resume import compare
 
 # 108 training blocks (validation holds out 78 of the 79 whole documents): 13 global batches of 8
@@ -61,6 +61,30 @@ def test_a_global_batch_is_the_same_samples_at_any_world_size():
     two = ranks(75, 4, 1, 2)
     straight = ranks(75, 8, 1, 1)[0]
     assert all(a + b == s for a, b, s in zip(two[0], two[1], straight, strict=True))
+
+
+def evaluated(num_samples: int, batch_size: int, accumulation: int, world_size: int, max_batches=None) -> list[int]:
+    """The items an evaluation counts, over every rank; every rank runs as many micro-batches."""
+    orders = [ValidationOrder(num_samples, batch_size, accumulation, world_size, rank, max_batches)
+              for rank in range(world_size)]
+    batches = [list(order) for order in orders]
+    assert len({len(b) for b in batches}) == 1 and all(len(b) == len(o) for b, o in zip(batches, orders))
+    for order, mine in zip(orders, batches):  # past its counted ones, a rank re-reads item 0 (not counted)
+        assert all(0 < len(b) <= batch_size for b in mine)
+        assert mine[order.counted:] == [[0]] * (len(mine) - order.counted)
+    return sorted(i for order, mine in zip(orders, batches) for b in mine[:order.counted] for i in b)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 30, 33])
+def test_an_evaluation_counts_every_item_once_at_any_world_size(n):
+    """Issue 33: the validation split is not cut to whole global batches, nor padded with counted
+    repeats; trainer.eval_batches counts global batches, so caps the same items at any layout."""
+    for layout in [(8, 1, 1), (4, 1, 2), (2, 2, 2), (1, 1, 4), (4, 2, 1), (3, 1, 3)]:
+        assert evaluated(n, *layout) == list(range(n)), layout
+    assert evaluated(n, 8, 1, 1, 2) == evaluated(n, 4, 1, 2, 2) == evaluated(n, 4, 2, 1, 2) == list(range(min(n, 16)))
+    two = [list(ValidationOrder(n, 4, 1, 2, rank)) for rank in range(2)]
+    straight = list(ValidationOrder(n, 8, 1, 1, 0))  # rank r takes the r-th 4 of each 8, as in training
+    assert [a + b for a, b in zip(*two)][:n // 8] == straight[:n // 8]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 100, 1025, 65537])

@@ -293,7 +293,7 @@ def build_accelerator(cfg):
             mixed_precision=MIXED_PRECISION[cfg.precision.name],
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=cfg.trainer.gradient_accumulation_steps, sync_with_dataloader=True),
-            # the training order is trainloop.order's; the validation loader is sharded by accelerate
+            # both loaders' orders are trainloop.order's: accelerate prepares neither
             dataloader_config=DataLoaderConfiguration(non_blocking=on_cuda),
             # the process group's timeout (accelerate hands it to DeepSpeed's init too); data is
             # built outside any collective (trainloop.node_turns), so this bounds training collectives

@@ -129,8 +129,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     # Stepped by the loop once per optimizer step; accelerate would step a prepared one once per
     # process, changing the schedule with the world size.
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
-    # The training loader is already this rank's share of the global order: accelerate must not shard it again.
-    model, optimizer, valid_loader = strategy.prepare(model, optimizer, valid_loader)
+    # The loaders are already this rank's share (trainloop.order): accelerate must not shard them again.
+    model, optimizer = strategy.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     objective.start(strategy, model, None if frozen is None else strategy.prepare_frozen(frozen),
                     train_set, valid_set, run_dir)

@@ -13,6 +13,7 @@ from trainloop.errors import ConfigError
 from trainloop.formats import data_format
 from trainloop.formats.prepared import prepared_fingerprint
 from trainloop.lifetime import start_loader_worker
+from trainloop.order import ValidationOrder
 from trainloop.packing import PackedBlocks
 from trainloop.schema import DataConfig
 from trainloop.tokenizer import build_tokenizer, byte_level_tokenizer, vocabulary_fingerprint
@@ -94,7 +95,9 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     """Shuffled, full-batch training loader and an ordered validation loader.
 
     A run passes `order`, a trainloop.order.GlobalOrder: this rank's share of one global order, a
-    function of (seed, epoch) alone; the run does not let accelerate shard that loader again.
+    function of (seed, epoch) alone; the run does not let accelerate shard that loader again. The
+    validation loader reads this rank's share of the split in the same layout, each item by one
+    rank (trainloop.order.ValidationOrder; one process without `order`).
     """
     if len(train) < cfg.batch_size:
         raise ConfigError(f"data.batch_size={cfg.batch_size} is larger than the "
@@ -110,7 +113,8 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
         train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
     else:
         train_loader = DataLoader(train, batch_sampler=order, **workers)
-    valid_loader = DataLoader(valid, batch_size=cfg.batch_size, shuffle=False, **workers)
+    layout = (1, 1, 0) if order is None else (order.accumulation, order.world_size, order.rank)
+    valid_loader = DataLoader(valid, batch_sampler=ValidationOrder(len(valid), cfg.batch_size, *layout), **workers)
     return train_loader, valid_loader
 
 

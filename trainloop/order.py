@@ -7,6 +7,9 @@ step sees the same samples on 2 processes at batch 4 as on 1 process at batch 8,
 in the epoch is a number of samples, which means the same at any world size. The last
 incomplete global batch of an epoch is dropped: every optimizer step has the same samples.
 
+The validation split is read in the same layout, unshuffled and to its last item, each item by
+one rank (`ValidationOrder`): evaluations count every item once at any world size.
+
 The permutation is computed sample by sample (`Permutation`), never held: its memory does not
 grow with the corpus, which at pre-training scale has billions of blocks.
 """
@@ -103,3 +106,48 @@ class GlobalOrder:
             samples = np.arange(at, at + self.batch_size)
             yield (samples if permutation is None else permutation[samples]).tolist()
 
+
+
+@dataclass
+class ValidationOrder:
+    """A DataLoader batch_sampler over the validation split, in its order: each item goes to exactly
+    one rank, laid out as an epoch is (rank r of W takes the samples [m*B*W + r*B, m*B*W + (r+1)*B)
+    at micro-step m), up to the last item, however few the last micro-step holds. So an evaluation
+    counts every item once at any world size, and its sums are the same over 1 process at batch 8
+    as over 2 at batch 4.
+
+    Every rank yields the same number of micro-batches, as a sharded model (ZeRO-3, FSDP2) needs
+    every rank in every forward: a rank whose share of the last micro-steps is empty reads item 0
+    again, a micro-batch the evaluation runs but does not count (only the first `counted` count).
+    `max_batches` (trainer.eval_batches) counts global batches, `batch_size x accumulation x
+    world_size` items each as a training step reads: the first max_batches x global batch items
+    are read, the same ones under any layout of the same global batch. None: every item.
+    """
+
+    num_samples: int
+    batch_size: int  # per rank and micro-step
+    accumulation: int
+    world_size: int
+    rank: int
+    max_batches: int | None = None
+
+    @property
+    def end(self) -> int:
+        """The items read: the first `end` of the split."""
+        if self.max_batches is None:
+            return self.num_samples
+        return min(self.num_samples, self.max_batches * self.batch_size * self.accumulation * self.world_size)
+
+    def __len__(self) -> int:
+        """Each rank's micro-batches: as many as the micro-steps that hold an item."""
+        return -(-self.end // (self.batch_size * self.world_size))
+
+    @property
+    def counted(self) -> int:
+        """This rank's micro-batches that hold items (the first ones): the rest are item 0 again."""
+        return max(0, -(-(self.end - self.rank * self.batch_size) // (self.batch_size * self.world_size)))
+
+    def __iter__(self):
+        micro = self.batch_size * self.world_size
+        for at in range(self.rank * self.batch_size, len(self) * micro, micro):
+            yield list(range(at, min(at + self.batch_size, self.end))) or [0]

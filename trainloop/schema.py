@@ -121,7 +121,7 @@ class TrainerConfig:
     max_grad_norm: Optional[float] = 1.0  # None: no clipping
     log_every: int = 10  # optimizer steps between train lines in metrics.jsonl
     eval_every: int = 100  # optimizer steps between evaluations; the last step always evaluates
-    eval_batches: Optional[int] = None  # None: the whole validation split
+    eval_batches: Optional[int] = None  # global batches evaluated (data.batch_size x accumulation x processes items each); None: all
     on_nonfinite: str = "stop"  # skip or stop, when the loss or gradient norm is NaN/Inf
     stop_at_step: Optional[int] = None  # save and stop after this step; the schedule still runs to max_steps
     auto_batch_size: bool = False  # find the largest per-device batch that fits; keep the effective batch

@@ -33,8 +33,9 @@ class Objective:
       from the data, and the micro-batches it trains on, made from those (objective=grpo generates
       completions for the prompts read); for most objectives, always and the ones read.
     - examples(): a few of what it trained on since the last train line, for an event=samples record.
-    - eval_sums(model, batch): (summed loss, units) of an evaluation forward; evaluate() adds them
-      up over the validation batches and ranks into the eval line's values.
+    - eval_sums(model, batch): what an evaluation forward adds up, a float64 vector (by default the
+      summed loss and its units); eval_values(total): the eval line's values from their sums over
+      the validation split (evaluate() adds them up over this rank's batches and the ranks).
 
     The build (trainloop.build) asks two more things of it: `frozen_copy(model)`, before compile
     and sharding (a model the objective keeps unchanged, e.g. DPO's reference; None: none), and,
@@ -87,25 +88,38 @@ class Objective:
     def batch_loss(self, model, batch: dict) -> BatchLoss:
         raise NotImplementedError
 
-    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batch_loss(model, batch).summed, self.count(batch)
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
+        return loss_sums(self.batch_loss(model, batch).summed, self.count(batch))
+
+    def eval_values(self, total: torch.Tensor) -> dict:
+        eval_loss = (total[0] / total[1].clamp(min=1)).item()
+        return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
 
     def window(self, strategy) -> dict:
         return {}
 
     def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
-        """Loss per unit over the validation split (all ranks), identical on every rank."""
+        """The eval line's values over the validation split, identical on every rank. `loader` reads
+        this rank's share in a trainloop.order.ValidationOrder, every item by one rank; max_batches
+        (trainer.eval_batches) counts global batches. The micro-batches past its `counted` ones run
+        their forward (a sharded model needs every rank in it) and are not counted."""
         import torch
+        from accelerate.utils import send_to_device
 
+        order, device = loader.batch_sampler, strategy.device
+        order.max_batches = max_batches  # read when the loader starts, in this process
         model.eval()
-        total = torch.zeros(2, device=strategy.device, dtype=torch.float64)
-        with torch.no_grad():
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                summed, count = self.eval_sums(model, batch)
-                total += torch.stack([summed.double(), count.double()])
-        model.train()
-        total = strategy.reduce_sum(total)
-        eval_loss = (total[0] / total[1].clamp(min=1)).item()
-        return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
+        try:
+            with torch.no_grad():
+                sums = torch.stack([self.eval_sums(model, send_to_device(b, device, strategy.accelerator.non_blocking))
+                                    for b in loader])
+        finally:
+            model.train()
+        return self.eval_values(strategy.reduce_sum(sums[:order.counted].sum(0)))
+
+
+def loss_sums(summed: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """An evaluation forward's sums when they are the summed loss and its units alone."""
+    import torch
+
+    return torch.stack([summed.double(), units.double()])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.objectives.base import BatchLoss, Objective, loss_sums
 from trainloop.tokenizer import IGNORE
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -47,11 +47,11 @@ class CausalLM(Objective):
         self.router.record(output, batch)
         return BatchLoss(summed, self.router.coef * self.router.aux)
 
-    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
         from trainloop.chunked_loss import next_token_nll
 
         # no routing recorded: the train line's window is training's
-        return next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)[0], self.count(batch)
+        return loss_sums(next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)[0], self.count(batch))
 
     def window(self, strategy) -> dict:
         return self.router.window(strategy) if self.router is not None else {}

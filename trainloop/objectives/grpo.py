@@ -388,6 +388,7 @@ class GRPO(Objective):
         from trainloop.objectives.dpo import held
 
         self.frozen = frozen  # placed and sharded like the policy by the strategy (prepare_frozen)
+        self.strategy = strategy  # eval_sums generates and scores on every rank together
         if frozen is not None:
             log.info("objective=grpo: the KL's reference is a frozen copy of the starting model, %s", held(frozen))
 
@@ -470,36 +471,28 @@ class GRPO(Objective):
 
     # --- evaluation: greedy completions of the validation prompts ----------------------------------
 
-    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
-        """The mean reward of one greedy completion per validation prompt (all ranks): eval_reward,
-        and eval_loss = -eval_reward (lower is better, as for every objective's eval_loss)."""
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
+        """The summed reward of one greedy completion per prompt of the batch, and the prompts scored
+        (evaluate() runs it on every rank: the generation and the scores' agreement are collective)."""
         import torch
 
-        module = strategy.accelerator.unwrap_model(model)
-        total = torch.zeros(2, dtype=torch.float64, device=strategy.device)
-        weights = torch.tensor(self.rewards.weights)
-        module.eval()
-        try:
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                keep = batch["prompt_mask"].any(0)
-                ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
-                with torch.no_grad():
-                    out = module.generate(input_ids=ids, attention_mask=mask, generation_config=self.greedy,
-                                          synced_gpus=strategy.world_size > 1)
-                completion_ids = out[:, ids.shape[1]:]
-                cmask = completion_mask(completion_ids, self.eos)
-                rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "completion_mask": cmask,
-                           "rows": [json.loads(r) for r in batch["row"]]}
-                scores = self.agreed_scores(strategy, [rollout])
-                summed = (scores.cpu() * weights[None]).nansum(1)
-                summed[torch.isnan(scores.cpu()).all(1)] = torch.nan
-                scored = ~torch.isnan(summed)
-                total += torch.tensor([summed[scored].double().sum(), scored.sum().double()], device=total.device)
-        finally:
-            module.train()
-        total = strategy.reduce_sum(total)
+        strategy = self.strategy
+        keep = batch["prompt_mask"].any(0)
+        ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
+        out = strategy.accelerator.unwrap_model(model).generate(
+            input_ids=ids, attention_mask=mask, generation_config=self.greedy, synced_gpus=strategy.world_size > 1)
+        completion_ids = out[:, ids.shape[1]:]
+        rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": [json.loads(r) for r in batch["row"]],
+                   "completion_mask": completion_mask(completion_ids, self.eos)}
+        scores = self.agreed_scores(strategy, [rollout]).cpu()
+        summed = (scores * torch.tensor(self.rewards.weights)[None]).nansum(1)
+        summed[torch.isnan(scores).all(1)] = torch.nan
+        scored = ~torch.isnan(summed)
+        return torch.stack([summed[scored].double().sum(), scored.sum().double()]).to(strategy.device)
+
+    def eval_values(self, total: torch.Tensor) -> dict:
+        """The mean reward of one greedy completion per validation prompt: eval_reward, and eval_loss =
+        -eval_reward (lower is better, as for every objective's eval_loss)."""
         if not total[1]:  # a mean of nothing is no reward of 0.0
             raise self.nothing_scored("the greedy completions of the validation prompts")
         reward = (total[0] / total[1]).item()

@@ -77,9 +77,9 @@ class PairObjective(Objective):
         self.sums += batch_sums.to(self.sums.device)
         return BatchLoss(losses.sum())
 
-    def eval_sums(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, _ = self.pair_losses(model, batch)
-        return losses.sum(), self.count(batch)
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
+        """SUMS: the summed loss and the pairs first, then the rewards and log-probabilities."""
+        return self.pair_losses(model, batch)[1]
 
     @staticmethod
     def means(total: torch.Tensor) -> dict:
@@ -91,17 +91,6 @@ class PairObjective(Objective):
         self.sums = self.sums.new_zeros(self.sums.shape)
         return self.means(total)
 
-    def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
-        """The loss per pair over the validation split (all ranks), and its rewards and log-probabilities."""
-        import torch
-
-        model.eval()
-        total = torch.zeros(len(SUMS), dtype=torch.float64, device=strategy.device)
-        with torch.no_grad():
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                total += self.pair_losses(model, batch)[1].to(total.device)
-        model.train()
-        total = strategy.reduce_sum(total)
+    def eval_values(self, total: torch.Tensor) -> dict:
+        """The loss per pair over the validation split, and its rewards and log-probabilities."""
         return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}

@@ -31,7 +31,7 @@ class Strategy:
     fingerprint: today every process is a data-parallel rank; a strategy that splits layers
     over processes (tensor parallelism) answers fewer. The build calls, in this order:
     `builds_on_meta` (before the model is built), `shard` (after compile, before the optimizer),
-    `prepare` (the optimizer and the validation loader, and the model unless sharded here), then
+    `prepare` (the optimizer, and the model unless sharded here), then
     `prepare_frozen` for a frozen copy an objective keeps (DPO's reference).
     """
 
@@ -79,8 +79,8 @@ class Strategy:
     def shard(self, model):
         return model
 
-    def prepare(self, model, optimizer, valid_loader):
-        return self.accelerator.prepare(model, optimizer, valid_loader)
+    def prepare(self, model, optimizer):
+        return self.accelerator.prepare(model, optimizer)
 
     def prepare_frozen(self, model):
         """A frozen copy of the model as built (an objective's reference), placed and sharded like

@@ -33,10 +33,9 @@ class FSDP2(Strategy):
 
         return shard_model(self.cfg, model, self.device).eval()
 
-    def prepare(self, model, optimizer, valid_loader):
+    def prepare(self, model, optimizer):
         # sharded by trainloop: accelerate must not wrap the model in DDP too
-        optimizer, valid_loader = self.accelerator.prepare(optimizer, valid_loader)
-        return model, optimizer, valid_loader
+        return model, self.accelerator.prepare(optimizer)
 
     def clip_grad_norm(self, model, max_norm: float):
         """The gradients are DTensor shards: the norm is summed over every shard (the same on every

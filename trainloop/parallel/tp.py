@@ -89,18 +89,6 @@ class FSDP2xTP(FSDP2):
 
         return shard_model(self.cfg, model, self.device, self.mesh).eval()
 
-    def prepare(self, model, optimizer, valid_loader):
-        """The validation loader is split over the data-parallel ranks (accelerate would split it
-        over every process, giving the ranks of one tp group different batches)."""
-        from accelerate.data_loader import prepare_data_loader
-
-        acc = self.accelerator
-        optimizer = acc.prepare(optimizer)
-        valid_loader = prepare_data_loader(valid_loader, self.device, num_processes=self.dp_size,
-                                           process_index=self.dp_rank, put_on_device=True,
-                                           even_batches=acc.even_batches, non_blocking=acc.non_blocking)
-        return model, optimizer, valid_loader
-
     def clip_grad_norm(self, model, max_norm: float):
         """The global L2 norm over both meshes' gradients: one norm per mesh (DTensor placements make
         each exact, a replicated shard counted once), combined; then each mesh's gradients clipped."""
