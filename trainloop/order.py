@@ -107,7 +107,6 @@ class GlobalOrder:
             yield (samples if permutation is None else permutation[samples]).tolist()
 
 
-
 @dataclass
 class ValidationOrder:
     """A DataLoader batch_sampler over the validation split, in its order: each item goes to exactly
