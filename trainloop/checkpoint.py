@@ -3,10 +3,11 @@
 A save is written to a temporary folder by every rank (accelerate's save_state: model,
 optimizer, scheduler, scaler, every RNG per rank, the accumulation micro-step), completed with
 the config, every file's checksum (trainloop.integrity) and the trainer state, synced to disk,
-marked COMPLETE, renamed into place, and only then named in `latest`. A folder without COMPLETE is never loaded (a save cut short by SIGKILL
-leaves `.tmp_step_*`, removed at the next start), and older checkpoints are removed only after
-a newer one is complete. The parameters are checked to be finite first: a non-finite state is
-never saved over a good one. The checkpoints folder must be on a file system every node sees.
+marked COMPLETE, renamed into place, and only then named in `latest`. A folder without COMPLETE
+is never loaded (a save cut short by SIGKILL leaves `.tmp_step_*`, removed at the next start),
+and older checkpoints are removed only after a newer one is complete. The parameters are checked
+to be finite first: a non-finite state is never saved over a good one. The checkpoints folder
+must be on a file system every node sees.
 
 Under FSDP2 (fsdp=full_shard) the model and optimizer are written in torch.distributed.checkpoint
 format instead, one shard file per rank (trainloop/dcp.py), and load at any world size. With
