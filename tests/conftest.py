@@ -179,8 +179,9 @@ def pytest_collection_modifyitems(session, config, items):
     # Under xdist each worker collects the same sorted list and the load scheduler hands tests
     # out in that order, so the DeepSpeed tests still come last.
     items.sort(key=lambda item: (OPS_FIXTURE in item.fixturenames, position[id(item)]))
+    timeouts = config.pluginmanager.hasplugin("timeout")  # absent under `-p no:timeout`
     for item in items:  # the first of them may wait for the build: pytest-timeout's limit counts it
-        if OPS_FIXTURE in item.fixturenames:
+        if timeouts and OPS_FIXTURE in item.fixturenames:
             item.add_marker(pytest.mark.timeout(OPS_BUILD_WAIT_S + float(config.getini("timeout"))))
     if config.option.collectonly or not any(OPS_FIXTURE in item.fixturenames for item in items):
         return
