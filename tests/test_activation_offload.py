@@ -70,13 +70,13 @@ def test_the_hooks_run_under_torch_compile():
 def test_a_cpu_run_says_once_there_is_nothing_to_offload_resumes_exactly_and_exports(tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
-    run = ["trainer.activation_offload=true", "model.gradient_checkpointing=true", "trainer.max_steps=50",
-           "trainer.eval_every=25", "trainer.log_every=5"]
+    run = ["trainer.activation_offload=true", "model.gradient_checkpointing=true", "trainer.max_steps=20",
+           "trainer.eval_every=10", "trainer.log_every=2"]
     with caplog.at_level(logging.INFO, logger="trainloop"):
         straight = train(tmp_path / "straight", *run)
     assert caplog.text.count("nothing to offload") == 1
     stopped = tmp_path / "stopped"
-    train(stopped, *run, "trainer.stop_at_step=25")
+    train(stopped, *run, "trainer.stop_at_step=10")
     train(stopped, *run)
     losses = [[(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(d) if "loss" in r or "eval_loss" in r]
               for d in (straight, stopped)]
