@@ -190,13 +190,18 @@ def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
             if not any(n.startswith("step_") for n in names):
                 time.sleep(0.02)
                 continue
-            for name in (n for n in names if n.startswith(".tmp_step_")):
-                try:
-                    if os.listdir(root / name):  # some files of the save written, not all
-                        proc.send_signal(signal.SIGKILL)
-                        partial = name
-                except FileNotFoundError:  # that save completed meanwhile
-                    pass
+            if not any(n.startswith(".tmp_step_") for n in names):
+                continue
+            # Frozen, the run's folder holds still: kill it only in a save with some files written
+            # and no COMPLETE yet (between COMPLETE and the rename, a kill is a different case).
+            proc.send_signal(signal.SIGSTOP)
+            for name in (n for n in os.listdir(root) if n.startswith(".tmp_step_")):
+                written = os.listdir(root / name)
+                if written and "COMPLETE" not in written:
+                    proc.send_signal(signal.SIGKILL)
+                    partial = name
+            if partial is None:
+                proc.send_signal(signal.SIGCONT)
     finally:
         code = finish(proc, timeout=0 if partial is None else 60)
     assert partial, "the run finished before a save could be interrupted"
