@@ -1,60 +1,25 @@
-"""Shared fixtures: compose the REAL config from conf/, shrink it, and run it for real.
-
-- `compose(*overrides)`: the composed DictConfig, as `python -m trainloop OVERRIDES` would see it.
-- `train(tmp_path, *overrides)`: one in-process run of trainloop.run.run; returns the run dir.
-- `launch(args, ...)`: a subprocess (python -m trainloop, torchrun, accelerate, deepspeed)
-  with a clean environment; returns the CompletedProcess.
-"""
+"""The suite's fixtures and hooks: the environment every test starts from, DeepSpeed's compiled
+ops (built once, in the background), and the per-test time-out. What tests share besides fixtures
+(compose, train, launch, ...) is in helpers.py."""
 
 from __future__ import annotations
 
 import faulthandler
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from trainloop.config import compose_config
 
-# Every test run is shrunk to this: a 2-layer, 64-wide model, 64-token blocks, a few steps.
-SMALL = ["+preset=smoke", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2",
-         "trainer.eval_batches=2", "logging.progress_bar=false"]
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import clean_env, launch
 
 # DeepSpeed JIT-compiles its CPU ops into TORCH_EXTENSIONS_DIR under a hash that includes this
 # venv's include paths: two venvs sharing ~/.cache/torch_extensions rebuild each other's ops
 # (and wait on each other's build lock). One cache per venv: each builds once.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-
-
-def compose(*overrides: str):
-    """The composed config, unchecked: tests also compose configs that validate() must refuse."""
-    return compose_config(overrides, check=False)
-
-
-def reset_accelerate() -> None:
-    """Accelerate keeps process-wide singletons; a new in-process run needs them cleared."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def train(run_dir: Path, *overrides: str, small: bool = True):
-    """Run trainloop in this process with SMALL + overrides; returns the run dir."""
-    from trainloop.run import run
-
-    reset_accelerate()
-    cfg = compose(*(SMALL if small else []), *overrides)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run(cfg, run_dir=run_dir)
-    return run_dir
 
 
 @pytest.fixture(autouse=True)
@@ -68,69 +33,13 @@ def distributed_left_as_found():
         yield
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def clean_env(**extra: str) -> dict:
-    """The environment for a child process: offline, quiet, 1 thread per rank (2 cores here),
-    and every Python process prints all its threads' stacks on SIGABRT (see `end_family`)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "PYTEST_"))}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
-    env.update(extra)
-    return env
-
-
-def family(pid: int) -> list[int]:
-    """pid and its descendants: torchrun starts each rank in a session of its own, so the
-    launcher's process group does not hold the ranks or their DataLoader workers."""
-    found = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [p for child in (task / "children").read_text().split() for p in family(int(child))]
-        except OSError:  # it exited meanwhile
-            pass
-    return found
-
-
-def end_family(proc: subprocess.Popen, stacks: bool) -> None:
-    """Kill a launch that ran past its time and everything it started; with `stacks`, first
-    SIGABRT, on which each Python process of it (PYTHONFAULTHANDLER) prints its threads' stacks."""
-    pids = family(proc.pid)
-    for sig in (signal.SIGABRT, signal.SIGKILL) if stacks else (signal.SIGKILL,):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if sig == signal.SIGABRT:
-            time.sleep(5)
-
-
-def launch(args: list[str], cwd: Path | None = None, timeout: float = 600, check: bool = True,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command (args[0] 'python' means this interpreter); fail with its output if check.
-    Past the timeout it fails with every process's stacks (a hang says where it hangs)."""
-    if args[0] == "python":
-        args = [sys.executable, *args[1:]]
-    elif args[0] in ("torchrun", "accelerate", "deepspeed"):
-        args = [str(Path(sys.executable).parent / args[0]), *args[1:]]
-    proc = subprocess.Popen(args, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        end_family(proc, stacks=True)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(args)} ran past {timeout} s; the stacks of its processes:\n--- stdout\n"
-                    f"{stdout[-6000:]}\n--- stderr\n{stderr[-20000:]}")
-    done = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
-    if check and done.returncode != 0:
-        pytest.fail(f"{' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
-                    f"\n--- stderr\n{done.stderr[-6000:]}")
-    return done
+@pytest.fixture
+def child_env(monkeypatch):
+    """Runs started with this process's environment (verify_resume's) get a clean one."""
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from helpers import compose, reset_accelerate
+
 DATA = Path(__file__).resolve().parent / "data"
 THIS = Path(__file__).resolve()
 
@@ -51,7 +53,6 @@ def evaluations(directory: Path, batch_size: int) -> dict:
 
     import torch.distributed as dist
 
-    from conftest import compose, reset_accelerate
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
     from trainloop.parallel import build_strategy

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from conftest import compose, read_metrics, train
+from helpers import compose, read_metrics, train
 from trainloop.offload import OffloadHooks
 
 

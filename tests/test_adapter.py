@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, launch, train
-from test_export import pretrained_llama
-from test_resume import child_env, finish, start  # noqa: F401 - child_env is a fixture
+from helpers import (
+    accelerate_launch, adapter_tensors, compose, conversation, executable, finish, launch, logits_agree,
+    pretrained_llama, start, train, write_rows,
+)
 from trainloop.config import ConfigError, validate
 from trainloop.tools import verify_resume
 
@@ -27,25 +28,6 @@ def base(tmp_path_factory) -> Path:
 
 def hf(base: Path) -> list[str]:
     return ["model=hf", f"model.name_or_path={base}"]
-
-
-def logits_agree(final: Path, base: Path) -> tuple[str, float]:
-    """final/ alone and base + final/adapter: their logits' largest difference (fp32)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    merged = AutoModelForCausalLM.from_pretrained(final).eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), final / "adapter").eval()
-    ids = torch.arange(40).unsqueeze(0) * 7 % 300
-    with torch.no_grad():
-        worst = (merged(input_ids=ids).logits - adapted(input_ids=ids).logits).abs().max().item()
-    return type(merged).__name__, worst
-
-
-def adapter_tensors(final: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(final / "adapter" / "adapter_model.safetensors")
 
 
 def test_lora_checkpoints_the_adapter_only_and_exports_merged_and_adapter(tmp_path, base):
@@ -123,13 +105,6 @@ def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def accelerate_launch() -> str:
-    from test_distributed import free_port
-
-    return (f"{Path(sys.executable).parent / 'accelerate'} launch --multi_gpu --num_processes 2 "
-            f"--main_process_port {free_port()}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero2", "1e-6"), ("zero3", "1e-6")])
 def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, strategy, rtol, deepspeed_ops):
@@ -139,7 +114,8 @@ def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, str
     if strategy == "ddp":
         launcher, extra = ["--nproc", "2"], []
     else:
-        launcher, extra = ["--launcher", accelerate_launch()], [f"deepspeed={strategy}"]
+        accelerate = executable(accelerate_launch(2, module=None))  # verify_resume takes it as one string
+        launcher, extra = ["--launcher", " ".join(accelerate)], [f"deepspeed={strategy}"]
     proc = start([sys.executable, "-m", "trainloop.verify_resume", *launcher, "--rtol", rtol, "--steps", "4",
                   "--dir", str(tmp_path / "runs"), "+preset=smoke", *hf(base), "adapter=lora", *extra],
                  tmp_path / "output.txt")
@@ -160,7 +136,6 @@ def test_the_fine_tune_command_on_chat_data_exports_merged_and_adapter(tmp_path,
     """Acceptance 1, the command as a user types it: LoRA on a local model with a chat jsonl. What
     it prints is trainloop's: nothing of what importing the model class makes torchao, torch (its
     own log format, W1126 12:00:00...) or bitsandbytes say (issue 33, item 9)."""
-    from test_finetune_data import conversation, write_rows
 
     chat = write_rows(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(64)])
     run_dir = tmp_path / "D"

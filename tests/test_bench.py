@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO, reset_accelerate
 
 spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(spec)
@@ -53,7 +53,6 @@ def test_each_baseline_worker_trains_on_the_token_blocks_epoch_after_epoch(tmp_p
     import json
     import math
 
-    from conftest import reset_accelerate
 
     from pydoc_data.topics import topics
 

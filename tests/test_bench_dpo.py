@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO, clean_env
+from helpers import REPO, clean_env
 
 spec = importlib.util.spec_from_file_location("bench_dpo", REPO / "scripts" / "bench_dpo.py")
 bench_dpo = importlib.util.module_from_spec(spec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from conftest import REPO
+from helpers import REPO
 
 spec = importlib.util.spec_from_file_location("bench_parallel", REPO / "scripts" / "bench_parallel.py")
 bench_parallel = importlib.util.module_from_spec(spec)

@@ -12,10 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import pytest
 
-from conftest import compose, read_metrics, train
-from test_finetune_data import write_rows
+from helpers import compose, read_metrics, train, write_rows
 
 # The built-in format with markers that cover a reply and its end-of-text but not the newline after
 # it (the rule for unmarked templates trains that newline too), and that leave out a reply whose

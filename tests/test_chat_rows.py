@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose, launch, read_metrics, train
+from helpers import compose, launch, read_metrics, train
 from trainloop.config import ConfigError, validate
 
 U = {"role": "user", "content": "What is two plus two?"}

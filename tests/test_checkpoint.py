@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import compose, launch, read_metrics, train
+from helpers import compose, launch, read_metrics, train
 from trainloop.checkpoint import COMPLETE
 from trainloop.preemption import Preemption
 from trainloop.config import ConfigError

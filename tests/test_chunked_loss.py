@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, launch, read_metrics, train
-from test_finetune_data import conversation, write_rows
+from helpers import OBJECTIVE_NEEDS, compose, conversation, launch, read_metrics, torchrun, train, write_rows
 from trainloop.config import ConfigError, validate
 from trainloop.objectives import build_objective
 
@@ -148,22 +147,18 @@ def test_a_run_trains_with_it_and_exports_the_plain_model(tmp_path, chat_data):
 
 
 def test_what_cannot_work_is_refused_by_name():
-    from trainloop.adapter import apply_adapter
-    from trainloop.model import build_model
-
-    from test_objectives import NEEDS
     from trainloop.objectives import OBJECTIVES
 
     refused = [(["trainer.loss_chunk_tokens=-1"], "must be 0"),
                (["trainer.loss_chunk_tokens=16", "compile=inductor"], "compile.regional=true")]
     # an objective reads the key once it scores tokens through trainloop.chunked_loss (its row says so)
-    refused += [(["trainer.loss_chunk_tokens=16", f"objective={name}", *NEEDS[name]], "only for now")
+    refused += [(["trainer.loss_chunk_tokens=16", f"objective={name}", *OBJECTIVE_NEEDS[name]], "only for now")
                 for name, row in OBJECTIVES.items() if not row.chunks_loss]
     for overrides, says in refused:
         with pytest.raises(ConfigError, match=says):
             validate(compose("+preset=smoke", *overrides))
     for name in (name for name, row in OBJECTIVES.items() if row.chunks_loss):
-        validate(compose("+preset=smoke", "trainer.loss_chunk_tokens=16", f"objective={name}", *NEEDS[name]))
+        validate(compose("+preset=smoke", "trainer.loss_chunk_tokens=16", f"objective={name}", *OBJECTIVE_NEEDS[name]))
     validate(compose("+preset=smoke", "trainer.loss_chunk_tokens=16", "compile=inductor", "compile.regional=true"))
     # an output layer LoRA adapts is no plain Linear: said at the first forward, naming the key
     cfg = compose("+preset=smoke", "adapter=lora", "adapter.target_modules=[q_proj,lm_head]",
@@ -173,15 +168,14 @@ def test_what_cannot_work_is_refused_by_name():
         build_objective(cfg, "cpu").batch_loss(model_for(cfg, vocab), batch)
 
 
+@pytest.mark.slow
 def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
     """Each rank's loss and the gathered gradients (the output weight's too, a DTensor shard that
     the root's forward gathers) equal the full logits' on the same sharded model, on chat rows; so
     do DPO's per-token log-probabilities and their gradients (a backward that recomputes)."""
-    from test_distributed import free_port
 
     out = tmp_path / "fsdp.json"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            __file__, str(out), *chat_data], cwd=Path(__file__).parent, timeout=300)
+    launch([*torchrun(2, module=None), __file__, str(out), *chat_data], cwd=Path(__file__).parent, timeout=300)
     found = json.loads(out.read_text())
     assert found["world_size"] == 2 and found["sharded_head"]
     print(found)

@@ -7,29 +7,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import compose, launch, read_metrics, train
+from helpers import GROUPS, NEEDS, OPTIONS, compose, launch, read_metrics, train
 from trainloop.config import CONFIG_DIR, ConfigError, validate
 
-GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("preset", "__pycache__"))
-OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONFIG_DIR / g).glob("*.yaml"))]
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
 PRESET_NEEDS = {"qlora": ["model.name_or_path=/some/model"]}  # quantizes a pretrained model
-NEEDS = {  # options whose required keys the user must give
-    ("model", "hf"): ["model.name_or_path=/some/model"],
-    ("data", "files"): ["data.path=/some/data.jsonl"],
-    ("data", "chat"): ["data.path=/some/chats.jsonl"],
-    ("data", "prompt_completion"): ["data.path=/some/pairs.jsonl"],
-    ("data", "prepared"): ["data.path=/some/prepared"],
-    ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
-    ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
-    ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
-    ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
-                          "objective.rewards=[trainloop.rewards:exact_answer]"],
-    ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
-                            "objective.rewards=[trainloop.rewards:exact_answer]"],
-}
-
-
 def test_groups_are_the_ones_documented():
     assert {"model", "data", "optimizer", "scheduler", "precision", "deepspeed", "compile"} <= set(GROUPS)
     assert "smoke" in PRESETS

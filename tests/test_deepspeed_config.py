@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env, compose, launch, train
+from helpers import REPO, clean_env, compose, launch, train
 from trainloop.config import ConfigError, validate
 from trainloop.deepspeed import deepspeed_config
 from trainloop.accelerator import build_accelerator, check_launcher_env

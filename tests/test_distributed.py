@@ -10,39 +10,26 @@ ZeRO-2/3 to 1e-3 (DeepSpeed's flattened reductions round differently: about 7e-5
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, launch, read_metrics, train
+from helpers import (
+    DDP_TOLERANCE, REPO, TWO_PROCESS_RUN, TWO_PROCESS_STEPS, ZERO_TOLERANCE, accelerate_launch, clean_env,
+    free_port, launch, losses, read_metrics, run_log, torchrun, train,
+)
 
-STEPS = 10
-RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.eval_every={STEPS}",
-       "trainer.eval_batches=1", "logging.progress_bar=false", "checkpoint.keep_last=1"]
-DDP_TOLERANCE = 1e-5
-ZERO_TOLERANCE = 1e-3
 
 
 def overrides(preset: str, *extra: str) -> list[str]:
-    return [f"+preset=[smoke,{preset}]", *RUN, *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    return [f"+preset=[smoke,{preset}]", *TWO_PROCESS_RUN, *extra]
 
 
 def assert_matches(run_dir: Path, reference: dict[int, float], tolerance: float) -> None:
     got = losses(run_dir)
-    assert sorted(got) == list(range(1, STEPS + 1))
+    assert sorted(got) == list(range(1, TWO_PROCESS_STEPS + 1))
     worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
     assert worst < tolerance, f"largest relative difference {worst:.2e} (tolerance {tolerance:.0e}): {got} vs {reference}"
 
@@ -51,10 +38,6 @@ def assert_two_ranks_wrote_one_run(root: Path, run_dir: Path) -> None:
     """Only the main process writes metrics, in the one run dir, and says world_size 2."""
     assert [p.parent for p in root.rglob("metrics.jsonl")] == [run_dir]
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
-
-
-def run_log(run_dir: Path) -> str:
-    return (run_dir / "train.log").read_text()
 
 
 def assert_loadable(run_dir: Path) -> None:
@@ -67,15 +50,15 @@ def assert_loadable(run_dir: Path) -> None:
 @pytest.fixture(scope="session")  # the DeepSpeed tests that use it run last (conftest)
 def reference(tmp_path_factory) -> dict[int, float]:
     """Per-step losses of one process at batch 8: what 2 processes at batch 4 must reproduce."""
-    run_dir = train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *RUN, "data.batch_size=8",
+    run_dir = train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8",
                     "checkpoint.save_final_model=false", small=False)
     return losses(run_dir)
 
 
+@pytest.mark.slow
 def test_torchrun_ddp_matches_one_process_in_one_run_dir(tmp_path, reference):
     # each rank names a different run dir: rank 0's must be taken by both, rank 1's removed
-    proc = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                   "--master_port", str(free_port()), "-m", "trainloop", *overrides("ddp"),
+    proc = launch([*torchrun(2), *overrides("ddp"),
                    "hydra.run.dir=runs/rank${oc.env:RANK}"], cwd=tmp_path)
     run_dir = tmp_path / "runs" / "rank0"
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["rank0"], proc.stderr[-2000:]
@@ -86,21 +69,21 @@ def test_torchrun_ddp_matches_one_process_in_one_run_dir(tmp_path, reference):
     assert_loadable(run_dir)
 
 
+@pytest.mark.slow
 def test_accelerate_launch_zero3_offload_exports_what_deepspeed_consolidates(tmp_path, reference, deepspeed_ops):
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    launch(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-            "-m", "trainloop", *overrides("zero3_offload"), f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch([*accelerate_launch(2), *overrides("zero3_offload"), f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert ("DeepSpeed ZeRO-3 engaged with optimizer offload to cpu and parameter offload to cpu "
             "(DistributedType.DEEPSPEED, 2 process(es)") in run_log(run_dir)
     assert_two_ranks_wrote_one_run(tmp_path, run_dir)
     assert_matches(run_dir, reference, ZERO_TOLERANCE)
 
     # acceptance 4: the exported weights are DeepSpeed's own consolidation of the last checkpoint
-    checkpoint = run_dir / "checkpoints" / f"step_{STEPS:07d}"
+    checkpoint = run_dir / "checkpoints" / f"step_{TWO_PROCESS_STEPS:07d}"
     assert len(list(checkpoint.rglob("zero_pp_rank_*_optim_states.pt"))) == 2
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
@@ -109,6 +92,7 @@ def test_accelerate_launch_zero3_offload_exports_what_deepspeed_consolidates(tmp
     assert not different, f"{len(different)} tensors differ from zero_to_fp32, e.g. {different[:3]}"
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_zero2_matches_one_process(tmp_path, reference, deepspeed_ops):
     run_dir = tmp_path / "run"
     launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "trainloop",
@@ -159,9 +143,8 @@ def test_two_nodes_over_loopback(tmp_path, reference, launcher):
 def test_zero3_nvme_offload_swaps_to_the_given_folder(tmp_path, deepspeed_ops):
     """The set-up for models too big for memory: built partitioned (zero3_init), swapped to disk."""
     run_dir, swap = tmp_path / "run", tmp_path / "swap"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "trainloop", "+preset=[smoke,zero3_nvme]", f"deepspeed.nvme_path={swap}", "deepspeed.zero3_init=true",
-            *RUN[1:], "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch([*torchrun(2), "+preset=[smoke,zero3_nvme]", f"deepspeed.nvme_path={swap}", "deepspeed.zero3_init=true",
+            *TWO_PROCESS_RUN[1:], "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert ("DeepSpeed ZeRO-3 engaged with optimizer offload to nvme and parameter offload to nvme"
             in run_log(run_dir))
     assert len(losses(run_dir)) == 3

@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from conftest import REPO
+from helpers import REPO
 
 try:
     import tomllib

@@ -9,7 +9,6 @@ tokenizer, a tiny transformers Llama with peft's LoRA, TRL's DPOTrainer, torchru
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
@@ -20,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, clean_env, compose, launch, read_metrics, train
-from test_distributed import free_port
-from test_finetune_data import write_rows
+from helpers import (
+    SMALL, accelerate_launch, clean_env, compose, finish, launch, logits_agree, read_metrics, torchrun,
+    train, wait_for_step, write_rows,
+)
 from trainloop.config import ConfigError, check_command_line, validate
 
 DPO = ["data=preference", "objective=dpo", "adapter=lora"]
@@ -263,13 +263,13 @@ def assert_same_losses(got: Path, want: Path, tolerance: float = 1e-6) -> None:
     assert len({x for _, key, x in a if key == "loss"}) > 1  # the policy moved
 
 
+@pytest.mark.slow
 def test_accumulation_and_two_processes_give_the_step_of_the_whole_batch(tmp_path):
     whole = train(tmp_path / "batch4", *STEP, "data.batch_size=4")
     accumulated = train(tmp_path / "accum4", *STEP, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
     assert_same_losses(accumulated, whole)
     run_dir = tmp_path / "two"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "trainloop", *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch([*torchrun(2), *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     assert_same_losses(run_dir, whole)
 
@@ -289,18 +289,17 @@ def test_a_full_fine_tune_precomputed_or_chunked_gives_the_losses_of_its_referen
     assert_same_losses(chunked, full)
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_under_zero3_and_fsdp2_gives_the_step_of_one_process(tmp_path, caplog, deepspeed_ops):
     """Full fine-tune: the reference is a frozen copy of the starting model, partitioned by ZeRO-3
     or sharded by FSDP2 like the policy; 2 processes x batch 2 give the losses and rewards of 1 x 4."""
-    from test_adapter import accelerate_launch
 
     with caplog.at_level(logging.INFO, logger="trainloop"):
         whole = train(tmp_path / "one", *FULL, "data.batch_size=4")
     assert "the reference is a frozen copy of the starting model, whole on each rank" in caplog.text
     for strategy, launcher, held in [
-        ("zero3", accelerate_launch().split(), "partitioned by DeepSpeed ZeRO-3 like the policy"),
-        ("fsdp", ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())],
-         "sharded by FSDP2 like the policy"),
+        ("zero3", accelerate_launch(2, module=None), "partitioned by DeepSpeed ZeRO-3 like the policy"),
+        ("fsdp", torchrun(2, module=None), "sharded by FSDP2 like the policy"),
     ]:
         run_dir = tmp_path / strategy
         launch([*launcher, "-m", "trainloop", f"+preset=[smoke,{strategy}]", *SMALL[1:], *FULL, "data.batch_size=2",
@@ -348,7 +347,6 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path, cap
     assert held_out["rewards/accuracy"] >= 0.95 and held_out["rewards/margin"] > 0
     assert held_out["eval_loss"] < first["loss"]
     assert "eval_ppl" not in held_out
-    from test_adapter import logits_agree  # final/ loads in transformers, final/adapter on the SFT model in peft
 
     name, worst = logits_agree(run_dir / "final", base)
     assert name == "LlamaForCausalLM" and worst < 1e-4, worst
@@ -368,7 +366,6 @@ def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_p
     import subprocess
     import time
 
-    from test_resume import finish, wait_for_step
 
     command = [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
                "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false"]

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import SMALL, compose, launch, read_metrics, train
+from helpers import SMALL, compose, launch, read_metrics, train
 from trainloop.config import ConfigError, validate
 
 STEPS = ["trainer.max_steps=5", "trainer.eval_every=5"]

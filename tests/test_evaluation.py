@@ -10,16 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import launch
+from helpers import launch, torchrun
 from evaluation_ranks import CASES, THIS, evaluations, write_data
-from test_distributed import free_port
 
 
+@pytest.mark.slow
 def test_two_processes_evaluate_every_objective_as_one_does(tmp_path):
     write_data(tmp_path)
     with ThreadPoolExecutor(1) as pool:  # the one-process reference is computed while the ranks start
-        two = pool.submit(launch, ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                                   str(free_port()), str(THIS), str(tmp_path), "4"], cwd=tmp_path, timeout=300)
+        two = pool.submit(launch, [*torchrun(2, module=None), str(THIS), str(tmp_path), "4"], cwd=tmp_path, timeout=300)
         one = evaluations(tmp_path, 8)
         two = json.loads(two.result().stdout.strip().splitlines()[-1])
     assert set(one) == set(two) == set(CASES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, launch
+from helpers import clean_env, launch
 from trainloop.__main__ import exit_code_of_hydra_failure
 
 

@@ -11,35 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, compose, train
+from helpers import REPO, compose, ids_tokenizer, pretrained_llama, train
 
 FAST = ["trainer.max_steps=2"]
-
-
-def ids_tokenizer(path: Path) -> Path:
-    """A byte-level tokenizer whose bos, eos (and no pad) sit where no architecture's defaults do."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<s>": 256, "</s>": 257})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    return path
-
-
-def pretrained_llama(path: Path) -> Path:
-    """A local model directory as a user brings one: its config and generation config keep
-    Llama's defaults (bos 1, eos 2), its tokenizer says bos 256, eos 257."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(config).save_pretrained(path)
-    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
-    return ids_tokenizer(path)
 
 
 def assert_carries_tokenizer_ids(final: Path) -> dict:
@@ -115,7 +89,6 @@ def test_export_fails_on_an_id_outside_the_vocabulary(tmp_path):
 
 
 def test_model_config_refuses_token_ids_outside_its_vocabulary():
-    from conftest import compose
     from trainloop.config import ConfigError
     from trainloop.model import build_model_config
 

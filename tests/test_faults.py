@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, compose, family, launch, read_metrics, train
-from test_rundir import alive as running  # a zombie is not running
+from helpers import alive, clean_env, compose, family, launch, read_metrics, train
 from trainloop.checkpoint import COMPLETE, STATE_FILE, why_unloadable
 from trainloop.config import ConfigError
 
@@ -271,7 +270,7 @@ def processes_marked(marker: str) -> list[int]:
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if marker.encode() in environ.read_bytes().split(b"\0") and running(int(environ.parent.name)):
+            if marker.encode() in environ.read_bytes().split(b"\0") and alive(int(environ.parent.name)):
                 found.append(int(environ.parent.name))
         except OSError:  # it exited meanwhile, or is not ours to read
             pass
@@ -311,7 +310,7 @@ def test_kill_9_of_a_run_with_loader_workers_leaves_no_process(tmp_path):
         proc.wait()
         killed = time.monotonic()
         while time.monotonic() < killed + 10 and (
-                any(running(pid) for pid in started) or processes_marked(marker)):
+                any(alive(pid) for pid in started) or processes_marked(marker)):
             time.sleep(0.1)
         last_ended = time.monotonic() - killed
     finally:
@@ -319,7 +318,7 @@ def test_kill_9_of_a_run_with_loader_workers_leaves_no_process(tmp_path):
             started = family(proc.pid)
             proc.kill()
             proc.wait()
-        left = sorted({pid for pid in started if running(pid)} | set(processes_marked(marker)))
+        left = sorted({pid for pid in started if alive(pid)} | set(processes_marked(marker)))
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert not left, (f"10 s after kill -9 of the run (pid {proc.pid}), these of its processes still ran: "
@@ -349,9 +348,9 @@ def test_kill_9_during_a_datasets_map_with_num_proc_leaves_no_process(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed = time.monotonic()
-    while any(running(pid) for pid in started) and time.monotonic() < killed + 10:
+    while any(alive(pid) for pid in started) and time.monotonic() < killed + 10:
         time.sleep(0.1)
-    left = [pid for pid in started if running(pid)]
+    left = [pid for pid in started if alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert len(started) == 4 and not left, f"of {started}, {left} still ran 10 s after kill -9"

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose, train
-from test_finetune_data import conversation, write_rows
-from test_prepare import prepare
+from helpers import compose, conversation, prepare, pretrained_llama, train, write_rows
 
 ROWS = [conversation(i) for i in range(24)]
 
@@ -59,7 +57,6 @@ def test_the_built_in_template_is_saved_with_the_merged_lora_model(tmp_path, cha
 
 
 def test_a_template_file_is_saved_with_the_merged_lora_model(tmp_path, chat_jsonl):
-    from test_export import pretrained_llama
 
     base = pretrained_llama(tmp_path / "base")
     template = tmp_path / "t.jinja"

@@ -7,32 +7,15 @@ template renders), `datasets` reading jsonl files, tiny Llama and GPT-2 models.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import compose, launch, reset_accelerate
+from helpers import compose, conversation, launch, reset_accelerate, write_rows
 from trainloop.config import ConfigError, validate
 
 EOS = "<|endoftext|>"
-
-
-def conversation(i: int) -> list[dict]:
-    """Conversations of different lengths: some with a system message, some with two replies."""
-    messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
-    messages += [{"role": "user", "content": f"What is {i} plus {i}?" + " Explain." * (i % 4)},
-                 {"role": "assistant", "content": f"{i} plus {i} is {2 * i}." + " Because." * (i % 5)}]
-    if i % 2:
-        messages += [{"role": "user", "content": "And doubled?"},
-                     {"role": "assistant", "content": f"That is {4 * i}."}]
-    return messages
-
-
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose, read_metrics, train
+from helpers import compose, read_metrics, train
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -11,8 +11,7 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import compose
-from test_finetune_data import conversation, write_rows
+from helpers import compose, conversation, write_rows
 from trainloop.config import ConfigError, check_command_line, choices, read_only_by, validate
 from trainloop.formats import FORMATS
 from trainloop.formats.text import Files

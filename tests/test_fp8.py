@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, compose, read_metrics, train
+from helpers import compose, read_metrics, train
 from trainloop.config import ConfigError, validate
 
 # 50 steps of 2 x 32 tokens; one evaluation at the end

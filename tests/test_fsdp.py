@@ -15,68 +15,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, launch, read_metrics, train
-from test_distributed import RUN, STEPS, free_port, losses, run_log
+from helpers import (
+    TWO_PROCESS_RUN, TWO_PROCESS_STEPS, WEIGHT_TOLERANCE, accelerate_launch, assert_same_weights, compose,
+    grad_norms, launch, losses, pretrained_llama, read_metrics, relative_difference, run_log,
+    safetensors_of, torchrun, train,
+)
 from trainloop.config import ConfigError, validate
 
 TOLERANCE = 1e-5
-# Weights after 10 Adam steps, as ||got - want|| / ||want|| per tensor: Adam divides by sqrt(v),
-# so an element with a near-zero gradient turns reduction-order rounding into a visible change of
-# its update (measured 5e-7 for the model, 7e-6 for the LoRA adapter, which starts from zero).
-# A shard, or a replica that trained alone on half the data, is off by orders of magnitude more.
-WEIGHT_TOLERANCE = 1e-4
-
-
-def relative_difference(got: dict, want: dict) -> float:
-    return max(((got[k] - want[k]).norm() / want[k].norm().clamp(min=1e-12)).item() for k in want)
 FSDP_LINE = "FSDP2 full_shard over 2 shard(s) (DTensor placements Shard(dim=0), mesh cpu (2,); 3 modules sharded"
-
-
-def grad_norms(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
 
 
 def assert_same_curve(run_dir: Path, reference: Path) -> None:
     """Losses and gradient norms of every step agree with the reference run's."""
     for measure in (losses, grad_norms):
         got, want = measure(run_dir), measure(reference)
-        assert sorted(got) == list(range(1, STEPS + 1)), got
+        assert sorted(got) == list(range(1, TWO_PROCESS_STEPS + 1)), got
         worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
         assert worst < TOLERANCE, f"{measure.__name__}: largest relative difference {worst:.2e}: {got} vs {want}"
-
-
-def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
-
-
-def assert_same_weights(final: Path, reference_final: Path) -> None:
-    """final/ loads with from_pretrained, holds what the reference wrote, with the same values."""
-    from transformers import AutoModelForCausalLM
-
-    got = AutoModelForCausalLM.from_pretrained(final).state_dict()
-    want = AutoModelForCausalLM.from_pretrained(reference_final).state_dict()
-    assert set(got) == set(want)
-    assert set(safetensors_of(final)) == set(safetensors_of(reference_final))  # no tied alias written twice
-    worst = relative_difference(got, want)
-    assert worst < WEIGHT_TOLERANCE, worst
 
 
 SAMPLE = 'eval.prompts=["Hello"]'  # greedy samples at every evaluation
 
 
 def two_processes(launcher: str) -> list[str]:
-    if launcher == "torchrun":
-        return ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                str(free_port()), "-m", "trainloop"]
-    return ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port",
-            str(free_port()), "-m", "trainloop"]
+    return torchrun(2) if launcher == "torchrun" else accelerate_launch(2)
 
 
 def launch_fsdp(tmp_path: Path, launcher: str, presets: str, *extra: str, batch: int = 4) -> Path:
     run_dir = tmp_path / "run"
-    launch([*two_processes(launcher), f"+preset=[{presets}]", *RUN, f"data.batch_size={batch}", *extra,
+    launch([*two_processes(launcher), f"+preset=[{presets}]", *TWO_PROCESS_RUN, f"data.batch_size={batch}", *extra,
             f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert [p.parent for p in tmp_path.rglob("metrics.jsonl")] == [run_dir]
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
@@ -86,12 +54,12 @@ def launch_fsdp(tmp_path: Path, launcher: str, presets: str, *extra: str, batch:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """One process at batch 8, no FSDP: what 2 FSDP processes at batch 4 must reproduce."""
-    return train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *RUN, "data.batch_size=8", small=False)
+    return train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8", small=False)
 
 
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory) -> Path:
-    return train(tmp_path_factory.mktemp("one_process_lora"), "+preset=[smoke,lora]", *RUN, "data.batch_size=8",
+    return train(tmp_path_factory.mktemp("one_process_lora"), "+preset=[smoke,lora]", *TWO_PROCESS_RUN, "data.batch_size=8",
                  SAMPLE, small=False)
 
 
@@ -109,6 +77,7 @@ def test_torchrun_fsdp_regionally_compiled_matches_one_process_and_exports_the_g
     assert_same_weights(run_dir / "final", reference / "final")
 
 
+@pytest.mark.slow
 def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter(tmp_path, lora_reference):
     """Acceptance 1 and 5 under `accelerate launch --multi_gpu` (on CPU: accelerate's own FSDP
     would not engage), with a LoRA adapter applied before sharding: the adapter written is
@@ -130,14 +99,14 @@ def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter
     assert_same_weights(run_dir / "final", lora_reference / "final")  # the merged model
 
 
+@pytest.mark.slow
 def test_a_pretrained_model_is_loaded_by_the_main_process_alone(tmp_path):
     """model=hf on 2 FSDP2 processes: rank 1 builds the pretrained model's shapes on the meta
     device and receives its shards from rank 0, which loaded the weights: the same curve and
     final weights as 1 process at batch 8 loading them itself."""
-    from test_export import pretrained_llama
 
     model = f"model.name_or_path={pretrained_llama(tmp_path / 'pretrained')}"
-    reference = train(tmp_path / "one", "+preset=smoke", "model=hf", model, *RUN, "data.batch_size=8", small=False)
+    reference = train(tmp_path / "one", "+preset=smoke", "model=hf", model, *TWO_PROCESS_RUN, "data.batch_size=8", small=False)
     (tmp_path / "two").mkdir()
     run_dir = launch_fsdp(tmp_path / "two", "torchrun", "smoke,fsdp", "model=hf", model)
     assert "1 of 2 processes built the model on the meta device and received their shards" in run_log(run_dir)
@@ -151,7 +120,7 @@ def test_one_process_fsdp_whole_model_compiled(tmp_path, reference, caplog):
     torch._dynamo.reset()  # graphs another in-process test compiled must not be reused here
     try:
         with caplog.at_level(logging.INFO, logger="trainloop"):
-            run_dir = train(tmp_path, "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", "compile=aot_eager",
+            run_dir = train(tmp_path, "+preset=[smoke,fsdp]", *TWO_PROCESS_RUN, "data.batch_size=8", "compile=aot_eager",
                             "checkpoint.save_final_model=false", small=False)
     finally:
         torch._dynamo.reset()

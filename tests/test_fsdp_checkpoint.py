@@ -15,36 +15,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, end_family, launch, read_metrics
-from test_resume import ranks_of
+from helpers import compose, end_family, launch, losses, ranks_of, read_metrics, start, torchrun
 from trainloop.checkpoint import check_format, run_fingerprint
 from trainloop.config import ConfigError
 
 FSDP = ["+preset=[smoke,fsdp]", "logging.progress_bar=false", "trainer.log_every=1", "trainer.eval_batches=1",
         "trainer.max_steps=8", "trainer.eval_every=8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(processes: int) -> list[str]:
-    return ["torchrun", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "-m", "trainloop"]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def saves(run_dir: Path) -> list[dict]:
@@ -129,7 +111,6 @@ def test_a_checkpoint_of_the_other_format_is_refused(chain, tmp_path):
 
 
 def test_async_save_is_read_only_under_fsdp():
-    from conftest import compose
     from trainloop.config import check_command_line
 
     with pytest.raises(ConfigError, match="checkpoint.async_save=True has no effect unless fsdp=full_shard"):
@@ -138,7 +119,6 @@ def test_async_save_is_read_only_under_fsdp():
 
 
 def test_the_format_check_names_both_formats():
-    from conftest import compose
 
     with_fsdp, without = (run_fingerprint(compose(*o), 2) for o in (["+preset=fsdp"], []))
     with pytest.raises(ConfigError, match="saved without FSDP .* this run is under FSDP2 .* fsdp=none"):
@@ -157,12 +137,6 @@ ASYNC = ["+preset=[smoke,fsdp]", "logging.progress_bar=false", "trainer.log_ever
          "trainer.max_steps=8", "trainer.eval_every=8", "model.num_layers=4", "model.hidden_size=256",
          "model.num_heads=4", "data.batch_size=1", "data.seq_len=32", "checkpoint.every_steps=2",
          "checkpoint.async_save=true", "checkpoint.save_final_model=false"]
-
-
-def start(args: list[str], output: Path) -> subprocess.Popen:
-    with open(output, "w") as out:
-        return subprocess.Popen([str(Path(sys.executable).parent / args[0]), *args[1:]], env=clean_env(),
-                                stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for_line(line: str, output: Path, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 
-from conftest import REPO, clean_env, compose, launch
+from helpers import REPO, clean_env, compose, launch
 from trainloop.config import check_command_line, validate
 
 sys.path.insert(0, str(REPO / "scripts"))

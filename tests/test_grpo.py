@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, compose, launch, read_metrics, train
-from test_distributed import free_port
-from test_finetune_data import write_rows
-from test_resume import finish, start, wait_for_step
+from helpers import (
+    SMALL, compose, finish, launch, read_metrics, reset_accelerate, start, torchrun, train, wait_for_step,
+    write_rows,
+)
 from trainloop.config import ConfigError, check_command_line, validate
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -179,7 +179,6 @@ def trl_grpo(tmp_path, loss_type: str, scale: str):
 def test_the_advantages_are_trls_for_the_same_rewards(tmp_path, scale):
     from accelerate import Accelerator
 
-    from conftest import reset_accelerate
     from trainloop.objectives import build_objective
     from trainloop.objectives.grpo import group_advantages
     from trainloop.parallel import build_strategy
@@ -205,7 +204,6 @@ def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
     the ratio is clipped on some tokens and the KL is not 0)."""
     from accelerate import Accelerator
 
-    from conftest import reset_accelerate
     from trainloop.objectives import build_objective
     from trainloop.objectives.grpo import completion_logps
     from trainloop.parallel import build_strategy
@@ -330,10 +328,9 @@ def test_num_iterations_trains_each_generated_batch_that_many_steps(tmp_path):
     assert [r["epoch"] for r in lines] == [0] * 8 + [1] * 2
 
 
-def torchrun(run_dir: Path, *overrides: str) -> str:
+def on_two_processes(run_dir: Path, *overrides: str) -> str:
     """A 2-process run's log."""
-    done = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                   "-m", "trainloop", *SMALL, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    done = launch([*torchrun(2), *SMALL, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     return done.stdout + done.stderr
 
@@ -342,18 +339,20 @@ def torchrun(run_dir: Path, *overrides: str) -> str:
 def ddp(tmp_path_factory) -> Path:
     """2 processes over gloo, 2 prompts each, under DDP: the run the sharded strategies must match."""
     run_dir = tmp_path_factory.mktemp("grpo") / "ddp"
-    torchrun(run_dir, *FULL, "data.batch_size=2")
+    on_two_processes(run_dir, *FULL, "data.batch_size=2")
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_processes_learn_it_under_ddp(ddp):
     assert_learned(ddp)
 
 
+@pytest.mark.slow
 def test_fsdp2_gives_ddps_rewards(ddp, tmp_path):
     """Every rank generates together while FSDP2 shards the weights: the same rewards, step by step."""
     fsdp = tmp_path / "fsdp"
-    assert "FSDP2 full_shard over 2 shard(s)" in torchrun(fsdp, *FULL, "data.batch_size=2", "fsdp=full_shard")
+    assert "FSDP2 full_shard over 2 shard(s)" in on_two_processes(fsdp, *FULL, "data.batch_size=2", "fsdp=full_shard")
     assert reward_curve(fsdp) == pytest.approx(reward_curve(ddp), abs=1e-6)
 
 
@@ -361,7 +360,7 @@ def test_fsdp2_gives_ddps_rewards(ddp, tmp_path):
 def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
     """ZeRO-3 partitions the parameters: each generation forward gathers them on every rank together."""
     zero3 = tmp_path / "zero3"
-    assert "DeepSpeed ZeRO-3 engaged" in torchrun(zero3, *FULL, "data.batch_size=2", "deepspeed=zero3")
+    assert "DeepSpeed ZeRO-3 engaged" in on_two_processes(zero3, *FULL, "data.batch_size=2", "deepspeed=zero3")
     assert reward_curve(zero3) == pytest.approx(reward_curve(ddp), abs=1e-6)
 
 
@@ -374,7 +373,7 @@ def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, requ
     if sharding.startswith("deepspeed"):
         request.getfixturevalue("deepspeed_ops")
     run_dir = tmp_path / "lora"
-    torchrun(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", sharding,
+    on_two_processes(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", sharding,
                        "data.batch_size=2", "optimizer.lr=1e-2", "trainer.max_steps=3", "trainer.eval_every=3")
     kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
     assert len(kl) == 3 and kl[0] == 0.0 < kl[-1]

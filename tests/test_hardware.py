@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch
+from helpers import launch
 from trainloop.config import compose_config
 from trainloop.tools.doctor import main as doctor
 from trainloop.tools import doctor as doctor_module

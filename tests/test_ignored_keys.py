@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, launch
-from test_config import NEEDS, OPTIONS
+from helpers import NEEDS, OPTIONS, compose, launch, reset_accelerate
 from trainloop import schema
 from trainloop.config import ConfigError, check_command_line, validate
 
@@ -283,7 +282,6 @@ def generated_loss(cfg):
     their advantages and the log-probabilities kept from before the update; then, after an update
     moved the policy (so that the ratio to the sampling policy is not 1), the loss and its gradient;
     and which of the next steps draw new prompts."""
-    from conftest import reset_accelerate
     from trainloop.accelerator import build_accelerator
     from trainloop.adapter import apply_adapter
     from trainloop.data import build_datasets, build_tokenizer
@@ -292,7 +290,7 @@ def generated_loss(cfg):
     from trainloop.parallel import build_strategy
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank of a launched run (conftest.clean_env): 2 threads spin on 2 shared cores
+    torch.set_num_threads(1)  # as each rank of a launched run (helpers.clean_env): 2 threads spin on 2 shared cores
     reset_accelerate()
     try:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import zipfile
 
-from conftest import REPO, clean_env, launch, read_metrics
+from helpers import REPO, clean_env, launch, read_metrics
 
 
 def test_wheel_ships_configs_and_runs_outside_the_checkout(tmp_path):

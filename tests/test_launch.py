@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, compose, launch
+from helpers import compose, launch
 
 QUICK = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "trainer.eval_batches=1",
          "logging.progress_bar=false"]

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, launch, read_metrics, train
-from test_distributed import free_port
-from test_finetune_data import conversation, write_rows
+from helpers import SMALL, conversation, launch, read_metrics, torchrun, train, write_rows
 
 CHAT = ["data=chat", "data.packing=none", "data.seq_len=256", "trainer.max_steps=3",
         "trainer.eval_every=3", "trainer.eval_batches=null", "data.validation_fraction=0.08"]
@@ -56,6 +54,7 @@ def assert_same_run(got: Path, want: Path) -> None:
     assert worst < 1e-6, worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_uneven_targets_give_the_same_step_with_accumulation_and_on_two_processes(tmp_path, uneven_chat, optimizer):
     data = [f"data.path={uneven_chat}", *CHAT, *OPTIMIZERS[optimizer]]
@@ -63,8 +62,7 @@ def test_uneven_targets_give_the_same_step_with_accumulation_and_on_two_processe
     accumulated = train(tmp_path / "accum4", *data, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
     assert_same_run(accumulated, whole)
     run_dir = tmp_path / "two"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "trainloop", *SMALL, *data, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch([*torchrun(2), *SMALL, *data, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     assert_same_run(run_dir, whole)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose, read_metrics, train
+from helpers import compose, read_metrics, reset_accelerate, train
 from trainloop.config import ConfigError, check_command_line, compose_config, validate
 from trainloop.data import PackedBlocks
 from trainloop.mixture import MixtureBlocks, Schedule, build_training_data
@@ -191,7 +191,6 @@ def test_two_sources_follow_their_weights_and_resume_exactly(tmp_path, corpora):
 def test_the_run_reads_the_mixture_in_order_and_moves_it_each_epoch():
     from accelerate import Accelerator
 
-    from conftest import reset_accelerate
     from trainloop.data import build_dataloaders
     from trainloop.loop import TrainState, batches_forever
     from trainloop.order import GlobalOrder

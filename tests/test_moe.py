@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_env, compose, launch, read_metrics, train
-from test_distributed import ZERO_TOLERANCE, free_port
-from test_samples import assert_samples_are_the_final_models
+from helpers import (
+    ZERO_TOLERANCE, accelerate_launch, assert_samples_are_the_final_models, clean_env, compose, launch,
+    read_metrics, torchrun, train,
+)
 
 MOE = ["+preset=smoke", "model.arch=mixtral", "model.num_experts=4"]
 STEPS = 20
@@ -180,11 +181,8 @@ WEIGHT_TOLERANCE = {"ddp": 1e-4, "zero3": 1e-2, "fsdp": 1e-4}  # per tensor, as 
 
 def launch_two(tmp_path: Path, strategy: str) -> Path:
     run_dir = tmp_path / "run"
-    if STRATEGIES[strategy][0] == "torchrun":
-        command = ["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    else:
-        command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
-    launch([*command, "-m", "trainloop", *MOE[1:], f"+preset=[smoke,{strategy}]", *RUN, f"hydra.run.dir={run_dir}"],
+    command = torchrun(2) if STRATEGIES[strategy][0] == "torchrun" else accelerate_launch(2)
+    launch([*command, *MOE[1:], f"+preset=[smoke,{strategy}]", *RUN, f"hydra.run.dir={run_dir}"],
            cwd=tmp_path, env=clean_env(DS_ACCELERATOR="cpu"))
     return run_dir
 
@@ -201,11 +199,13 @@ def relative_difference(got: dict, want: dict) -> float:
     return max(((got[k] - want[k]).norm() / want[k].norm().clamp(min=1e-12)).item() for k in want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_train_like_one_with_the_same_micro_batches_and_export(tmp_path, one_process, strategy):
     two_processes_train_like_one(tmp_path, one_process, strategy)
 
 
+@pytest.mark.slow
 def test_two_processes_under_zero3_train_like_one_and_export(tmp_path, one_process, deepspeed_ops):
     """The same under ZeRO-3; the deepspeed_ops fixture has conftest run it with the DeepSpeed tests, last."""
     two_processes_train_like_one(tmp_path, one_process, "zero3")
@@ -246,6 +246,7 @@ def two_processes_train_like_one(tmp_path: Path, one_process: Path, strategy: st
         assert_final_equals(run_dir, get_fp32_state_dict_from_zero_checkpoint(str(checkpoint)))
 
 
+@pytest.mark.slow
 def test_tp2_splits_the_attention_keeps_the_experts_whole_and_trains_like_one_process(tmp_path, one_process):
     """Tensor parallelism on a mixture (issue 27 item 1): tp=2 on 2 processes, one data-parallel
     rank at batch 4 with 2 accumulation steps (one_process's micro-batches), splits each block's
@@ -253,8 +254,7 @@ def test_tp2_splits_the_attention_keeps_the_experts_whole_and_trains_like_one_pr
     the first 10 losses, aux losses and tokens per expert are the 1-process ones. Ranks of a tp
     group that routed different tokens, or experts split as if they were one MLP, are far off."""
     run_dir = tmp_path / "run"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "trainloop", *MOE[1:], "+preset=[smoke,tp]", *RUN, "trainer.gradient_accumulation_steps=2",
+    launch([*torchrun(2), *MOE[1:], "+preset=[smoke,tp]", *RUN, "trainer.gradient_accumulation_steps=2",
             "trainer.stop_at_step=10", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert ("FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp, 8 linear layers split column-/row-wise over tp (attention "
             "only: the routed experts layers.*.mlp.experts and the router whole on each tp rank)"

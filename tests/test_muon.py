@@ -9,9 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import SMALL, compose
-from test_plan import build_and_step, storage_bytes
-from test_resume import child_env  # noqa: F401 (a fixture)
+from helpers import SMALL, build_and_step, compose, storage_bytes
 from trainloop.config import ConfigError, validate
 from trainloop.tools import verify_resume
 from trainloop.tools.plan import model_shape, plan_memory

@@ -10,20 +10,12 @@ import torch
 
 from pathlib import Path
 
-from conftest import compose, read_metrics, train
+from helpers import OBJECTIVE_NEEDS, compose, read_metrics, reset_accelerate, train
 from trainloop.objectives import OBJECTIVES, build_objective
 
 # The config each objective needs on top of the smoke preset (a new row adds its own).
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
 DATA = Path(__file__).resolve().parent / "data"
-NEEDS = {"causal_lm": [],
-         "dpo": ["data=preference", f"data.path={PAIRS}", "adapter=lora", "optimizer.lr=1e-2"],
-         "simpo": ["data=preference", f"data.path={PAIRS}"],
-         "grpo": ["data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "optimizer.lr=1e-2",
-                  f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]", "objective.num_generations=4",
-                  "objective.max_new_tokens=6", "data.validation_fraction=0.2"]}
-
-
 def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     """A batch of 4 training blocks from the run's own data, and the run's model (with its adapter)."""
     from trainloop.adapter import apply_adapter
@@ -42,7 +34,6 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     if OBJECTIVES[cfg.objective.name].prompts:  # its batch: completions it generates for the prompts
         from accelerate import Accelerator
 
-        from conftest import reset_accelerate
         from trainloop.parallel import build_strategy
 
         reset_accelerate()
@@ -55,12 +46,12 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
 def test_every_objective_has_its_config_and_its_test_needs():
     from trainloop.config import CONFIG_DIR
 
-    assert set(OBJECTIVES) == set(NEEDS) == {p.stem for p in (CONFIG_DIR / "objective").glob("*.yaml")}
+    assert set(OBJECTIVES) == set(OBJECTIVE_NEEDS) == {p.stem for p in (CONFIG_DIR / "objective").glob("*.yaml")}
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_the_loss_and_its_units_add_up_over_micro_batches(name):
-    cfg = compose("+preset=smoke", f"objective={name}", *NEEDS[name])
+    cfg = compose("+preset=smoke", f"objective={name}", *OBJECTIVE_NEEDS[name])
     batch, model = batch_for(cfg, name)
     objective = build_objective(cfg, "cpu")
     whole = objective.batch_loss(model, batch).summed
@@ -76,11 +67,10 @@ def test_the_loss_and_its_units_add_up_over_micro_batches(name):
 def test_evaluation_is_the_summed_loss_per_unit(name):
     from accelerate import Accelerator
 
-    from conftest import reset_accelerate
     from trainloop.data import build_dataloaders
     from trainloop.parallel import build_strategy
 
-    cfg = compose("+preset=smoke", f"objective={name}", *NEEDS[name], "data.batch_size=4")
+    cfg = compose("+preset=smoke", f"objective={name}", *OBJECTIVE_NEEDS[name], "data.batch_size=4")
     batch, model = batch_for(cfg, name)
     items = [{key: value[i] for key, value in batch.items()} for i in range(4)]  # the loader makes the batch again
     _, loader = build_dataloaders(cfg.data, items, items, pin_memory=False)
@@ -95,7 +85,7 @@ def test_evaluation_is_the_summed_loss_per_unit(name):
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_a_run_trains_on_the_objective(name, tmp_path):
-    lines = [r for r in read_metrics(train(tmp_path / "run", f"objective={name}", *NEEDS[name],
+    lines = [r for r in read_metrics(train(tmp_path / "run", f"objective={name}", *OBJECTIVE_NEEDS[name],
                                            "trainer.max_steps=6")) if "loss" in r]
     assert lines and all(torch.isfinite(torch.tensor(r["loss"])) for r in lines)
     if OBJECTIVES[name].prompts:  # its loss is centred on 0 by the advantages: what it raises is the reward

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, compose
+from helpers import REPO, compose
 from trainloop.config import CONFIG_DIR, ConfigError, validate
 from trainloop.optim import OPTIMIZERS, build_optimizer, planned_state_bytes
 from trainloop.tools.plan import main as plan_main

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, compose, launch, train
-from test_distributed import free_port
+from helpers import SMALL, compose, launch, torchrun, train
 from trainloop.checkpoint import check_world_size_change
 from trainloop.config import ConfigError
 from trainloop.order import GlobalOrder, ValidationOrder
@@ -133,13 +132,13 @@ def test_another_world_size_needs_the_same_global_batch_and_ddp():
         check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 8), deepspeed_stage=2)
 
 
-def torchrun(run_dir: Path, *overrides: str) -> str:
+def on_two_processes(run_dir: Path, *overrides: str) -> str:
     """A 2-process run; its output (rank 0 also logs into run_dir/train.log)."""
-    done = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                   str(free_port()), "-m", "trainloop", *SMALL, *overrides, f"hydra.run.dir={run_dir}"])
+    done = launch([*torchrun(2), *SMALL, *overrides, f"hydra.run.dir={run_dir}"])
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_a_run_moves_between_two_processes_and_one_and_stays_the_same_run(tmp_path, caplog):
     """Steps 1-4 on 2 processes at batch 4, 5-14 on 1 at batch 8 (across the epoch's end after
     step 13), 15-16 on 2 again: the losses and weights of 16 steps on 1 process at batch 8."""
@@ -147,13 +146,13 @@ def test_a_run_moves_between_two_processes_and_one_and_stays_the_same_run(tmp_pa
     caplog.set_level(logging.INFO, logger="trainloop")
     straight = train(tmp_path / "straight", *RUN, "data.batch_size=8")
     run = tmp_path / "run"
-    torchrun(run, *RUN, "data.batch_size=4", "trainer.stop_at_step=4")
+    on_two_processes(run, *RUN, "data.batch_size=4", "trainer.stop_at_step=4")
     with pytest.raises(ConfigError, match=r"world_size: 2 -> 1.*resume with data.batch_size=8 on 1 process"):
         train(run, *RUN, "data.batch_size=4")
     train(run, *RUN, "data.batch_size=8", "trainer.stop_at_step=14")
     assert "at another world size (world_size: 2 -> 1)" in caplog.text
     assert "at step 4 (epoch 0, batch 4): sample 32 of the epoch's order" in caplog.text
-    out = torchrun(run, *RUN, "data.batch_size=4")
+    out = on_two_processes(run, *RUN, "data.batch_size=4")
     log = (run / "train.log").read_text()
     assert "at another world size (world_size: 1 -> 2)" in log, out[-3000:]
     assert "at step 14 (epoch 1, batch 1): sample 8 of the epoch's order" in log, out[-3000:]
@@ -173,6 +172,7 @@ def slow_tokenizer(path: Path, passes: int):
     return tokenizer
 
 
+@pytest.mark.slow
 def test_tokenizing_longer_than_the_collective_timeout_still_trains(tmp_path):
     """Acceptance 4: 2 processes, trainer.collective_timeout_s=10, and a corpus whose
     tokenization takes over 30 s on rank 0 while rank 1 waits: the run starts and trains."""
@@ -195,7 +195,7 @@ def test_tokenizing_longer_than_the_collective_timeout_still_trains(tmp_path):
             f.write(json.dumps({"text": texts[i % len(texts)]}) + "\n")
             chars, i = chars + len(texts[i % len(texts)]), i + 1
     run = tmp_path / "run"
-    out = torchrun(run, "data=files", f"data.path={corpus}", f"data.tokenizer={tmp_path / 'tokenizer'}",
+    out = on_two_processes(run, "data=files", f"data.path={corpus}", f"data.tokenizer={tmp_path / 'tokenizer'}",
                    "trainer.collective_timeout_s=10", "trainer.max_steps=2", "checkpoint.save_final_model=false")
     log = (run / "train.log").read_text()
     built = float(log.split("built the data in ")[1].split(" s")[0])

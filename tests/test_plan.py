@@ -10,35 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, clean_env, compose, launch
-from test_distributed import free_port
+from helpers import SMALL, build_and_step, clean_env, compose, launch, storage_bytes, torchrun
 from trainloop.optim import OPTIMIZERS
 from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors (shared ones counted once)."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def build_and_step(cfg):
-    """The run's own builders, then one real forward, backward and optimizer step."""
-    from trainloop.data import build_tokenizer
-    from trainloop.model import build_model, build_model_config
-    from trainloop.optim import build_optimizer
-
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
-    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False)
-    ids = torch.randint(0, len(tokenizer), (cfg.data.batch_size, cfg.data.seq_len))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    return model, optimizer
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -379,8 +353,7 @@ def test_fsdp_memory_of_2_processes_is_predicted_per_process():
     steps load beside the training state (gloo, DTensor dispatch) weighs more on a model this
     small (one micro-batch a step: 284 MiB measured, 251 MiB predicted, ratio 0.88); on the
     57M-parameter model of BENCHMARKS.md the ratio was 0.94."""
-    proc = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                   str(free_port()), "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2",
+    proc = launch([*torchrun(2, module="trainloop.plan"), "--json", "--no-presets", "--measure", "2",
                    "+preset=fsdp", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",
                    "data.seq_len=64", "data.batch_size=2", "trainer.gradient_accumulation_steps=2"], timeout=300)
     report = json.loads(proc.stdout)

@@ -16,16 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import compose, launch, read_metrics, train
-from test_finetune_data import conversation, write_rows
+from helpers import compose, conversation, launch, prepare, read_metrics, train, write_rows
 from trainloop.config import ConfigError, check_command_line
-
-
-def prepare(out: Path, *overrides: str, shard_documents: int = 10) -> dict:
-    from trainloop.config import compose_config
-    from trainloop.shards import prepare as write
-
-    return write(compose_config(["+preset=smoke", *overrides]), str(out), shard_documents, progress=False)
 
 
 def blocks(*overrides: str):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import compose, train
+from helpers import compose, train
 from trainloop.config import ConfigError, validate
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear"}

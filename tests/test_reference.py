@@ -7,7 +7,7 @@ import re
 
 from omegaconf import OmegaConf
 
-from conftest import REPO, compose, launch
+from helpers import REPO, compose, launch
 from trainloop.config import CONFIG_DIR
 from trainloop.tools.reference import DOCS_FILE, field_docs, render
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from conftest import launch, read_metrics, train
+from helpers import launch, legend_texts, panels, read_metrics, train
 from trainloop.tools import report
 from trainloop.tools.report import DPI, FIGSIZE, main
 
@@ -23,15 +23,6 @@ def two_runs(tmp_path_factory) -> tuple[Path, Path]:
     first = train(root / "adamw", "optimizer=adamw", "logging.telemetry_every=2", "logging.peak_tflops=0.5")
     second = train(root / "sgd", "optimizer=sgd")
     return first, second
-
-
-def panels(fig) -> dict:
-    """The figure's axes by title."""
-    return {ax.get_title(): ax for ax in fig.axes}
-
-
-def legend_texts(fig) -> list[str]:
-    return [text.get_text() for text in fig.legends[0].get_texts()]
 
 
 def curve(run_dir: Path, key: str, event: str | None = None) -> tuple[list[int], list[float]]:

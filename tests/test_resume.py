@@ -12,29 +12,19 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, end_family, launch
+from helpers import finish, launch, ranks_of, start, wait_for_step
 from trainloop.tools import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
           "data.num_workers=2", "data.validation_fraction=0.99", "trainer.eval_batches=2"]
 DDP_STEPS = 42  # 108 training blocks, 16 a step (2 ranks x 4 x 2): resumed at step 21, mid-way through epoch 3
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2"]
-
-
-@pytest.fixture
-def child_env(monkeypatch):
-    """verify_resume starts its runs with this process's environment: make it a clean one."""
-    for key in list(os.environ):
-        monkeypatch.delenv(key)
-    for key, value in clean_env().items():
-        monkeypatch.setenv(key, value)
 
 
 def resumed_at(log: str) -> tuple[int, int, int]:
@@ -66,23 +56,6 @@ def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
     found = verify_resume.compare(tmp_path / "straight", nudged, 20)
     assert found.losses_bitwise and not found.weights_bitwise and 0 < found.weights_max_rel < 1e-6
     assert found.agrees(1e-6) and not found.agrees(0)
-
-
-def start(args: list[str], output: Path) -> subprocess.Popen:
-    """Started in the background, its output into a file."""
-    with open(output, "w") as out:
-        return subprocess.Popen(args, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> int | None:
-    """Its exit code, or None if it ran past the timeout (then every process of it printed its
-    stacks into the output); either way nothing of it is left."""
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        end_family(proc, stacks=timeout > 0)
-        proc.wait()
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -123,26 +96,6 @@ def test_deepspeed_resume_within_1e6(stage, tmp_path, deepspeed_ops):
     assert f"DeepSpeed ZeRO-{stage[-1]} engaged" in log
     step, epoch, batch = resumed_at(log)
     assert step == 10 and epoch >= 1
-
-
-def ranks_of(launcher_pid: int) -> dict[int, int]:
-    """RANK -> pid of the processes torchrun started."""
-    found = {}
-    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = [e for e in environ if e.startswith(b"RANK=")]
-            if rank:
-                found[int(rank[0][5:])] = int(pid)
-    return found
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
-    while f'"step": {step},' not in (metrics.read_text() if metrics.exists() else ""):
-        assert proc.poll() is None, "the run ended before it was signalled"
-        assert time.monotonic() < deadline, "no progress"
-        time.sleep(0.05)
 
 
 @pytest.mark.slow

@@ -13,16 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, clean_env, end_family, family, launch
+from helpers import SMALL, alive, clean_env, end_family, family, launch, start, torchrun
 from trainloop.config import ConfigError
 from trainloop.rundir import RUN_LOCK, hold_run_dir, run_dir_problem
 
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-
-
-def start(args: list[str], output: Path) -> subprocess.Popen:
-    with open(output, "w") as out:
-        return subprocess.Popen(args, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for(condition, proc: subprocess.Popen, output: Path, timeout: float = 300) -> None:
@@ -31,19 +25,6 @@ def wait_for(condition, proc: subprocess.Popen, output: Path, timeout: float = 3
         assert proc.poll() is None, f"it ended (exit {proc.returncode}):\n{output.read_text()[-4000:]}"
         assert time.monotonic() < deadline, output.read_text()[-4000:]
         time.sleep(0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:  # an orphan's zombie (no init to reap it in a container) is not running
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_held_run_dir_is_refused_naming_its_holder(tmp_path):
@@ -149,19 +130,19 @@ def test_a_refused_launch_keeps_the_record_of_the_run_before(tmp_path):
     assert {p.name: p.read_bytes() for p in (record / "launches" / "001").iterdir()} == before
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_ends_every_rank(tmp_path):
     run_dir, output = tmp_path / "run", tmp_path / "output.txt"
-    torchrun = start([TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                      str(free_port()), "-m", "trainloop", *SMALL, "trainer.max_steps=100000",
-                      "trainer.eval_every=100000", f"hydra.run.dir={run_dir}"], output)
+    launcher = start([*torchrun(2), *SMALL, "trainer.max_steps=100000", "trainer.eval_every=100000",
+                      f"hydra.run.dir={run_dir}"], output)
     try:
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), torchrun, output)
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), launcher, output)
     except BaseException:
-        end_family(torchrun, stacks=False)
+        end_family(launcher, stacks=False)
         raise
-    ranks = family(torchrun.pid)[1:]
-    torchrun.send_signal(signal.SIGKILL)
-    torchrun.wait()
+    ranks = family(launcher.pid)[1:]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -7,36 +7,14 @@ FSDP2, where every rank takes part in each forward) are test_moe's, which genera
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from conftest import compose, read_metrics, train
+from helpers import assert_samples_are_the_final_models, compose, read_metrics, sample_lines, train
 
 PROMPTS = ["def ", "The "]
 MAX_NEW_TOKENS = 8
 SAMPLED = [f"eval.prompts=[{','.join(repr(p) for p in PROMPTS)}]", f"eval.max_new_tokens={MAX_NEW_TOKENS}"]
-
-
-def sample_lines(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if r.get("event") == "samples"]
-
-
-def assert_samples_are_the_final_models(run_dir: Path, prompts: list[str], max_new_tokens: int) -> None:
-    """Every evaluation wrote one completion per prompt; the last ones are final/'s greedy completions."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    lines = sample_lines(run_dir)
-    assert [r["step"] for r in lines] == [r["step"] for r in read_metrics(run_dir) if "eval_loss" in r]
-    for line in lines:
-        assert [s["prompt"] for s in line["samples"]] == prompts
-        assert all(isinstance(s["text"], str) for s in line["samples"])
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
-    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
-    for prompt, sample in zip(prompts, lines[-1]["samples"]):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        assert sample["text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), (prompt, sample)
 
 
 def test_samples_at_every_evaluation_are_final_models_and_leave_training_as_it_was(tmp_path):

@@ -17,9 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SMALL, compose, launch, read_metrics, train
-from test_distributed import free_port
-from test_finetune_data import write_rows
+from helpers import SMALL, compose, launch, read_metrics, torchrun, train, write_rows
 from trainloop.config import ConfigError, check_command_line, validate
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
@@ -174,6 +172,7 @@ STEP = [*SIMPO, "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_bat
         "data.validation_fraction=0.2", "optimizer=sgd", "optimizer.lr=0.5"]  # 10 validation pairs: no whole batches
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_step_of_one(tmp_path):
     keys = ("loss", "eval_loss", "rewards/chosen", "rewards/accuracy", "logps/rejected")  # 4 on each line
 
@@ -182,8 +181,7 @@ def test_two_processes_give_the_step_of_one(tmp_path):
 
     one = losses(train(tmp_path / "one", *STEP, "data.batch_size=4"))
     run_dir = tmp_path / "two"
-    launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "trainloop", *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch([*torchrun(2), *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     two = losses(run_dir)
     assert [(s, k) for s, k, _ in two] == [(s, k) for s, k, _ in one] and len(one) == 4 * 4  # 3 train lines, 1 eval line

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics
-from test_resume import wait_for_step
+from helpers import REPO, clean_env, read_metrics, wait_for_step
 
 SRUN = """#!/usr/bin/env bash
 while [ "${1#--}" != "$1" ]; do shift; done  # srun's own options

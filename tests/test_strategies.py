@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose, reset_accelerate
+from helpers import compose, reset_accelerate
 from trainloop.config import validate
 from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import SMALL, clean_env, launch, read_metrics
-from test_report import legend_texts, panels
+from helpers import SMALL, clean_env, launch, legend_texts, panels, read_metrics
 from trainloop.tools.report import main as report
 
 

@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import read_metrics, train
+from helpers import read_metrics, train
 from trainloop.tools.hardware import GpuReading
 from trainloop.telemetry import Telemetry
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch, read_metrics, train
-from test_distributed import free_port, losses, run_log
-from test_fsdp import assert_same_weights, grad_norms
+from helpers import (
+    assert_same_weights, compose, free_port, grad_norms, launch, losses, read_metrics,
+    relative_difference, run_log, safetensors_of, torchrun, train,
+)
 
 STEPS = 20
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.eval_every={STEPS}", "trainer.eval_batches=1",
@@ -43,8 +44,7 @@ def assert_same_losses(run_dir: Path, reference: Path, steps) -> float:
 
 def launch_tp(run_dir: Path, processes: int, *overrides: str, presets: str = "smoke,tp") -> Path:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    launch(["torchrun", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1", "--master_port",
-            str(free_port()), "-m", "trainloop", f"+preset=[{presets}]", *RUN, *overrides,
+    launch([*torchrun(processes), f"+preset=[{presets}]", *RUN, *overrides,
             f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {processes}
     return run_dir
@@ -103,8 +103,7 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
     base, lora_A row-wise beside a row-wise one), with gradient checkpointing (the split blocks
     recomputed): the same 20 losses as one LoRA process at batch 8, the same adapter and merged
     model. A full fine-tune on 2 x 2 is test_a_tp2_checkpoint_resumes_on_2x2."""
-    from test_fsdp import relative_difference, safetensors_of
-
+    
     run_dir = launch_tp(tmp_path / "run", 4, "data.batch_size=4", "model.gradient_checkpointing=true",
                         presets="smoke,tp,lora")
     assert "FSDP2 x TP: mesh cpu 2 dp_shard x 2 tp, 28 linear layers split" in run_log(run_dir)  # bases + adapters
@@ -179,7 +178,6 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
      "parallel.sequence_parallel=true needs parallel.tp_size > 1"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
-    from conftest import compose
     from trainloop.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("[", r"\[")):
@@ -228,7 +226,6 @@ def test_sequence_parallelism_keeps_frozen_weights_frozen_and_names_the_layout_i
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, Gemma2Config
 
-    from conftest import compose
     from trainloop.adapter import apply_adapter
     from trainloop.errors import ConfigError
     from trainloop.model import build_model, build_model_config
@@ -268,7 +265,6 @@ def test_the_planner_splits_what_the_split_splits_and_leaves_a_mixtures_experts_
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from conftest import compose
     from trainloop.adapter import apply_adapter
     from trainloop.model import build_model, build_model_config
     from trainloop.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
@@ -316,7 +312,6 @@ def test_the_planner_counts_each_tp_ranks_shards_exactly(case):
     import json
 
     from trainloop.tools.plan import activation_bytes, model_shape, plan_memory
-    from conftest import compose
 
     presets = "smoke,tp" + (",lora" if case == "lora" else "")
     overrides = ["model.hidden_size=128", "data.batch_size=2"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO, clean_env
+from helpers import REPO, clean_env
 
 HANGS = '''
 import time

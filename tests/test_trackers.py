@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train
+from helpers import SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step
 from trainloop.trackers import TRACKERS, Trackers
 
 
@@ -270,7 +270,6 @@ def test_a_preempted_run_leaves_every_logged_line_in_its_trackers(tmp_path, monk
     import signal
     import subprocess
 
-    from test_resume import wait_for_step
 
     run_dir = tmp_path / "run"
     env = clean_env()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from conftest import SMALL, launch, read_metrics, train
+from helpers import SMALL, compose, launch, read_metrics, reset_accelerate, train
 
 
 def test_run_leaves_metrics_and_a_loadable_model(tmp_path):
@@ -36,7 +35,6 @@ def test_loader_workers_load_the_batches_one_process_loads(method):
     deliver the same batches, in the same order, as loading in the training process."""
     import torch
 
-    from conftest import compose
     from trainloop.data import PackedBlocks, build_dataloaders
 
     blocks = PackedBlocks(torch.arange(40 * 8).view(40, 8))
@@ -79,7 +77,6 @@ def test_an_in_process_run_leaves_torch_distributed_as_it_found_it(tmp_path):
     import torch.distributed as dist
     from accelerate.utils import DistributedType
 
-    from conftest import compose, reset_accelerate
     from trainloop.accelerator import PROCESS_GROUP_ENV, build_accelerator
     from trainloop.config import ConfigError
 

@@ -1,0 +1,400 @@
+"""What the tests share: compose the REAL config from conf/, run it for real (in this process, or
+as a user launches it), and read what a run left. Fixtures live in conftest.py; everything a test
+module imports from another lives here.
+
+- `compose(*overrides)`: the composed DictConfig, as `python -m trainloop OVERRIDES` would see it.
+- `train(run_dir, *overrides)`: one in-process run of trainloop.run.run; returns the run dir.
+- `launch(args, ...)`: a subprocess (python -m trainloop, torchrun, accelerate, deepspeed) with a
+  clean environment; returns the CompletedProcess. `start`/`finish`: the same in the background.
+- `torchrun(n)`, `accelerate_launch(n)`: the launchers' command lines for n processes on a free port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainloop.config import CONFIG_DIR, compose_config
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "data"
+
+# Every test run is shrunk to this: a 2-layer, 64-wide model, 64-token blocks, a few steps.
+SMALL = ["+preset=smoke", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2",
+         "trainer.eval_batches=2", "logging.progress_bar=false"]
+
+# 2 processes at batch 4 against 1 at batch 8 (tests/test_distributed.py, test_fsdp.py): the run and
+# how close the losses must come.
+TWO_PROCESS_STEPS = 10
+TWO_PROCESS_RUN = [f"trainer.max_steps={TWO_PROCESS_STEPS}", "trainer.log_every=1",
+                   f"trainer.eval_every={TWO_PROCESS_STEPS}", "trainer.eval_batches=1", "logging.progress_bar=false",
+                   "checkpoint.keep_last=1"]
+DDP_TOLERANCE = 1e-5
+ZERO_TOLERANCE = 1e-3
+
+
+# --- Configs --------------------------------------------------------------------------------------
+GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name not in ("preset", "__pycache__"))
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONFIG_DIR / g).glob("*.yaml"))]
+NEEDS = {  # options whose required keys the user must give
+    ("model", "hf"): ["model.name_or_path=/some/model"],
+    ("data", "files"): ["data.path=/some/data.jsonl"],
+    ("data", "chat"): ["data.path=/some/chats.jsonl"],
+    ("data", "prompt_completion"): ["data.path=/some/pairs.jsonl"],
+    ("data", "prepared"): ["data.path=/some/prepared"],
+    ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
+    ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
+    ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
+    ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
+                          "objective.rewards=[trainloop.rewards:exact_answer]"],
+    ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
+                            "objective.rewards=[trainloop.rewards:exact_answer]"],
+}
+# What each objective trains on, on top of the smoke preset, with the repository's test data (a new
+# row adds its own).
+OBJECTIVE_NEEDS = {
+    "causal_lm": [],
+    "dpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}", "adapter=lora", "optimizer.lr=1e-2"],
+    "simpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
+    "grpo": ["data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "optimizer.lr=1e-2",
+             f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]", "objective.num_generations=4",
+             "objective.max_new_tokens=6", "data.validation_fraction=0.2"]}
+
+
+def compose(*overrides: str):
+    """The composed config, unchecked: tests also compose configs that validate() must refuse."""
+    return compose_config(overrides, check=False)
+
+
+# --- Runs in this process -------------------------------------------------------------------------
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; a new in-process run needs them cleared."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def train(run_dir: Path, *overrides: str, small: bool = True):
+    """Run trainloop in this process with SMALL + overrides; returns the run dir."""
+    from trainloop.run import run
+
+    reset_accelerate()
+    cfg = compose(*(SMALL if small else []), *overrides)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run(cfg, run_dir=run_dir)
+    return run_dir
+
+
+# --- What a run left ------------------------------------------------------------------------------
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def run_log(run_dir: Path) -> str:
+    return (Path(run_dir) / "train.log").read_text()
+
+
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
+
+
+def sample_lines(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if r.get("event") == "samples"]
+
+
+# --- Processes ------------------------------------------------------------------------------------
+def clean_env(**extra: str) -> dict:
+    """The environment for a child process: offline, quiet, 1 thread per rank (2 cores here),
+    and every Python process prints all its threads' stacks on SIGABRT (see `end_family`)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "PYTEST_"))}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(processes: int = 2, module: str | None = "trainloop") -> list[str]:
+    """torchrun's command line for `processes` ranks of `python -m module` on this machine, on a
+    free port (module None: the launcher's part, a script or `-m` to follow)."""
+    return ["torchrun", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1", "--master_port",
+            str(free_port()), *(["-m", module] if module else [])]
+
+
+def accelerate_launch(processes: int = 2, module: str | None = "trainloop") -> list[str]:
+    """accelerate launch's command line for `processes` ranks, the same way."""
+    return ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--main_process_port",
+            str(free_port()), *(["-m", module] if module else [])]
+
+
+def executable(args: list[str]) -> list[str]:
+    """args with 'python' as this interpreter and the launchers as this venv's."""
+    if args[0] == "python":
+        return [sys.executable, *args[1:]]
+    if args[0] in ("torchrun", "accelerate", "deepspeed"):
+        return [str(Path(sys.executable).parent / args[0]), *args[1:]]
+    return list(args)
+
+
+def family(pid: int) -> list[int]:
+    """pid and its descendants: torchrun starts each rank in a session of its own, so the
+    launcher's process group does not hold the ranks or their DataLoader workers."""
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [p for child in (task / "children").read_text().split() for p in family(int(child))]
+        except OSError:  # it exited meanwhile
+            pass
+    return found
+
+
+def end_family(proc: subprocess.Popen, stacks: bool) -> None:
+    """Kill a launch that ran past its time and everything it started; with `stacks`, first
+    SIGABRT, on which each Python process of it (PYTHONFAULTHANDLER) prints its threads' stacks."""
+    pids = family(proc.pid)
+    for sig in (signal.SIGABRT, signal.SIGKILL) if stacks else (signal.SIGKILL,):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGABRT:
+            time.sleep(5)
+
+
+def launch(args: list[str], cwd: Path | None = None, timeout: float = 600, check: bool = True,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command (args[0] 'python' means this interpreter); fail with its output if check.
+    Past the timeout it fails with every process's stacks (a hang says where it hangs)."""
+    args = executable(args)
+    proc = subprocess.Popen(args, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_family(proc, stacks=True)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(args)} ran past {timeout} s; the stacks of its processes:\n--- stdout\n"
+                    f"{stdout[-6000:]}\n--- stderr\n{stderr[-20000:]}")
+    done = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    if check and done.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
+                    f"\n--- stderr\n{done.stderr[-6000:]}")
+    return done
+
+
+def start(args: list[str], output: Path) -> subprocess.Popen:
+    """Started in the background, its output into a file."""
+    with open(output, "w") as out:
+        return subprocess.Popen(executable(args), env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+# --- Processes: in the background -----------------------------------------------------------------
+def finish(proc: subprocess.Popen, timeout: float) -> int | None:
+    """Its exit code, or None if it ran past the timeout (then every process of it printed its
+    stacks into the output); either way nothing of it is left."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_family(proc, stacks=timeout > 0)
+        proc.wait()
+        return None
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while f'"step": {step},' not in (metrics.read_text() if metrics.exists() else ""):
+        assert proc.poll() is None, "the run ended before it was signalled"
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+
+
+def ranks_of(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of the processes torchrun started."""
+    found = {}
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [e for e in environ if e.startswith(b"RANK=")]
+            if rank:
+                found[int(rank[0][5:])] = int(pid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:  # an orphan's zombie (no init to reap it in a container) is not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- Data -----------------------------------------------------------------------------------------
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def conversation(i: int) -> list[dict]:
+    """Conversations of different lengths: some with a system message, some with two replies."""
+    messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+    messages += [{"role": "user", "content": f"What is {i} plus {i}?" + " Explain." * (i % 4)},
+                 {"role": "assistant", "content": f"{i} plus {i} is {2 * i}." + " Because." * (i % 5)}]
+    if i % 2:
+        messages += [{"role": "user", "content": "And doubled?"},
+                     {"role": "assistant", "content": f"That is {4 * i}."}]
+    return messages
+
+
+def prepare(out: Path, *overrides: str, shard_documents: int = 10) -> dict:
+    """trainloop.prepare's shards of the smoke preset's data (+ overrides) in `out`."""
+    from trainloop.shards import prepare as write
+
+    return write(compose_config(["+preset=smoke", *overrides]), str(out), shard_documents, progress=False)
+
+
+# --- Models ---------------------------------------------------------------------------------------
+def ids_tokenizer(path: Path) -> Path:
+    """A byte-level tokenizer whose bos, eos (and no pad) sit where no architecture's defaults do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": 256, "</s>": 257})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def pretrained_llama(path: Path) -> Path:
+    """A local model directory as a user brings one: its config and generation config keep
+    Llama's defaults (bos 1, eos 2), its tokenizer says bos 256, eos 257."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(path)
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
+    return ids_tokenizer(path)
+
+
+def adapter_tensors(final: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(final / "adapter" / "adapter_model.safetensors")
+
+
+def logits_agree(final: Path, base: Path) -> tuple[str, float]:
+    """final/ alone and base + final/adapter: their logits' largest difference (fp32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), final / "adapter").eval()
+    ids = torch.arange(40).unsqueeze(0) * 7 % 300
+    with torch.no_grad():
+        worst = (merged(input_ids=ids).logits - adapted(input_ids=ids).logits).abs().max().item()
+    return type(merged).__name__, worst
+
+
+def assert_samples_are_the_final_models(run_dir: Path, prompts: list[str], max_new_tokens: int) -> None:
+    """Every evaluation wrote one completion per prompt; the last ones are final/'s greedy completions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lines = sample_lines(run_dir)
+    assert [r["step"] for r in lines] == [r["step"] for r in read_metrics(run_dir) if "eval_loss" in r]
+    for line in lines:
+        assert [s["prompt"] for s in line["samples"]] == prompts
+        assert all(isinstance(s["text"], str) for s in line["samples"])
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    for prompt, sample in zip(prompts, lines[-1]["samples"]):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        assert sample["text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), (prompt, sample)
+
+
+def build_and_step(cfg):
+    """The run's own builders, then one real forward, backward and optimizer step."""
+    from trainloop.data import build_tokenizer
+    from trainloop.model import build_model, build_model_config
+    from trainloop.optim import build_optimizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False)
+    ids = torch.randint(0, len(tokenizer), (cfg.data.batch_size, cfg.data.seq_len))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (shared ones counted once)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+# Weights after 10 Adam steps, as ||got - want|| / ||want|| per tensor: Adam divides by sqrt(v),
+# so an element with a near-zero gradient turns reduction-order rounding into a visible change of
+# its update (measured 5e-7 for the model, 7e-6 for the LoRA adapter, which starts from zero).
+# A shard, or a replica that trained alone on half the data, is off by orders of magnitude more.
+WEIGHT_TOLERANCE = 1e-4
+
+
+def relative_difference(got: dict, want: dict) -> float:
+    return max(((got[k] - want[k]).norm() / want[k].norm().clamp(min=1e-12)).item() for k in want)
+
+
+def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+def assert_same_weights(final: Path, reference_final: Path) -> None:
+    """final/ loads with from_pretrained, holds what the reference wrote, with the same values."""
+    from transformers import AutoModelForCausalLM
+
+    got = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(reference_final).state_dict()
+    assert set(got) == set(want)
+    assert set(safetensors_of(final)) == set(safetensors_of(reference_final))  # no tied alias written twice
+    worst = relative_difference(got, want)
+    assert worst < WEIGHT_TOLERANCE, worst
+
+
+# --- Figures --------------------------------------------------------------------------------------
+def panels(fig) -> dict:
+    """The figure's axes by title."""
+    return {ax.get_title(): ax for ax in fig.axes}
+
+
+def legend_texts(fig) -> list[str]:
+    return [text.get_text() for text in fig.legends[0].get_texts()]
