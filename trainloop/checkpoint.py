@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from trainloop import integrity
 from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
+from trainloop.optim import keep_configured_lr
 from trainloop.parallel.tensors import local_shard
 from trainloop.rundir import same_command
 
@@ -618,11 +619,17 @@ class Checkpointer:
         if self.resuming is not None:
             refuse_changes(self.resuming[0], self.resuming[1], data_fingerprint)
 
-    def load(self, path: Path, state, model) -> None:
+    def load(self, path: Path, state, model, scheduler) -> None:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;
         # the data position is in `state`: samples of the epoch's global order, over all ranks.
+        configured = list(scheduler.base_lrs)
         self._load_state(path, model)
         self._restore_rng_of_a_new_rank(path)
+        saved = keep_configured_lr(scheduler, configured)
+        if saved is not None and self.accelerator.is_main_process:
+            log.warning("optimizer.lr changed since %s (%s -> %s): the learning-rate schedule goes on from it",
+                        path.name, saved[0] if len(set(saved)) == 1 else saved,
+                        configured[0] if len(set(configured)) == 1 else configured)
         state.load_state_dict(read_state(path)["state"])
         log.info("resumed from %s at step %d (epoch %d, batch %d): sample %d of the epoch's order", path,
                  state.step, state.epoch, state.samples_in_epoch // global_batch(self.fingerprint),
