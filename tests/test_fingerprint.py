@@ -4,7 +4,8 @@ compute; what may change on resume (optimizer.lr, trainer.max_steps, ...) is one
 trainloop.checkpoint.MAY_CHANGE_ON_RESUME, and every config key is either in it or recorded; a
 checkpoint saved before the objective was recorded resumes, with a warning naming the keys.
 
-Real runs, small: a 2-step DPO run with LoRA on tests/data/preference.jsonl, then resumed."""
+Real runs, small: DPO with LoRA on tests/data/preference.jsonl stopped after step 2 of 4, and
+copies of it resumed; a refused resume is a subprocess (exit code 2, one line)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def leaf_keys(node, prefix: str = "") -> list[str]:
             for k in (leaf_keys(value, f"{prefix}{key}.") if isinstance(value, DictConfig) else [f"{prefix}{key}"])]
 
 
-@pytest.mark.parametrize("overrides", [[], ["data=preference", "objective=dpo"], ["data=prompts", "objective=grpo", "objective.num_iterations=2"],
-                                       ["data=preference", "objective=simpo"], ["+preset=fsdp"]])
+@pytest.mark.parametrize("overrides", [[], ["data=preference", "objective=dpo"], ["data=preference", "objective=simpo"],
+                                       ["data=prompts", "objective=grpo", "objective.num_iterations=2"],
+                                       ["+preset=fsdp"]])
 def test_every_config_key_is_recorded_or_may_change_on_resume(overrides):
     from trainloop.objectives import keys_read
 
@@ -73,11 +75,13 @@ def refused(run: Path, *overrides: str) -> str:
     return errors[0]
 
 
-def test_resuming_dpo_with_another_beta_is_refused_naming_the_key(dpo_run, tmp_path):
+@pytest.mark.parametrize("change, named", [("objective.beta=0.2", r"objective\.beta: 0\.1 -> 0\.2"),
+                                           ("optimizer.weight_decay=0.0", r"optimizer\.weight_decay: 0\.1 -> 0\.0")])
+def test_resuming_dpo_with_another_beta_or_weight_decay_is_refused_naming_the_key(dpo_run, tmp_path, change, named):
     run = copy_of(dpo_run, tmp_path)
-    error = refused(run, *DPO, "objective.beta=0.2")
+    error = refused(run, *DPO, change)
     assert re.fullmatch(rf"trainloop: error: checkpoint \S+{SAVED} was made with another config; changed: "
-                        r"objective\.beta: 0\.1 -> 0\.2\. Restore those settings to resume it, or start a new run "
+                        rf"{named}\. Restore those settings to resume it, or start a new run "
                         r"in a new hydra\.run\.dir", error), error
 
 
