@@ -32,6 +32,8 @@ from omegaconf import OmegaConf
 
 from trainloop import integrity
 from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
+from trainloop.objectives import keys_read
+from trainloop.optim import keep_configured_lr
 from trainloop.parallel.tensors import local_shard
 from trainloop.rundir import same_command
 
@@ -47,26 +49,47 @@ TMP_PREFIX = ".tmp_"
 DATA_MECHANICS = ("num_proc", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
                   "multiprocessing_context")
 
+# What may change when a run resumes: how long it trains and at what learning rate, how a step is
+# computed, what is logged, evaluated and saved; never the model, adapter, data, loss or optimizer it
+# trains with. A section named here may change whole, a key alone. run_fingerprint records the rest of
+# RECORDED's sections and, of the others, the world size and FINGERPRINT_KEYS: a resume that changes
+# one is refused. Every config key is one or the other (tests/test_fingerprint.py); README says which.
+MAY_CHANGE_ON_RESUME = (
+    "optimizer.lr", "scheduler", "trainer.max_steps",  # the schedule, from the configured lr (optim.keep_configured_lr)
+    "trainer.max_grad_norm", "trainer.stop_at_step", "trainer.on_nonfinite", "trainer.collective_timeout_s",
+    "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "logging", "eval",  # what is logged, evaluated
+    "checkpoint",  # when it saves, what it keeps and resumes
+    "precision", "compile", "optimizer.impl", "trainer.loss_chunk_tokens", "trainer.activation_offload",  # how
+    "trainer.auto_batch_size", "trainer.auto_batch_size_budget_mb",  # the batch it settles is recorded
+    "model.attn_implementation", "model.gradient_checkpointing",  # the same weights, another kernel or memory
+    *(f"data.{key}" for key in DATA_MECHANICS),
+    "objective.precompute_reference",  # DPO's reference log-probs, of the same starting model, kept or recomputed
+    "deepspeed", "fsdp", "parallel",  # the strategy's settings but its files' format (FINGERPRINT_KEYS) and dp size
+)
+# What is trained, on what, for which loss; and the optimizer's hyperparameters, which its loaded
+# state would silently put back (its lr excepted: keep_configured_lr)
+RECORDED = ("data", "model", "adapter", "objective", "optimizer")
+FINGERPRINT_KEYS = ("trainer.gradient_accumulation_steps",
+                    "trainer.seed",  # the data order is a function of (seed, epoch)
+                    "deepspeed.stage", "fsdp.name")  # the format of the model and optimizer files (trainloop.dcp)
+
+
+def may_change_on_resume(key: str) -> bool:
+    return key in MAY_CHANGE_ON_RESUME or key.partition(".")[0] in MAY_CHANGE_ON_RESUME
+
 
 def run_fingerprint(cfg, world_size: int) -> dict:
     """What a checkpoint must agree with to be resumed exactly (the data's own content is added
-    by Checkpointer.check_data once it is built)."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    for key in ("attn_implementation", "gradient_checkpointing"):  # do not change the weights
-        model.pop(key)
-    adapter = OmegaConf.to_container(cfg.adapter, resolve=True)
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    for key in DATA_MECHANICS:
-        data.pop(key, None)
+    by Checkpointer.check_data once it is built): every key of RECORDED's sections but those that
+    MAY_CHANGE_ON_RESUME, of the objective only those it reads (trainloop.objectives.keys_read)."""
+    recorded = {f"{section}.{key}": value for section in RECORDED
+                for key, value in OmegaConf.to_container(cfg[section], resolve=True).items()}
+    read = keys_read(cfg)
     return {
         "world_size": world_size,
-        "trainer.gradient_accumulation_steps": cfg.trainer.gradient_accumulation_steps,
-        "trainer.seed": cfg.trainer.seed,  # the data order is a function of (seed, epoch)
-        "deepspeed.stage": cfg.deepspeed.stage,
-        "fsdp.name": cfg.fsdp.name,  # the format of the model and optimizer files (trainloop.dcp)
-        **{f"data.{key}": value for key, value in data.items()},
-        **{f"model.{key}": value for key, value in model.items()},
-        **{f"adapter.{key}": value for key, value in adapter.items()},
+        **{key: OmegaConf.select(cfg, key) for key in FINGERPRINT_KEYS},
+        **{key: value for key, value in recorded.items() if not may_change_on_resume(key)
+           and (not key.startswith("objective.") or key in read)},
     }
 
 
@@ -618,11 +641,17 @@ class Checkpointer:
         if self.resuming is not None:
             refuse_changes(self.resuming[0], self.resuming[1], data_fingerprint)
 
-    def load(self, path: Path, state, model) -> None:
+    def load(self, path: Path, state, model, scheduler) -> None:
         # Model, optimizer, scheduler, scaler, RNG states and accelerate's micro-step counter;
         # the data position is in `state`: samples of the epoch's global order, over all ranks.
+        configured = list(scheduler.base_lrs)
         self._load_state(path, model)
         self._restore_rng_of_a_new_rank(path)
+        saved = keep_configured_lr(scheduler, configured)
+        if saved is not None and self.accelerator.is_main_process:
+            log.warning("optimizer.lr changed since %s (%s -> %s): the learning-rate schedule goes on from it",
+                        path.name, saved[0] if len(set(saved)) == 1 else saved,
+                        configured[0] if len(set(configured)) == 1 else configured)
         state.load_state_dict(read_state(path)["state"])
         log.info("resumed from %s at step %d (epoch %d, batch %d): sample %d of the epoch's order", path,
                  state.step, state.epoch, state.samples_in_epoch // global_batch(self.fingerprint),

@@ -373,3 +373,19 @@ def build_scheduler(cfg: SchedulerConfig, optimizer, max_steps: int):
     from torch.optim.lr_scheduler import LambdaLR
 
     return LambdaLR(optimizer, partial(lr_factor, cfg.name, warmup=cfg.warmup_steps, total=max_steps))
+
+
+def keep_configured_lr(scheduler, configured: list[float]) -> list[float] | None:
+    """optimizer.lr may change on resume (trainloop.checkpoint.MAY_CHANGE_ON_RESUME), but a loaded
+    scheduler and optimizer hold the checkpoint's: put the configured base learning rates back, and
+    the current step's lr computed from them as the schedule computes it. Returns the checkpoint's
+    base learning rates where they differed (None: the same)."""
+    saved = list(scheduler.base_lrs)
+    if saved == configured:
+        return None
+    scheduler.base_lrs = list(configured)
+    for group, base, factor in zip(scheduler.optimizer.param_groups, configured, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return saved

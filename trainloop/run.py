@@ -72,7 +72,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
              len(built.valid_set), cfg.data.seq_len)
     state = TrainState()
     if resume_from is not None:
-        checkpointer.load(resume_from, state, model)
+        checkpointer.load(resume_from, state, model, built.scheduler)
     if record is not None and accelerator.is_main_process:
         record.write(run_dir)
     trackers = Trackers.start(accelerator, cfg, run_dir)  # None with logging.trackers=[]

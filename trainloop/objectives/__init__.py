@@ -21,12 +21,19 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "grpo": GRPO,
 }
 
-__all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "problems", "read_only_by"]
+__all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "read_only_by"]
 
 
 def build_objective(cfg, device) -> Objective:
     """The objective the config names (`objective.name`, one of OBJECTIVES: trainloop.config checks it)."""
     return OBJECTIVES[cfg.objective.name](cfg, device)
+
+
+def keys_read(cfg) -> tuple[str, ...]:
+    """objective.name and the objective.* keys its row reads in this config (less one it reads only in
+    settings this config lacks): what a checkpoint's fingerprint records of the objective."""
+    row = OBJECTIVES[cfg.objective.name]
+    return ("objective.name", *(key for key in row.reads if row.read_when.get(key, (lambda c: True,))[0](cfg)))
 
 
 def read_only_by() -> dict[str, tuple]:
