@@ -52,7 +52,7 @@ def test_the_built_in_template_is_saved_with_the_merged_lora_model(tmp_path, cha
     data = ["data=chat", f"data.path={chat_jsonl}"]
     run = train(tmp_path / "run", *data, "adapter=lora", "trainer.max_steps=2")
     prompt = assert_prompted_as_trained(run / "final", training_tokens(*data))
-    # the format README's "Fine-tune" section describes, byte for byte
+    # the format docs/fine-tuning.md's data=chat rules describe, byte for byte
     assert prompt == "<|user|>\nhi<|endoftext|>\n<|assistant|>\n"
 
 

@@ -49,6 +49,61 @@ def test_readme_lists_every_option_of_every_group():
     assert not missing, f"README's table of groups and options (or of presets) lacks {missing}"
 
 
+def test_readme_is_a_map_of_docs():
+    """README stays a map (issue 34, item 8): at most about 300 lines, the test command CI runs
+    verbatim, and a link to every page under docs/."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, f"README.md has {len(readme.splitlines())} lines: move detail to docs/"
+    ci_command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci_command}\n```" in readme, f"README's quick start lacks .ci/run's command {ci_command!r}"
+    linked = {target.split("#")[0] for _, target in _links(readme)}
+    unlinked = [f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")) if f"docs/{p.name}" not in linked]
+    assert not unlinked, f"README.md links no page {unlinked}"
+
+
+def test_relative_links_resolve():
+    """Every relative link in README.md and docs/*.md names a file that exists, and its #anchor
+    (if any) a heading of that file, as GitHub spells heading anchors."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken, checked = [], 0
+    for page in pages:
+        for text, target in _links(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.is_file():
+                broken.append(f"{page.relative_to(REPO)}: [{text}]({target}): no file {path}")
+            elif anchor and anchor not in _anchors(file.read_text()):
+                broken.append(f"{page.relative_to(REPO)}: [{text}]({target}): no heading #{anchor} in {path or page.name}")
+            checked += 1
+    assert checked >= 40 and not broken, "\n".join(broken) or f"only {checked} links found"
+
+
+def test_anchors_follow_github():
+    assert _anchors("# A b\n```bash\n# not a heading\n```\n## Which layout? `--suggest`\n## A b\n") == [
+        "a-b", "which-layout---suggest", "a-b-1"]
+
+
+def _links(markdown: str) -> list[tuple[str, str]]:
+    """[text](target) links outside code fences and code spans."""
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"\[([^\]]*)\]\(([^)\s]+)\)", prose)
+
+
+def _anchors(markdown: str) -> list[str]:
+    """The anchors GitHub gives the headings: lower case, punctuation dropped, spaces as hyphens,
+    a repeated one numbered."""
+    seen: dict[str, int] = {}
+    anchors = []
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.DOTALL), flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.append(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
 def test_troubleshooting_names_the_objectives_that_chunk_the_loss():
     from trainloop.objectives import OBJECTIVES
 

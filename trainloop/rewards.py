@@ -15,7 +15,7 @@ is refused when the config is checked, before anything is built. A function that
 the wrong number of values, something other than a number or None, or a NaN or infinite number (a
 broken verifier, not "does not apply") stops the run with one line naming it and the row.
 
-The two functions below are examples to start from (README "Train with rewards"); copy one into a
+The two functions below are examples to start from (docs/grpo.md); copy one into a
 file of your own to change it. This module imports nothing heavy: config checks load it.
 """
 

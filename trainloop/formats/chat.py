@@ -89,7 +89,7 @@ def message_problem(messages) -> str | None:
 
 
 def usable_conversations(rows, cfg: DataConfig, tokenizer=None):
-    """The conversations to train on, by the rules README's data=chat section lists: a row that
+    """The conversations to train on, by the rules docs/fine-tuning.md's data=chat list gives: a row that
     cannot be used is refused naming its file and line; rows with nothing to learn are skipped and
     counted; kept rows of unusual shape are counted too, in the same warning line."""
     from collections import Counter

@@ -7,7 +7,7 @@ else the built-in one). Without a prompt column, chosen and rejected are whole c
 their shared leading turns are the prompt (TRL's implicit prompt). The completion starts where the
 tokenized prompt and prompt + completion part (TRL's rule); plain completions end with the EOS token.
 
-The rules for a row (README "Tune on preferences"): a row without chosen or rejected, a value that
+The rules for a row (docs/preferences.md): a row without chosen or rejected, a value that
 is neither text nor a list of messages (a number), an empty prompt, a row that mixes text and
 conversations, a plain-text row without a prompt, or a conversation whose last turn is not the
 assistant's is refused naming its FILE:LINE; a row whose chosen equals its rejected teaches nothing

@@ -7,7 +7,7 @@ chat template and ending with the generation prompt, as data=chat and data=prefe
 (data.chat_template, else the tokenizer's, else the built-in one). Every other column of the row
 (an `answer`, a test) is kept as it is and handed to the reward functions (trainloop.rewards).
 
-The rules for a row (README "Train with rewards"): a row without a prompt, a prompt that is neither
+The rules for a row (docs/grpo.md): a row without a prompt, a prompt that is neither
 text nor a list of messages, or a conversation whose last turn is the assistant's is refused naming
 its FILE:LINE; a prompt longer than data.seq_len tokens is skipped and counted (none left:
 refused). Each prompt is one item, padded on the left to data.seq_len (generation continues on the
