@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, compose, launch, read_metrics, train
+from helpers import SMALL, compose, launch, read_metrics, train
 from trainloop.checkpoint import (FINGERPRINT_KEYS, MAY_CHANGE_ON_RESUME, STATE_FILE, may_change_on_resume,
                                   run_fingerprint)
 
