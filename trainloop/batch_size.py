@@ -224,6 +224,16 @@ def search_batch_size(model, objective, make_optimizer, samples, effective: int,
     return search
 
 
+def with_batch(cfg, batch_size: int, accumulation: int):
+    """A copy of `cfg` stating the batch the run takes (a settled one), for what records the run: its
+    checkpoints' config.yaml and fingerprint, the trackers' hyperparameters. The run itself takes
+    the batch from the build (trainloop.build.Built), never back from a config."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg, {"data": {"batch_size": batch_size},
+                                 "trainer": {"gradient_accumulation_steps": accumulation}})
+
+
 def settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer, resume_from=None) -> BatchSearch:
     """trainer.auto_batch_size: find the batch and agree on it across ranks; the caller applies it.
 
