@@ -64,12 +64,12 @@ def step_batches(batches, accumulation: int) -> list[dict]:
 
 def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, valid_loader,
           state: TrainState, metrics, checkpointer, guard, samples=None) -> float | None:
-    """Run optimizer steps until trainer.max_steps (or a stop); return the last validation loss.
-    `strategy` (trainloop.parallel) spreads the model over the processes, `objective`
-    (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples, from
-    eval.prompts) generates at every evaluation."""
+    """Run optimizer steps (trainloop.step) until trainer.max_steps (or a stop); return the last
+    validation loss. `strategy` (trainloop.parallel) spreads the model over the processes,
+    `objective` (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples,
+    from eval.prompts) generates at every evaluation."""
     tc, accelerator = cfg.trainer, strategy.accelerator
-    order = train_loader.batch_sampler  # trainloop.order.GlobalOrder: the batch the run takes (a settled one)
+    order = train_loader.batch_sampler  # trainloop.order.GlobalOrder: the batch and accumulation the run takes
     tokens_per_batch = order.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
@@ -85,7 +85,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     try:
         while state.step < tc.max_steps:
             t_data = time.perf_counter()
-            group = step_batches(batches, accelerator.gradient_accumulation_steps) if objective.draws(state.step) else None
+            group = step_batches(batches, order.accumulation) if objective.draws(state.step) else None
             wait += time.perf_counter() - t_data
             group = objective.step_batches(strategy, model, group, state.step)  # objective=grpo: its completions
             result = train_step(strategy, objective, model, optimizer, group, max_grad_norm=tc.max_grad_norm,
