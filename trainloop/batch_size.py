@@ -166,6 +166,7 @@ def trial_steps(strategy, model, objective, make_optimizer, batch: dict, context
     A throwaway optimizer (learning rate 0, gradients zeroed before its step) allocates its real
     state; with zero gradients and a zero rate every update is exactly zero.
     """
+
     def zero_gradients(state, step_loss, grad_norm):  # after clipping, as the run's guard is asked
         for p in model.parameters():
             if p.grad is not None:
