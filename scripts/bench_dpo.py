@@ -195,9 +195,11 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     from trainloop.build import build
     from trainloop.config import compose_config
     from trainloop.guard import StepGuard
-    from trainloop.loop import TrainState, batches_forever, micro_step, step_batches, step_units
+    from trainloop.loop import TrainState, batches_forever, step_batches
+    from trainloop.offload import ActivationOffload
     from trainloop.parallel import build_strategy
     from trainloop.preemption import Preemption
+    from trainloop.step import train_step
     from trainloop.tokenizer import IGNORE
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh Accelerator for each run
@@ -211,28 +213,20 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     last_target = (labels != IGNORE).int().cumsum(1).argmax(1)  # the first position of the highest count
     state, guard = TrainState(), StepGuard(cfg, strategy, None, Preemption())
     batches = batches_forever(accelerator, built.train_loader, state)
-    scale = accelerator.gradient_accumulation_steps * strategy.dp_size
+    offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)  # the run's forward context
     model.train()
     meter.training_starts()
     losses = []
     for _ in range(warmup + steps):
         group = step_batches(batches, accelerator.gradient_accumulation_steps)  # fetched: not timed
         meter.begin_step()
-        count, _ = step_units(strategy, objective, group)
-        step_loss = torch.zeros((), device=accelerator.device)
-        for i, batch in enumerate(group):
-            with micro_step(strategy, model, last=i == len(group) - 1):
-                summed = objective.batch_loss(model, batch).summed
-                accelerator.backward(summed * (scale / count))
-                step_loss += summed.detach() / count
-                if accelerator.sync_gradients:  # the loop's: clip, the guard's finite check (one sync), step
-                    grad_norm = strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm)
-                    if guard.check(state, step_loss, grad_norm).update:
-                        optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        # the run's step (trainloop.step): units, scale, clip, the guard's finite check (one sync), update
+        stepped = train_step(strategy, objective, model, optimizer, group, max_grad_norm=cfg.trainer.max_grad_norm,
+                             forward_context=offload, check=guard.check, state=state)
+        if stepped.updated:
+            scheduler.step()
         state.step += 1
-        losses.append(step_loss.item())  # the loop's loss, on the host: waits for the device
+        losses.append(stepped.loss.item())  # the loop's loss, on the host: waits for the device
         meter.end_step()
     return {**meter.result(), "loss_first": losses[0], "loss_last": losses[-1],
             "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),

@@ -181,11 +181,12 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     from trainloop.adapter import apply_adapter
     from trainloop.build import build
     from trainloop.data import PackedBlocks
-    from trainloop.loop import micro_step
     from trainloop.model import build_model, build_model_config
     from trainloop.objectives import build_objective
+    from trainloop.offload import ActivationOffload
     from trainloop.optim import build_optimizer, optimizer_state_bytes
     from trainloop.parallel import build_strategy
+    from trainloop.step import train_step
 
     accelerator = build_accelerator(cfg)
     strategy = build_strategy(cfg, accelerator)
@@ -202,9 +203,10 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
         scrap = apply_adapter(OmegaConf.merge(cfg, {"model": small}), scrap)
     scrap_optimizer = build_optimizer(cfg.optimizer, scrap, on_cuda=on_cuda)
     ids = data["train"][:2, :128].to(accelerator.device)
-    with accelerator.autocast():
-        build_objective(cfg, accelerator.device).batch_loss(scrap, {"input_ids": ids, "labels": ids}).summed.backward()
-    scrap_optimizer.step()
+    # the run's step on it, this process alone (accelerate has not wrapped it: autocast is added)
+    train_step(strategy, build_objective(cfg, accelerator.device), scrap, scrap_optimizer,
+               [{"input_ids": ids, "labels": ids}], max_grad_norm=cfg.trainer.max_grad_norm,
+               forward_context=accelerator.autocast, alone=True)
     del scrap, scrap_optimizer, ids
     gc.collect()
 
@@ -227,8 +229,9 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     model, optimizer, objective = built.model, built.optimizer, built.objective
     before, libc, exact_peak = marks["before"], marks.get("libc"), marks.get("exact_peak")
 
-    accumulation = cfg.trainer.gradient_accumulation_steps
+    accumulation = built.accumulation
     batches = iter(built.train_loader)
+    offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)  # the run's forward context
     model.train()
     step_times, step_cpu = [], []
     for step in range(warmup + steps):
@@ -243,26 +246,17 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                 if libc is not None:
                     _track_live_memory(libc, False)
         t0, c0 = time.perf_counter(), time.process_time()
-        group = [next(batches) for _ in range(accumulation)]
-        count = sum(objective.count(b) for b in group).clamp(min=1)  # one step's units, as the loop counts them
-        step_loss = 0.0
-        for i, batch in enumerate(group):
-            batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-            with micro_step(strategy, model, last=i == accumulation - 1):
-                summed = objective.batch_loss(model, batch).summed
-                accelerator.backward(summed * (accumulation / count))  # accelerate divides by the accumulation
-                step_loss = step_loss + summed.detach() / count
-                if accelerator.sync_gradients:
-                    strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm)
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        group = [{key: value.to(accelerator.device) for key, value in next(batches).items()}
+                 for _ in range(accumulation)]
+        step_loss = train_step(strategy, objective, model, optimizer, group,  # the run's step (trainloop.step)
+                               max_grad_norm=cfg.trainer.max_grad_norm, forward_context=offload).loss
         last_loss = float(step_loss)  # also waits for the device
         step_times.append(time.perf_counter() - t0)
         step_cpu.append(time.process_time() - c0)
     # The median step: a neighbour's burst on a shared machine moves it less than the mean.
     median_step = statistics.median(step_times[warmup:])
     state = optimizer_state_bytes(optimizer)
-    tokens_per_step = accumulation * cfg.data.batch_size * cfg.data.seq_len
+    tokens_per_step = accumulation * built.batch_size * cfg.data.seq_len
     # On CPU the speed is tokens per CPU-second of this one-thread process: what other processes
     # on a shared machine take from it changes its wall time, hardly its CPU time.
     speed = tokens_per_step / (median_step if on_cuda else statistics.median(step_cpu[warmup:]))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import SMALL, compose, launch, read_metrics, train
+from helpers import SMALL, compose, launch, read_metrics, reset_accelerate, train
 from trainloop.config import ConfigError, validate
 
 STEPS = ["trainer.max_steps=5", "trainer.eval_every=5"]
@@ -151,17 +151,21 @@ def test_batch_search_trials_leave_the_weights_alone():
     """With room for the largest candidate the search takes it at once, and changes no weight."""
     from functools import partial
 
+    from trainloop.accelerator import build_accelerator
     from trainloop.batch_size import search_batch_size
     from trainloop.model import build_model, build_model_config
     from trainloop.objectives import build_objective
     from trainloop.optim import build_optimizer
+    from trainloop.parallel import build_strategy
 
     cfg = compose("+preset=smoke", "data.seq_len=128")
+    reset_accelerate()
+    strategy = build_strategy(cfg, build_accelerator(cfg))  # the trials are the run's step, on its strategy
     model = build_model(cfg.model, build_model_config(cfg.model, 257))
     before = [p.detach().clone() for p in model.parameters()]
     samples = torch.randint(0, 257, (64, 128))
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=False)
-    roomy = search_batch_size(model, build_objective(cfg, "cpu"), make_optimizer, samples, 32, torch.device("cpu"),
+    roomy = search_batch_size(strategy, model, build_objective(cfg, "cpu"), make_optimizer, samples, 32,
                               contextlib.nullcontext, budget=2**30)
     assert [(t["batch_size"], t["fits"]) for t in roomy.tried] == [(32, True)]
     assert (roomy.batch_size, roomy.accumulation) == (32, 1)

@@ -22,6 +22,7 @@ import torch
 
 from trainloop.errors import ConfigError
 from trainloop.offload import ActivationOffload
+from trainloop.step import every_update, train_step
 
 log = logging.getLogger("trainloop")
 
@@ -158,26 +159,27 @@ def forward_context(autocast, offload):
         yield
 
 
-def trial_steps(model, objective, make_optimizer, batch: dict, context) -> None:
-    """TRIAL_STEPS forward/backward/optimizer steps of the run's objective (trainloop.objectives)
-    that leave the model's weights unchanged.
+def trial_steps(strategy, model, objective, make_optimizer, batch: dict, context, max_grad_norm=None) -> None:
+    """TRIAL_STEPS steps of the run (trainloop.step: its loss scale, penalty, clipping and optimizer
+    step) on one micro-batch, this process alone, that leave the model's weights unchanged.
 
     A throwaway optimizer (learning rate 0, gradients zeroed before its step) allocates its real
     state; with zero gradients and a zero rate every update is exactly zero.
     """
+
+    def zero_gradients(state, step_loss, grad_norm):  # after clipping, as the run's guard is asked
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        return every_update(state, step_loss, grad_norm)
+
     optimizer = make_optimizer()
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     try:
         for _ in range(TRIAL_STEPS):
-            with context():
-                loss = objective.batch_loss(model, batch).summed / objective.count(batch).clamp(min=1)
-            loss.backward()
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.zero_()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(strategy, objective, model, optimizer, [batch], max_grad_norm=max_grad_norm,
+                       forward_context=context, check=zero_gradients, alone=True)
     finally:
         model.zero_grad(set_to_none=True)
         del optimizer
@@ -189,17 +191,21 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def search_batch_size(model, objective, make_optimizer, samples, effective: int, device: torch.device,
-                      context, budget: int | None, limit: int | None = None) -> BatchSearch:
+def search_batch_size(strategy, model, objective, make_optimizer, samples, effective: int, context,
+                      budget: int | None, limit: int | None = None, max_grad_norm=None) -> BatchSearch:
     """Try per-device batches (divisors of `effective`, at most `limit`), largest first, until one fits.
-    `context`: the run's forward context (forward_context: its autocast and activation offloading)."""
+    `context`: the run's forward context (forward_context: its autocast and activation offloading);
+    each trial is the run's step (trainloop.step) on `strategy`'s device, this process alone."""
     search = BatchSearch(per_device_effective=effective)
+    device = strategy.device
+    trial = partial(trial_steps, strategy, model, objective, make_optimizer, context=context,
+                    max_grad_norm=max_grad_norm)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout in the trials must not shift training's RNG
         # One-time allocations (OpenMP's thread pool, whose creation aborts the process when it
         # fails, kernel workspaces) happen in a batch-1 warm-up outside the budget.
         try:
-            trial_steps(model, objective, make_optimizer, stacked(samples, 1, device), context)
+            trial(stacked(samples, 1, device))
         except (RuntimeError, MemoryError) as err:
             if not is_out_of_memory(err):
                 raise
@@ -210,7 +216,7 @@ def search_batch_size(model, objective, make_optimizer, samples, effective: int,
             error = None
             try:
                 with memory_budget(device, budget):
-                    trial_steps(model, objective, make_optimizer, batch, context)
+                    trial(batch)
             except (RuntimeError, MemoryError) as err:
                 if not is_out_of_memory(err):
                     raise
@@ -222,6 +228,16 @@ def search_batch_size(model, objective, make_optimizer, samples, effective: int,
                 search.batch_size = size
                 return search
     return search
+
+
+def with_batch(cfg, batch_size: int, accumulation: int):
+    """A copy of `cfg` stating the batch the run takes (a settled one), for what records the run: its
+    checkpoints' config.yaml and fingerprint, the trackers' hyperparameters. The run itself takes
+    the batch from the build (trainloop.build.Built), never back from a config."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg, {"data": {"batch_size": batch_size},
+                                 "trainer": {"gradient_accumulation_steps": accumulation}})
 
 
 def settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer, resume_from=None) -> BatchSearch:
@@ -245,11 +261,12 @@ def settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer
     else:
         budget_mb = cfg.trainer.auto_batch_size_budget_mb
         model.to(strategy.device)
-        search = search_batch_size(model, objective, make_optimizer, train_set, effective, strategy.device,
+        search = search_batch_size(strategy, model, objective, make_optimizer, train_set, effective,
                                    partial(forward_context, strategy.accelerator.autocast,
                                            ActivationOffload(cfg.trainer.activation_offload, strategy.device)),
                                    None if budget_mb is None else int(budget_mb * 2**20),
-                                   limit=len(train_set) // strategy.dp_size)  # each data-parallel rank's share
+                                   limit=len(train_set) // strategy.dp_size,  # each data-parallel rank's share
+                                   max_grad_norm=cfg.trainer.max_grad_norm)
         if strategy.world_size > 1:
             found = torch.tensor([search.batch_size], device=strategy.device)
             search.batch_size = int(strategy.accelerator.gather(found).min().item())

@@ -38,6 +38,8 @@ class Built:
     train_loader: Any
     valid_loader: Any
     flops_per_token: float
+    batch_size: int  # the per-device micro-batch the run takes: data.batch_size, or the one trainer.auto_batch_size settled
+    accumulation: int  # micro-batches per optimizer step: trainer.gradient_accumulation_steps, or the settled one
     batch_search: Any = None  # trainloop.batch_size.BatchSearch with trainer.auto_batch_size
 
 
@@ -105,21 +107,20 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     on_cuda = strategy.device.type == "cuda"
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
                              cpu_offload=strategy.optimizer_offloaded())
-    batch_search = None
-    if cfg.trainer.auto_batch_size:  # the run takes the settled batch from here on, and records it
+    batch_search, batch_size, accumulation = None, cfg.data.batch_size, cfg.trainer.gradient_accumulation_steps
+    if cfg.trainer.auto_batch_size:  # the run takes the settled batch from here on; cfg keeps what was asked
         batch_search = settle_batch_size(cfg, strategy, objective, model, train_set, make_optimizer, resume_from)
-        cfg.data.batch_size = batch_search.batch_size
-        cfg.trainer.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = batch_search.accumulation
-    advice = batch_size_advice({"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
+        batch_size, accumulation = batch_search.batch_size, batch_search.accumulation
+        accelerator.gradient_accumulation_steps = accumulation  # what its backward divides by
+    advice = batch_size_advice({"data.batch_size": batch_size, "data.seq_len": cfg.data.seq_len,
                                 "hidden size": model_config.hidden_size, "vocab size": model_config.vocab_size},
                                tensor_core_multiple(cfg.precision.name, strategy.device))
     if advice and accelerator.is_main_process:  # the same advice for every rank: said once
         log.warning(advice)
 
-    check_batch_fits(cfg, strategy.dp_size, len(train_set))
-    accumulation = cfg.trainer.gradient_accumulation_steps
-    train_set.whole_batches(cfg.data.batch_size * accumulation * strategy.dp_size)  # a mixture's epochs meet
-    order = GlobalOrder(len(train_set), cfg.trainer.seed, cfg.data.batch_size, accumulation, strategy.dp_size,
+    check_batch_fits(cfg, strategy.dp_size, len(train_set))  # a settled batch keeps batch x accumulation
+    train_set.whole_batches(batch_size * accumulation * strategy.dp_size)  # a mixture's epochs meet
+    order = GlobalOrder(len(train_set), cfg.trainer.seed, batch_size, accumulation, strategy.dp_size,
                         strategy.dp_rank, shuffle=not train_set.orders_itself)  # a mixture's schedule is its order
     train_loader, valid_loader = build_dataloaders(cfg.data, train_set, valid_set,
                                                    pin_memory=cfg.data.pin_memory and on_cuda, order=order)
@@ -135,4 +136,4 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     objective.start(strategy, model, None if frozen is None else strategy.prepare_frozen(frozen),
                     train_set, valid_set, run_dir)
     return Built(strategy, objective, tokenizer, model_config, samples, train_set, valid_set, model, optimizer,
-                 scheduler, train_loader, valid_loader, flops, batch_search)
+                 scheduler, train_loader, valid_loader, flops, batch_size, accumulation, batch_search)

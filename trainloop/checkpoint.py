@@ -296,6 +296,7 @@ def parameters_finite(accelerator, model) -> bool:
 class Checkpointer:
     def __init__(self, cfg, strategy, run_dir: Path):
         self.cfg = cfg
+        self.recorded = cfg  # what its saves record as the run's config (record_config: a settled batch in it)
         self.strategy = strategy  # trainloop.parallel: how model and optimizer are saved and loaded
         self.every = cfg.checkpoint.every_steps
         self.keep_last = cfg.checkpoint.keep_last
@@ -311,11 +312,16 @@ class Checkpointer:
         self._group = None  # the process group asynchronous saves talk over, made at the first one
         self._committed: list[dict] = []  # asynchronous saves committed since poll last returned
 
+    def record_config(self, recorded) -> None:
+        """Once the run is built: the config its saves record, the batch it takes included (one
+        trainer.auto_batch_size settled: trainloop.batch_size.with_batch)."""
+        self.recorded = recorded
+
     @property
     def fingerprint(self) -> dict:
         """What this run's saves record, from the config as the run applied it (a batch size
         settled by trainer.auto_batch_size included), and the data's own fingerprint."""
-        return {**run_fingerprint(self.cfg, self.strategy.dp_size), **self.data_fingerprint}
+        return {**run_fingerprint(self.recorded, self.strategy.dp_size), **self.data_fingerprint}
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -488,7 +494,7 @@ class Checkpointer:
 
     def _commit(self, tmp: Path, final: Path, state: dict, fingerprint: dict) -> None:
         """Main process: config, checksums, trainer state, COMPLETE, fsync, rename into place, retention."""
-        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.recorded, resolve=True))
         checksums = integrity.gather(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(
             {"state": state, "fingerprint": fingerprint, "max_steps": self.cfg.trainer.max_steps,

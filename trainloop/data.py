@@ -99,8 +99,9 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     validation loader reads this rank's share of the split in the same layout, each item by one
     rank (trainloop.order.ValidationOrder; one process without `order`).
     """
-    if len(train) < cfg.batch_size:
-        raise ConfigError(f"data.batch_size={cfg.batch_size} is larger than the "
+    batch_size = cfg.batch_size if order is None else order.batch_size  # the order's: a batch size settled by the run
+    if len(train) < batch_size:
+        raise ConfigError(f"data.batch_size={batch_size} is larger than the "
                           f"{len(train)} training blocks; lower it or add data")
     # Workers leave SIGTERM/Ctrl-C to the main process, which saves a checkpoint and stops them,
     # and end as soon as it ends, however it ends (trainloop.lifetime).
@@ -114,7 +115,7 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     else:
         train_loader = DataLoader(train, batch_sampler=order, **workers)
     layout = (1, 1, 0) if order is None else (order.accumulation, order.world_size, order.rank)
-    valid_loader = DataLoader(valid, batch_sampler=ValidationOrder(len(valid), cfg.batch_size, *layout), **workers)
+    valid_loader = DataLoader(valid, batch_sampler=ValidationOrder(len(valid), batch_size, *layout), **workers)
     return train_loader, valid_loader
 
 

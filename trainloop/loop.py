@@ -1,11 +1,9 @@
-"""The training loop: a step's micro-batches (loss per unit of the step), then clip, step, log, eval, save."""
+"""The training loop: the schedule around the step (trainloop.step): data, log, eval, save, stop."""
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -13,6 +11,7 @@ import torch
 from trainloop.mixture import source_names
 from trainloop.offload import ActivationOffload
 from trainloop.profiler import StepProfiler
+from trainloop.step import train_step
 from trainloop.telemetry import Telemetry
 
 
@@ -63,48 +62,22 @@ def step_batches(batches, accumulation: int) -> list[dict]:
     return [next(batches) for _ in range(accumulation)]
 
 
-@contextmanager
-def micro_step(strategy, model, last: bool):
-    """accelerate's `accumulate`, with the step's last micro-batch named by the loop: the loop reads
-    a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
-    Gradients are reduced over the ranks only on the last (the strategy's: DDP's no_sync, or
-    FSDP2's own switch)."""
-    strategy.accelerator.sync_gradients = last
-    with strategy.gradient_sync(model, enabled=last):
-        yield
-
-
-def step_units(strategy, objective, group: list[dict], sources: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's units over every rank (the objective's count: target tokens for causal_lm) and,
-    for a mixture, the tokens each source gave (whole blocks, as tokens_seen counts): one reduce."""
-    count = sum(objective.count(b) for b in group).view(1)
-    if sources:
-        blocks = sum(torch.bincount(b["source"], minlength=sources) for b in group)
-        count = torch.cat([count, blocks * group[0]["input_ids"].shape[1]])
-    count = strategy.reduce_sum(count.to(strategy.device))
-    return count[0].clamp(min=1), count[1:]
-
-
 def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, valid_loader,
           state: TrainState, metrics, checkpointer, guard, samples=None) -> float | None:
-    """Run optimizer steps until trainer.max_steps (or a stop); return the last validation loss.
-    `strategy` (trainloop.parallel) spreads the model over the processes, `objective`
-    (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples, from
-    eval.prompts) generates at every evaluation."""
+    """Run optimizer steps (trainloop.step) until trainer.max_steps (or a stop); return the last
+    validation loss. `strategy` (trainloop.parallel) spreads the model over the processes,
+    `objective` (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples,
+    from eval.prompts) generates at every evaluation."""
     tc, accelerator = cfg.trainer, strategy.accelerator
-    tokens_per_batch = cfg.data.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
+    order = train_loader.batch_sampler  # trainloop.order.GlobalOrder: the batch and accumulation the run takes
+    tokens_per_batch = order.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)
     offload = ActivationOffload(tc.activation_offload, accelerator.device, say=True)  # the forward's saved tensors
-    max_norm = tc.max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
     loss_sum = torch.zeros((), device=accelerator.device)  # summed on device: no sync per step
-    step_loss = torch.zeros((), device=accelerator.device)
     steps, wait, tokens = 0, 0.0, 0  # since the last log line
     eval_loss, t_log = None, time.perf_counter()
     model.train()
-    # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
-    # scaled by both, the gradient is the sum of the units' loss gradients / the step's units.
-    scale = accelerator.gradient_accumulation_steps * strategy.dp_size
     names = source_names(cfg.data)  # data.sources: the mixture's, counted per step
     source_tokens = torch.tensor([state.tokens_per_source.get(n, 0) for n in names], device=accelerator.device)
     # None unless logging.profile_steps
@@ -112,35 +85,19 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     try:
         while state.step < tc.max_steps:
             t_data = time.perf_counter()
-            group = step_batches(batches, accelerator.gradient_accumulation_steps) if objective.draws(state.step) else None
+            group = step_batches(batches, order.accumulation) if objective.draws(state.step) else None
             wait += time.perf_counter() - t_data
             group = objective.step_batches(strategy, model, group, state.step)  # objective=grpo: its completions
-            step_count, step_source_tokens = step_units(strategy, objective, group, len(names))
-            source_tokens += step_source_tokens
-            for i, batch in enumerate(group):
-                with micro_step(strategy, model, last=i == len(group) - 1):
-                    with offload():
-                        out = objective.batch_loss(model, batch)
-                    loss = out.summed * (scale / step_count)
-                    # divided by `scale` too: the step adds the mean penalty of its forwards
-                    if out.penalty is not None:
-                        loss = loss + out.penalty
-                    accelerator.backward(loss)  # under DeepSpeed this also steps at the end
-                    step_loss += out.summed.detach() / step_count  # this rank's share of the step's loss
-                    if accelerator.sync_gradients:
-                        grad_norm = strategy.clip_grad_norm(model, max_norm)
-                        verdict = guard.check(state, step_loss, grad_norm)  # ranks agree: update? stop? (1 sync)
-                        if verdict.update:
-                            optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+            result = train_step(strategy, objective, model, optimizer, group, max_grad_norm=tc.max_grad_norm,
+                                forward_context=offload, check=guard.check, state=state, sources=len(names))
+            source_tokens += result.source_tokens
             steps += 1
             tokens += tokens_per_batch * len(group)
             state.tokens_seen += tokens_per_batch * len(group)
 
-            if verdict.update and not accelerator.optimizer_step_was_skipped:
+            if result.updated:
                 scheduler.step()
-            loss_sum += step_loss
-            step_loss.zero_()
+            loss_sum += result.loss
             state.step += 1
             metrics.advance()
             for record in checkpointer.poll(state.step):  # an asynchronous save written meanwhile: committed
@@ -148,7 +105,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
             if telemetry.due(state.step):  # before the log line below resets the data-wait window
                 telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
             last = state.step == tc.max_steps
-            stop = verdict.stop or state.step == tc.stop_at_step
+            stop = result.verdict.stop or state.step == tc.stop_at_step
             saving = checkpointer.due(state.step) or last or stop
             # a stop (a signal, trainer.stop_at_step) writes the window so far: the resumed run logs the steps after it
             log_due = state.step % tc.log_every == 0 or last or stop
@@ -159,7 +116,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                 mean_loss = strategy.reduce_sum(loss_sum).item() / steps
                 metrics.train(
                     state.step, loss=mean_loss, lr=scheduler.get_last_lr()[0],
-                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    grad_norm=None if result.grad_norm is None else float(result.grad_norm),
                     tokens_per_s=tokens / elapsed, data_wait_frac=wait / elapsed, epoch=state.epoch,
                     tokens_seen=state.tokens_seen, nonfinite_steps=state.nonfinite_steps,
                     **({"tokens_per_source": state.tokens_per_source} if names else {}),

@@ -71,7 +71,7 @@ def _shape_config(cfg: ModelConfig, vocab_size: int):
     kv_heads = cfg.num_kv_heads or cfg.num_heads
     if cfg.arch == "mixtral":
         # A Llama whose MLP is num_experts expert MLPs (each intermediate wide) behind a top-k router;
-        # the router's logits come out of every forward, for its load-balancing loss (trainloop.loop).
+        # the router's logits come out of every forward, for its load-balancing loss (trainloop.step).
         return MixtralConfig(
             vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=intermediate,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,

@@ -38,6 +38,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
 
     from trainloop.accelerator import agree_run_dir, build_accelerator
+    from trainloop.batch_size import with_batch
     from trainloop.build import build
     from trainloop.checkpoint import Checkpointer
     from trainloop.errors import Preempted
@@ -62,6 +63,10 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     resume_from = checkpointer.find_resume()
     built = build(cfg, strategy, run_dir=run_dir, checkpointer=checkpointer, resume_from=resume_from)
     model, model_config, train_set = built.model, built.model_config, built.train_set
+    recorded = cfg  # what the run's records state as its config: the batch it takes included
+    if built.batch_search is not None:
+        recorded = with_batch(cfg, built.batch_size, built.accumulation)
+    checkpointer.record_config(recorded)
 
     n_params = sum(full_numel(p) for p in model.parameters())
     n_trained = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
@@ -75,7 +80,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         checkpointer.load(resume_from, state, model, built.scheduler)
     if record is not None and accelerator.is_main_process:
         record.write(run_dir)
-    trackers = Trackers.start(accelerator, cfg, run_dir)  # None with logging.trackers=[]
+    trackers = Trackers.start(accelerator, recorded, run_dir)  # None with logging.trackers=[]
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
                       cfg.logging.progress_bar, strategy.world_size, flops_per_token=built.flops_per_token,
                       peak_tflops=peak_tflops(accelerator.device, cfg.precision.name, cfg.logging.peak_tflops)

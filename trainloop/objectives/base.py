@@ -13,8 +13,8 @@ if TYPE_CHECKING:  # the table is read by config checks, which must not load tor
 @dataclass
 class BatchLoss:
     """One training forward's loss. `summed` is summed over the batch's units (target tokens,
-    pairs...); the loop divides it by the step's units over every micro-batch and data-parallel
-    rank (Objective.count), so each unit weighs the same however units fall into micro-batches.
+    pairs...); the step (trainloop.step) divides it by the step's units over every micro-batch and
+    data-parallel rank (Objective.count), so each unit weighs the same however units fall into micro-batches.
     `penalty` is added as it is, once per forward (a mixture's router loss)."""
 
     summed: torch.Tensor
@@ -75,7 +75,7 @@ class Objective:
 
     def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
         """The micro-batches step `step` trains on, made from the ones it read (None if it read none),
-        before any is counted: the loop normalises by the count of what this returns."""
+        before any is counted: the step normalises by the count of what this returns."""
         return group
 
     def examples(self) -> list[dict]:

@@ -533,8 +533,6 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     optimizer state, counted on the live tensors. `saved_activation_bytes`: what autograd kept after
     the first forward (SavedActivations; None under activation offload).
     """
-    from contextlib import nullcontext
-
     import gc
     import time
 
@@ -542,10 +540,10 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
 
     from trainloop.accelerator import build_accelerator
     from trainloop.build import build
-    from trainloop.loop import micro_step
     from trainloop.offload import ActivationOffload
     from trainloop.parallel import build_strategy, local_shard
     from trainloop.run import end_distributed
+    from trainloop.step import every_update, train_step
 
     accelerator = build_accelerator(cfg)
     strategy = build_strategy(cfg, accelerator)
@@ -579,28 +577,29 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     batch = {key: value.to(accelerator.device) for key, value in next(iter(built.train_loader)).items()}
     model.train()
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
-    accumulation = cfg.trainer.gradient_accumulation_steps
+    accumulation = built.accumulation
     shards, seconds, result = {}, [], {}
     saved = None if offload.on else SavedActivations(model)
+    forwards = iter([saved] if saved else [])  # what autograd keeps in the first forward, then the run's context
+
+    def forward_context():
+        return next(forwards, None) or offload()
+
+    def count_gradients(state, step_loss, grad_norm):  # after clipping, before the update: the step's gradients
+        if step == steps - 1:
+            shards["gradients"] = _storage_bytes(local_shard(p.grad) for p in model.parameters() if p.grad is not None)
+        return every_update(state, step_loss, grad_norm)
+
     for step in range(steps + timed_steps):
         if step == steps:  # the memory steps are over: their peak, then glibc's usual heap for the timing
             result = memory_used()
             track_live_memory(False)
         start = time.perf_counter()
-        for micro in range(accumulation):
-            last = micro == accumulation - 1
-            with micro_step(strategy, model, last), offload():
-                with saved if saved and step == micro == 0 else nullcontext():
-                    summed = objective.batch_loss(model, batch).summed  # the loop's own loss
-                accelerator.backward(summed / objective.count(batch))
-                if last:
-                    strategy.clip_grad_norm(model, cfg.trainer.max_grad_norm or math.inf)
-                    if step == steps - 1:
-                        shards["gradients"] = _storage_bytes(local_shard(p.grad) for p in model.parameters()
-                                                             if p.grad is not None)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        summed.item()  # waits for the device
+        # the run's step (trainloop.step) on the first batch, as many micro-batches as the run's
+        stepped = train_step(strategy, objective, model, optimizer, [batch] * accumulation,
+                             max_grad_norm=cfg.trainer.max_grad_norm, forward_context=forward_context,
+                             check=count_gradients)
+        stepped.loss.item()  # waits for the device
         seconds.append(time.perf_counter() - start)
     if not timed_steps:
         result = memory_used()
@@ -610,7 +609,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _status("VmHWM"),
               "cpu_training_bytes": result.pop("training_bytes"), **result, "glibc_live_tracking": live,
               "shard_bytes": shards, "saved_activation_bytes": saved and saved.bytes, "step_seconds": seconds[steps:],
-              "tokens_per_step": accumulation * cfg.data.batch_size * cfg.data.seq_len * strategy.dp_size}
+              "tokens_per_step": accumulation * built.batch_size * cfg.data.seq_len * strategy.dp_size}
     if strategy.world_size > 1:  # every process's measurement, on every process
         gathered = [None] * strategy.world_size
         torch.distributed.all_gather_object(gathered, result)

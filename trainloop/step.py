@@ -1,0 +1,104 @@
+"""One optimizer step: a step's micro-batches become one update.
+
+The run's loop, the batch-size trials, the planner's measurement and the benchmark scripts all
+take this step, so what they measure is the step the run takes: the units over the ranks, the
+loss scale, the objective's loss and penalty, backward under the strategy's gradient sync,
+clipping, the guard, the optimizer step. Its input is the step's micro-batches, whole, as a
+pipeline schedule would take them. Everything it returns stays on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from trainloop.guard import Verdict
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step gives the loop to log, on the device."""
+
+    loss: torch.Tensor  # this rank's share of the step's mean loss: summed over the ranks, the step's loss
+    grad_norm: torch.Tensor | None  # before clipping, over every rank (None: DeepSpeed before its first step)
+    verdict: Verdict  # the guard's: was the update applied, do the ranks stop after this step
+    updated: bool  # the optimizer applied the update: the guard let it and the fp16 loss scaler did not skip it
+    units: torch.Tensor  # the step's units over every rank (objective.count), what the loss is divided by
+    source_tokens: torch.Tensor  # data.sources: the tokens each source gave over every rank (empty without)
+
+
+@contextmanager
+def micro_step(strategy, model, last: bool):
+    """accelerate's `accumulate`, with the step's last micro-batch named by the step: the loop reads
+    a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
+    Gradients are reduced over the ranks only on the last (the strategy's: DDP's no_sync, or
+    FSDP2's own switch)."""
+    strategy.accelerator.sync_gradients = last
+    with strategy.gradient_sync(model, enabled=last):
+        yield
+
+
+def step_units(strategy, objective, group: list[dict], sources: int = 0,
+               alone: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's units over every rank (the objective's count: target tokens for causal_lm) and,
+    for a mixture, the tokens each source gave (whole blocks, as tokens_seen counts): one reduce
+    (none when this process steps `alone`)."""
+    count = sum(objective.count(b) for b in group).view(1)
+    if sources:
+        blocks = sum(torch.bincount(b["source"], minlength=sources) for b in group)
+        count = torch.cat([count, blocks * group[0]["input_ids"].shape[1]])
+    count = count.to(strategy.device)
+    if not alone:
+        count = strategy.reduce_sum(count)
+    return count[0].clamp(min=1), count[1:]
+
+
+def every_update(state, step_loss, grad_norm) -> Verdict:
+    """The check of a step outside a run (the planner, the benchmarks): every update goes
+    through, with no collective. A run's is trainloop.guard.StepGuard.check."""
+    return Verdict(update=True, stop=False)
+
+
+def train_step(strategy, objective, model, optimizer, group: list[dict], *, max_grad_norm: float | None = None,
+               forward_context: Callable = nullcontext, check: Callable = every_update, state=None,
+               sources: int = 0, alone: bool = False) -> StepResult:
+    """Run one optimizer step on `group`, the step's micro-batches on this rank.
+
+    max_grad_norm: trainer.max_grad_norm (None or 0: the norm is measured, not clipped).
+    forward_context: the context each training forward runs in (activation offload; the batch-size
+    trials add autocast to a model accelerate has not wrapped). check(state, step_loss, grad_norm):
+    after clipping, whether the update is applied and whether to stop (a run's StepGuard.check, one
+    sync). sources: data.sources' count, to count each source's tokens. alone: this process steps
+    by itself, before the model is spread over the ranks (the batch-size trials): no collective.
+    """
+    accelerator = strategy.accelerator
+    dp_size = 1 if alone else strategy.dp_size
+    max_norm = max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
+    units, source_tokens = step_units(strategy, objective, group, sources, alone)
+    # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
+    # scaled by both, the gradient is the sum of the units' loss gradients / the step's units.
+    scale = accelerator.gradient_accumulation_steps * dp_size
+    step_loss = torch.zeros((), device=accelerator.device)
+    grad_norm, verdict = None, None
+    for i, batch in enumerate(group):
+        with micro_step(strategy, model, last=i == len(group) - 1):
+            with forward_context():
+                out = objective.batch_loss(model, batch)
+            loss = out.summed * (scale / units)
+            # divided by `scale` too: the step adds the mean penalty of its forwards
+            if out.penalty is not None:
+                loss = loss + out.penalty
+            accelerator.backward(loss)  # under DeepSpeed this also steps at the end
+            step_loss += out.summed.detach() / units  # this rank's share of the step's loss
+            if accelerator.sync_gradients:
+                grad_norm = strategy.clip_grad_norm(model, max_norm)
+                verdict = check(state, step_loss, grad_norm)  # a run's guard: ranks agree, update? stop? (1 sync)
+                if verdict.update:
+                    optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    updated = verdict.update and not accelerator.optimizer_step_was_skipped
+    return StepResult(step_loss, grad_norm, verdict, updated, units, source_tokens)
