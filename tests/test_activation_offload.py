@@ -67,6 +67,7 @@ def test_the_hooks_run_under_torch_compile():
     assert hooks.offloaded > 0 and all(torch.equal(a, p.grad) for a, p in zip(offloaded, model.parameters()))
 
 
+@pytest.mark.slow
 def test_a_cpu_run_says_once_there_is_nothing_to_offload_resumes_exactly_and_exports(tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 

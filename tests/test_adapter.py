@@ -49,6 +49,7 @@ def test_lora_checkpoints_the_adapter_only_and_exports_merged_and_adapter(tmp_pa
     assert "quantization_config" not in config and config["eos_token_id"] == 257  # the tokenizer's
 
 
+@pytest.mark.slow
 def test_lora_resume_is_bitwise(tmp_path, base, child_env):
     """8 steps straight = 4 + resume + 4, with adapter dropout: losses and merged weights bitwise."""
     code = verify_resume.main(["--steps", "8", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
@@ -60,7 +61,8 @@ def test_lora_resume_is_bitwise(tmp_path, base, child_env):
         assert torch.equal(value, adapter_tensors(tmp_path / "resumed" / "final")[key]), key
 
 
-@pytest.mark.parametrize("bits", ["4bit", pytest.param("8bit", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
 def test_qlora_trains_resumes_and_exports(tmp_path, base, child_env, bits):
     """Quantized base (bitsandbytes on CPU), LoRA on it: resume bitwise, both exports load."""
     code = verify_resume.main(["--steps", "4", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
@@ -95,6 +97,7 @@ def test_qlora_presets_compose():
     validate(compose("+preset=lora"))
 
 
+@pytest.mark.slow
 def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
     proc = launch(["python", "-m", "trainloop", "+preset=smoke", "adapter=lora", "adapter.target_modules=[qkv,o_proj]",
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False, timeout=300)
@@ -132,6 +135,7 @@ def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, str
     assert worst < 1e-4, worst
 
 
+@pytest.mark.slow
 def test_the_fine_tune_command_on_chat_data_exports_merged_and_adapter(tmp_path, base):
     """Acceptance 1, the command as a user types it: LoRA on a local model with a chat jsonl. What
     it prints is trainloop's: nothing of what importing the model class makes torchao, torch (its

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, clean_env
 
 spec = importlib.util.spec_from_file_location("bench_dpo", REPO / "scripts" / "bench_dpo.py")
@@ -21,6 +23,7 @@ MIB = 2**20
 LORA, FULL = bench_dpo.ROWS["lora"][0], bench_dpo.ROWS["full"][0]
 
 
+@pytest.mark.slow
 def test_the_quick_run_measures_both_sides_on_the_same_sequences(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "scripts/bench_dpo.py", "--quick", "--rows", "lora", "full",

@@ -152,6 +152,7 @@ def test_a_row_the_template_refuses_is_refused_with_the_templates_message(tmp_pa
         examples("data=chat", f"data.path={path}", f"data.chat_template={template}")
 
 
+@pytest.mark.slow
 def test_a_refused_row_is_one_line_from_the_command_line(tmp_path):
     template = tmp_path / "strict.jinja"
     template.write_text(STRICT_TEMPLATE)

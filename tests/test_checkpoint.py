@@ -87,6 +87,7 @@ def test_partial_saves_are_never_loaded(finished_run, tmp_path):
     assert (root / "step_0000006" / COMPLETE).is_file()
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     """Acceptance 5: optimizer.lr=1e6 with trainer.on_nonfinite=stop."""
     run = tmp_path / "run"

@@ -86,6 +86,7 @@ def test_default_config_is_the_documented_one():
     assert (cfg.deepspeed.stage, cfg.compile.backend, cfg.model.dropout) == (0, "none", 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_tiny_model_builds_with_requested_shape(arch):
     from trainloop.model import build_model, build_model_config
@@ -112,6 +113,7 @@ def test_decay_groups_exclude_biases_and_norms():
     assert any(n.endswith(".bias") for n in no_decay_names) and any("ln_" in n for n in no_decay_names)
 
 
+@pytest.mark.slow
 def test_trains_on_local_jsonl_with_local_tokenizer(tmp_path, tiny_jsonl, local_tokenizer):
     from transformers import AutoTokenizer
 
@@ -122,6 +124,7 @@ def test_trains_on_local_jsonl_with_local_tokenizer(tmp_path, tiny_jsonl, local_
         AutoTokenizer.from_pretrained(local_tokenizer).get_vocab()
 
 
+@pytest.mark.slow
 def test_fine_tunes_a_local_pretrained_model(tmp_path):
     first = train(tmp_path / "first")
     second = train(tmp_path / "second", "model=hf", f"model.name_or_path={first / 'final'}")
@@ -136,6 +139,7 @@ def run_cli(*overrides: str, cwd: Path):
     return launch(["python", "-m", "trainloop", *overrides], cwd=cwd, check=False, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,key", [
     (["optimizer=nope"], "optimizer"),
     (["trainer.max_steps=abc"], "trainer.max_steps"),

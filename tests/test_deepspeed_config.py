@@ -175,6 +175,7 @@ def test_launcher_config_file_is_checked_like_deepspeed_config_file(tmp_path):
         deepspeed_config(cfg, world_size=2)
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_contradicting_flags_stops(tmp_path):
     """The real launcher's variables: --use_deepspeed --zero_stage 2 against +preset=zero3."""
     proc = launch(["accelerate", "launch", "--use_deepspeed", "--zero_stage", "2", "--mixed_precision", "bf16",

@@ -116,7 +116,8 @@ def node_command(launcher: str, node_rank: int, port: int) -> tuple[list[str], d
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "-m", "trainloop"], clean_env()
 
 
-@pytest.mark.parametrize("launcher", ["launch_multinode.sh", pytest.param("accelerate", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["launch_multinode.sh", "accelerate"])
 def test_two_nodes_over_loopback(tmp_path, reference, launcher):
     """Two "nodes" on this machine, 1 process each, meeting at a rendezvous on 127.0.0.1."""
     run_dir = tmp_path / "run"

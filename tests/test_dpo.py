@@ -277,6 +277,7 @@ def test_accumulation_and_two_processes_give_the_step_of_the_whole_batch(tmp_pat
 FULL = [*(o for o in STEP if o != "adapter=lora"), "adapter=none"]  # a full fine-tune: a frozen reference copy
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_precomputed_or_chunked_gives_the_losses_of_its_reference_copy(tmp_path):
     """A full fine-tune's frozen reference copy, against: objective.precompute_reference (no copy:
     the policy scores every pair before its first step), and trainer.loss_chunk_tokens (issue 28:
@@ -311,6 +312,7 @@ def test_a_full_fine_tune_under_zero3_and_fsdp2_gives_the_step_of_one_process(tm
 
 # --- it learns --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path, caplog, capsys):
     """Chosen answers end with '!', rejected ones with '.'. A tiny model first fine-tuned on both
     endings alike (SFT: it echoes, with no preference), then DPO with LoRA on it: the held-out
@@ -357,6 +359,7 @@ def test_dpo_on_an_sft_model_learns_the_rule_of_the_held_out_pairs(tmp_path, cap
     assert_same_losses(precomputed, run_dir, tolerance=1e-6)
 
 
+@pytest.mark.slow
 def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_path):
     """Acceptance 4, a full fine-tune with objective.precompute_reference=true: SIGTERM after step 2
     -> exit 75 with a checkpoint; the command its message gives resumes, reads the reference's

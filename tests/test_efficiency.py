@@ -63,6 +63,7 @@ OPTIMIZER_STATE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPTIMIZER_STATE))
 def test_optimizer_trains_5_steps(tmp_path, name):
     run_dir = train(tmp_path / "run", *STEPS, f"optimizer={name}")
@@ -72,6 +73,7 @@ def test_optimizer_trains_5_steps(tmp_path, name):
     assert any(key in s and s[key].dtype == dtype for s in states), [sorted(s) for s in states][:3]
 
 
+@pytest.mark.slow
 def test_optimizer_state_bytes_per_parameter():
     """Acceptance 2: measured on the live optimizers after one step of the tiny model."""
     from trainloop.model import build_model, build_model_config
@@ -120,6 +122,7 @@ def test_deepspeed_offload_takes_cpu_adam_only(monkeypatch, deepspeed_ops):
 
 # --- precision ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_trains_on_cpu_close_to_fp32(tmp_path, baseline):
     bf16 = losses(train(tmp_path / "run", *STEPS, "precision=bf16"))
     assert trains(bf16)
@@ -287,6 +290,7 @@ def test_regional_compile_compiles_each_block_and_keeps_names():
     assert list(model.state_dict()) == names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
 def test_aot_eager_compile_trains_like_eager(tmp_path, baseline, fresh_dynamo, regional):
     run_dir = train(tmp_path / "run", *STEPS, "compile=aot_eager", f"compile.regional={regional}")

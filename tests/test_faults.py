@@ -78,6 +78,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_message_and_the_previous_checkpoint_stays(small_disk):
     run = small_disk / "run"
     proc = launch(["python", "-m", "trainloop", "+preset=smoke", "trainer.max_steps=4", "checkpoint.every_steps=2",

@@ -67,6 +67,7 @@ def test_fp8_skip_small_uses_torchaos_thresholds():
         swapped("precision.fp8_skip_small=true")  # the smoke model: every layer is small
 
 
+@pytest.mark.slow
 def test_fp8_trains_within_5_percent_of_bf16_resumes_exactly_and_exports_plain_linear_weights(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

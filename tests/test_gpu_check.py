@@ -23,6 +23,7 @@ import gpu_check  # noqa: E402
 STATUS = re.compile(r"^\| (?P<name>[^|]+?) \| (?P<status>ran|failed|skipped) \|", re.M)
 
 
+@pytest.mark.slow
 def test_the_quick_cpu_form_exits_0_and_its_report_names_every_check(tmp_path):
     proc = launch(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--quick", "--out", str(tmp_path)],
                   env=clean_env(PYTHON=sys.executable), timeout=300)

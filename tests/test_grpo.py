@@ -429,6 +429,7 @@ def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewar
 
 # --- a reward function that fails -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_reward_function_that_raises_ends_the_run_in_one_line_keeping_its_checkpoints(tmp_path):
     """grpo_rewards.py:fails raises on a completion holding a 'q': the run exits 2 with one line
     naming the function and the row; the checkpoints saved before it are complete."""

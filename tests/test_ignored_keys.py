@@ -375,6 +375,7 @@ def test_every_key_is_probed(files):
     assert every == set(probes(files)) | set(NOT_PROBED) | SELECTORS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, files):
     if group == "data":  # model=hf here would make the model's own tokenizer the data's

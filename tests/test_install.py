@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 import zipfile
 
+import pytest
+
 from helpers import REPO, clean_env, launch, read_metrics
 
 
+@pytest.mark.slow
 def test_wheel_ships_configs_and_runs_outside_the_checkout(tmp_path):
     wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()

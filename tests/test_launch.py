@@ -16,9 +16,10 @@ QUICK = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "
          "logging.progress_bar=false"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, engaged", [
     ("zero3_offload", "DeepSpeed ZeRO-3 engaged with optimizer offload to cpu and parameter offload to cpu"),
-    pytest.param("zero2", "DeepSpeed ZeRO-2 engaged", marks=pytest.mark.slow),
+    ("zero2", "DeepSpeed ZeRO-2 engaged"),
 ])
 def test_plain_python_runs_a_deepspeed_preset_as_one_process(preset, engaged, tmp_path, deepspeed_ops):
     """No launcher, so no RANK/WORLD_SIZE/MASTER_*: trainloop makes a 1-process group itself, as

@@ -154,6 +154,7 @@ def test_the_expert_keys_shape_the_model_and_its_router(key, value, field):
         cfg.model.num_experts, cfg.model.experts_per_token, cfg.model.router_aux_loss_coef)
 
 
+@pytest.mark.slow
 def test_one_process_trains_balances_exports_and_generates(one_process, tmp_path):
     lines = assert_router_metrics(one_process)
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3

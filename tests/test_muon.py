@@ -47,6 +47,7 @@ def test_planned_state_bytes_are_the_live_ones(arch):
     assert planned < plan_memory(adamw_only, model_shape(adamw_only), world_size=1, device="cpu").get("optimizer states")
 
 
+@pytest.mark.slow
 def test_muon_trains_and_resumes_bitwise(tmp_path, capsys, child_env):  # noqa: F811
     code = verify_resume.main(["--steps", "6", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
                                "optimizer=muon", "trainer.eval_batches=2"])

@@ -33,6 +33,7 @@ def resumed_at(log: str) -> tuple[int, int, int]:
     return int(found[1]), int(found[2]), int(found[3])
 
 
+@pytest.mark.slow
 def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
     """Acceptance 1: 20 steps straight = 10 + resume + 10, losses and weights bitwise."""
     # 108 training blocks, 16 a step: 6 steps an epoch, so step 10 is in the second one
@@ -129,6 +130,7 @@ def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_
     assert same.losses_bitwise and same.weights_bitwise and not same.notes, same.report(0)
 
 
+@pytest.mark.slow
 def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     """Acceptance 4: kill -9 in the middle of a save; the same command resumes and finishes."""
     run = tmp_path / "run"

@@ -95,6 +95,7 @@ def test_a_run_dir_that_cannot_be_written_is_named():
     assert said.startswith("cannot create the run dir /proc/trainloop/run ("), said
 
 
+@pytest.mark.slow
 def test_a_second_launch_into_a_running_run_dir_is_refused(tmp_path):
     run_dir, output = tmp_path / "run", tmp_path / "first.txt"
     first = start([sys.executable, "-m", "trainloop", *SMALL, "trainer.max_steps=100000",
@@ -111,6 +112,7 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(tmp_path):
     assert len({line.split(",")[0] for line in steps}) == len(steps)  # each step once: one writer
 
 
+@pytest.mark.slow
 def test_a_refused_launch_keeps_the_record_of_the_run_before(tmp_path):
     run_dir, record = tmp_path / "run", tmp_path / "run" / ".hydra"
     launch(["python", "-m", "trainloop", *SMALL, f"hydra.run.dir={run_dir}"])

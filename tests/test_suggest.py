@@ -69,6 +69,7 @@ def test_8b_on_8x80_lists_layouts_and_its_first_choice_fits_by_its_own_plan(llam
     assert out["fits"][0]["overrides"] == first.overrides and out["assumptions"]["mfu"] == 0.4
 
 
+@pytest.mark.slow
 def test_the_step_time_model_moves_the_right_way(llama_8b):
     """What the estimate must do, checked on the 8B suggestion (its absolute numbers cannot be
     measured without GPUs): gradient checkpointing costs exactly 4/3 of the compute; a wider

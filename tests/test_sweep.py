@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import SMALL, clean_env, launch, legend_texts, panels, read_metrics
 from trainloop.tools.report import main as report
 
 
+@pytest.mark.slow
 def test_sweep_runs_each_job_and_summarises_them(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # precision differs between jobs too: the jobs share one process, and accelerate refuses a

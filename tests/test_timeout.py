@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, clean_env
 
 HANGS = '''
@@ -23,6 +25,7 @@ def test_runs_after_it():
 '''
 
 
+@pytest.mark.slow
 def test_a_test_past_the_time_out_fails_alone_with_its_stack(tmp_path):
     (tmp_path / "test_hangs.py").write_text(HANGS)
     # the project's ini and conftest (as a plugin: the file is not under tests/) with a 2 s limit, on

@@ -139,6 +139,7 @@ def wandb_history(run_dir: Path) -> tuple[dict[int, dict], dict]:
     return history, config
 
 
+@pytest.mark.slow
 def test_wandb_writes_an_offline_run_holding_the_logged_values(tmp_path):
     run_dir = tmp_path / "run"
     env = clean_env()
@@ -266,6 +267,7 @@ def test_no_trackers_start_nothing(tmp_path):
     assert accelerator.trackers == [] and not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_preempted_run_leaves_every_logged_line_in_its_trackers(tmp_path, monkeypatch):
     import signal
     import subprocess

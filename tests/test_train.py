@@ -53,6 +53,7 @@ def test_loader_workers_load_the_batches_one_process_loads(method):
     assert compose().data.multiprocessing_context == "forkserver"
 
 
+@pytest.mark.slow
 def test_a_default_run_says_only_what_matters(tmp_path):
     """A run without DeepSpeed never imports it (its "Setting accelerator to CPU" banner), saving a
     model with tied embeddings does not warn about them, and a CPU gets no tensor-core advice."""
