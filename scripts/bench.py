@@ -62,7 +62,7 @@ MAX_TURN_S = 60.0
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from trainloop.config import CONFIG_DIR, register_configs
+    from trainloop.config.compose import CONFIG_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -74,8 +74,8 @@ def build_common(cfg):
     are thin wrappers over `datasets` and `transformers.AutoModelForCausalLM.from_config`."""
     import torch
 
-    from trainloop.data import build_datasets, build_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import build_datasets, build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
 
     tokenizer = build_tokenizer(None, None)
     train_set, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
@@ -111,7 +111,7 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     import torch
     from transformers import get_scheduler
 
-    from trainloop.optim import parameter_groups
+    from trainloop.optim.optimizers import parameter_groups
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_set, model = build_common(cfg)
@@ -173,12 +173,12 @@ def worker_hf(cfg, steps: int, out: Path) -> None:
 
 def model_flops_utilisation(cfg, tokens_per_s: float) -> float | None:
     """tokens/s x training FLOPs per token over the GPU's dense peak for the precision, as trainloop
-    logs its own `mfu` (trainloop.flops); None on a CPU or a GPU whose peak is not in the table."""
+    logs its own `mfu` (trainloop.observe.flops); None on a CPU or a GPU whose peak is not in the table."""
     import torch
 
-    from trainloop.data import build_tokenizer
-    from trainloop.flops import flops_per_token, peak_tflops
-    from trainloop.model import build_model_config
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.model.builder import build_model_config
+    from trainloop.observe.flops import flops_per_token, peak_tflops
 
     if not torch.cuda.is_available():
         return None

@@ -1,7 +1,7 @@
 """What a checkpoint's checksums cost against writing it: `python scripts/bench_checksum.py [MiB]`.
 
 Writes a model file (safetensors) and an optimizer file (torch.save) as accelerate's save_state does,
-fsynced as trainloop's commit does, then hashes them with trainloop.integrity.checksum (read back
+fsynced as trainloop's commit does, then hashes them with trainloop.checkpoint.integrity.checksum (read back
 from the page cache, as right after a save) and, for comparison, with hashlib's blake2b and sha256.
 Best of 3 each; MiB/s over both files.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from trainloop.integrity import checksum
+from trainloop.checkpoint.integrity import checksum
 
 
 def best_of(action, repeats: int = 3) -> float:
@@ -57,7 +57,7 @@ def main(mib: int) -> None:
 
         seconds = {"write + fsync": best_of(write)}
         size = sum(f.stat().st_size for f in files)
-        seconds["crc32 (trainloop.integrity)"] = best_of(hashed(checksum))
+        seconds["crc32 (trainloop.checkpoint.integrity)"] = best_of(hashed(checksum))
         for name in ("blake2b", "sha256"):
             seconds[name] = best_of(hashed(lambda f, name=name: digest(f, name)))
     print(f"{size / 2**20:.0f} MiB in 2 files")

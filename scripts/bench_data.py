@@ -79,8 +79,8 @@ def timed(args: list[str], env: dict, log: Path) -> tuple[float, int]:
 
 MAP_ALONE = """
 import sys
-from trainloop.config import compose_config
-from trainloop.data import build_tokenizer, load_examples, tokenize_examples
+from trainloop.config.compose import compose_config
+from trainloop.data.loaders import build_tokenizer, load_examples, tokenize_examples
 cfg = compose_config(sys.argv[1:])
 tokens = tokenize_examples(cfg.data, build_tokenizer(None, None), load_examples(cfg.data))
 print(sum(len(t["input_ids"].combine_chunks().flatten()) for t in tokens.with_format("arrow").iter(10000)))
@@ -89,8 +89,8 @@ print(sum(len(t["input_ids"].combine_chunks().flatten()) for t in tokens.with_fo
 
 def load_once(corpus: Path, data: list[str], cache: Path, work: Path) -> None:
     """Read the jsonl into `datasets`' Arrow cache: the same for every command after it, done first."""
-    timed([sys.executable, "-c", "import sys\nfrom trainloop.config import compose_config\n"
-           "from trainloop.data import load_examples\nload_examples(compose_config(sys.argv[1:]).data)", *data],
+    timed([sys.executable, "-c", "import sys\nfrom trainloop.config.compose import compose_config\n"
+           "from trainloop.data.loaders import load_examples\nload_examples(compose_config(sys.argv[1:]).data)", *data],
           child_env(cache), work / f"load_{corpus.name}.log")
 
 

@@ -12,7 +12,7 @@ schedule, clipping, fp32 and no gradient checkpointing (TRL's own defaults are b
 checkpointing: set off here). TRL's arguments are read from the composed trainloop config.
 One row per way to hold the reference:
   lora        adapter=lora                     / a peft LoraConfig of the same r, alpha and targets
-                                                 (trainloop.adapter.lora_config): adapters disabled
+                                                 (trainloop.model.adapter.lora_config): adapters disabled
   full        adapter=none                     / no peft: TRL loads its reference copy from the
                                                  model directory, trainloop deep-copies the model
   precompute  full + objective.precompute_reference=true / precompute_ref_log_probs=True
@@ -57,6 +57,8 @@ import time
 import traceback
 from pathlib import Path
 
+from trainloop.memory.proc import reset_peak_rss, status_bytes
+
 REPO = Path(__file__).resolve().parent.parent
 SIDES = ("trainloop", "trl")
 
@@ -87,19 +89,6 @@ PRELOAD = ["torch", "transformers", "transformers.trainer", "peft", "datasets", 
 
 # --- what both sides measure the same way ----------------------------------------------------------
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident set (VmHWM) starts again from the current one
-
-
 class Meter:
     """One run's memory marks and step times, kept the same way for trainloop and TRL."""
 
@@ -112,7 +101,7 @@ class Meter:
     def _now(self) -> int:
         import torch
 
-        return torch.cuda.max_memory_allocated() if self.on_cuda else _status_bytes("VmHWM")
+        return torch.cuda.max_memory_allocated() if self.on_cuda else status_bytes("VmHWM")
 
     def _reset(self) -> None:
         import torch
@@ -121,7 +110,7 @@ class Meter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            _reset_peak_rss()
+            reset_peak_rss()
 
     def before_model(self) -> None:
         """The data is in memory; the model is built next."""
@@ -134,7 +123,7 @@ class Meter:
         gc.collect()
         self.marks["glibc_live_tracking"] = track_live_memory(True)
         self._reset()
-        self.marks["before"] = torch.cuda.memory_allocated() if self.on_cuda else _status_bytes("VmRSS")
+        self.marks["before"] = torch.cuda.memory_allocated() if self.on_cuda else status_bytes("VmRSS")
 
     def training_starts(self) -> None:
         self.marks["building"] = self._now() - self.marks["before"]
@@ -191,16 +180,16 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    from trainloop.accelerator import build_accelerator
     from trainloop.build import build
-    from trainloop.config import compose_config
+    from trainloop.config.compose import compose_config
+    from trainloop.data.tokenizer import IGNORE
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, batches_forever, step_batches
-    from trainloop.offload import ActivationOffload
+    from trainloop.memory.offload import ActivationOffload
     from trainloop.parallel import build_strategy
+    from trainloop.parallel.accelerator import build_accelerator
     from trainloop.preemption import Preemption
     from trainloop.step import train_step
-    from trainloop.tokenizer import IGNORE
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh Accelerator for each run
     GradientState._reset_state()
@@ -248,8 +237,8 @@ def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, pairs
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from trainloop.adapter import lora_config
-    from trainloop.config import compose_config
+    from trainloop.config.compose import compose_config
+    from trainloop.model.adapter import lora_config
 
     cfg = compose_config([*overrides, f"trainer.max_steps={warmup + steps}"])
     model_dir, on_cuda = cfg.model.name_or_path, torch.cuda.is_available()
@@ -320,9 +309,9 @@ def prepare(work: str, size: str) -> dict:
     from accelerate.utils import set_seed
     from omegaconf import OmegaConf
 
-    from trainloop.config import compose_config
-    from trainloop.model import build_model, build_model_config, special_token_ids
-    from trainloop.tokenizer import byte_level_tokenizer
+    from trainloop.config.compose import compose_config
+    from trainloop.data.tokenizer import byte_level_tokenizer
+    from trainloop.model.builder import build_model, build_model_config, special_token_ids
 
     cfg = compose_config(["model=tiny", *SIZES[size]["model"], *SIZES[size]["data"], *COMMON, "data.path=unused"],
                          check=False)

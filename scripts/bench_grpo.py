@@ -65,9 +65,9 @@ def trl_child(args, folder: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainloop.config import compose_config
-    from trainloop.data import byte_level_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.config.compose import compose_config
+    from trainloop.data.loaders import byte_level_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
 
     sys.path.insert(0, str(folder))
     from rewards import letters  # noqa: E402 - the same file trainloop loads by its path

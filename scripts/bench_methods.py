@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from trainloop.memory.proc import reset_peak_rss, status_bytes
+
 REPO = Path(__file__).resolve().parent.parent
 # The default tiny Llama (4 blocks, 256 wide, ~4.3M parameters) on 128-token blocks, batch 8.
 BASE = ["data.seq_len=128", "data.batch_size=8", "trainer.gradient_accumulation_steps=1",
@@ -116,23 +118,6 @@ ZERO_WHY = ("ZeRO partitions optimizer state, gradients and parameters across pr
 
 # --- one method, in its own process -----------------------------------------------------------
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak resident set (VmHWM) to the current one
-        return True
-    except OSError:
-        return False
-
-
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
@@ -159,7 +144,7 @@ def _track_live_memory(libc, on: bool) -> None:
 def worker(overrides: list[str], steps: int, warmup: int, data_file: str) -> dict:
     from hydra import compose, initialize_config_dir
 
-    from trainloop.config import CONFIG_DIR, ConfigError, register_configs, validate
+    from trainloop.config.compose import CONFIG_DIR, ConfigError, register_configs, validate
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -177,15 +162,15 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from trainloop.accelerator import build_accelerator
-    from trainloop.adapter import apply_adapter
     from trainloop.build import build
-    from trainloop.data import PackedBlocks
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import PackedBlocks
+    from trainloop.memory.offload import ActivationOffload
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
-    from trainloop.offload import ActivationOffload
-    from trainloop.optim import build_optimizer, optimizer_state_bytes
+    from trainloop.optim.optimizers import build_optimizer, optimizer_state_bytes
     from trainloop.parallel import build_strategy
+    from trainloop.parallel.accelerator import build_accelerator
     from trainloop.step import train_step
 
     accelerator = build_accelerator(cfg)
@@ -221,8 +206,8 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
             marks["libc"] = _glibc()
             if marks["libc"] is not None:
                 _track_live_memory(marks["libc"], True)
-            marks["exact_peak"] = _reset_peak_rss()
-            marks["before"] = _status_bytes("VmRSS")
+            marks["exact_peak"] = reset_peak_rss()
+            marks["before"] = status_bytes("VmRSS")
 
     # The run's own build (adapter, compile, strategy, optimizer, in the run's order) and its objective's loss.
     built = build(cfg, strategy, blocks=(blocks, blocks), before_model=start_measuring)
@@ -240,7 +225,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
                 peak = torch.cuda.max_memory_allocated() - before
                 memory_kind = "torch.cuda.max_memory_allocated"
             else:
-                peak = (_status_bytes("VmHWM") if exact_peak else _maxrss()) - before
+                peak = (status_bytes("VmHWM") if exact_peak else _maxrss()) - before
                 memory_kind = ("VmHWM - VmRSS" if exact_peak else "ru_maxrss - VmRSS") + \
                     (", glibc mmap threshold 64 KiB" if libc is not None else "")
                 if libc is not None:
@@ -287,8 +272,8 @@ def tokenize_once(path: Path) -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from trainloop.config import CONFIG_DIR, register_configs
-    from trainloop.data import build_datasets, build_tokenizer
+    from trainloop.config.compose import CONFIG_DIR, register_configs
+    from trainloop.data.loaders import build_datasets, build_tokenizer
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -304,7 +289,7 @@ def save_tiny_model(cfg, tokenizer, directory: Path) -> None:
     directory (MODEL_DIR in a method's overrides): what the qlora row quantizes."""
     from accelerate.utils import set_seed
 
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
 
     set_seed(cfg.trainer.seed)
     build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).save_pretrained(directory)

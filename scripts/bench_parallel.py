@@ -9,7 +9,7 @@ one `torchrun --nproc_per_node N` launch of this script (gloo on CPU, NCCL on
 GPUs) training the same model (default: a 57M-parameter Llama, 6 blocks of 768, fp32 AdamW) on
 the same batch of 2 x 128 tokens per process, through trainloop's own builders
 (trainloop.tools.plan.measure_training: DDP and DeepSpeed ZeRO-3 through accelerate, FSDP2 through
-trainloop.fsdp, as run.py prepares them). Per process, the largest over the processes:
+trainloop.parallel.sharding, as run.py prepares them). Per process, the largest over the processes:
   - training peak: over the warm-up steps, on CPU the peak resident set (VmHWM, reset through
     /proc/self/clear_refs just before the model is built) minus the resident set at that moment,
     with glibc unmapping freed tensors so that the resident set follows the live ones; on a GPU
@@ -53,7 +53,7 @@ STRATEGIES = {
 
 
 def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
-    from trainloop.config import compose_config
+    from trainloop.config.compose import compose_config
     from trainloop.tools.plan import compare, measure_training, model_shape, plan_memory
 
     _, preset, own = STRATEGIES[name]

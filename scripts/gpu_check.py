@@ -191,9 +191,9 @@ def run_figures(run_dir: Path) -> dict:
 def save_tiny_model(directory: Path) -> None:
     """The GPU checks' model (GPU_MODEL) with its initial weights and tokenizer, as a local model
     directory: what the QLoRA check loads in 4 bits (no download)."""
-    from trainloop.config import compose_config
-    from trainloop.model import build_model, build_model_config
-    from trainloop.tokenizer import build_tokenizer
+    from trainloop.config.compose import compose_config
+    from trainloop.data.tokenizer import build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
 
     if (directory / "config.json").exists():
         return

@@ -27,7 +27,7 @@ def distributed_left_as_found():
     """Every test leaves torch.distributed and the rank variables as it found them, as run() does: a
     test that builds a DeepSpeed or FSDP2 accelerator itself (tests/test_deepspeed_config.py) left
     LOCAL_RANK behind, which makes the next 1-process run on that worker a DDP group of one."""
-    from trainloop.accelerator import distributed_as_found
+    from trainloop.parallel.process_group import distributed_as_found
 
     with distributed_as_found():
         yield
@@ -57,7 +57,7 @@ def tiny_jsonl(tmp_path: Path) -> Path:
 @pytest.fixture
 def local_tokenizer(tmp_path: Path) -> Path:
     """A tokenizer directory on disk, as a user would bring one."""
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     path = tmp_path / "tokenizer"
     byte_level_tokenizer().save_pretrained(path)

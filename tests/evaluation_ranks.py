@@ -53,7 +53,7 @@ def evaluations(directory: Path, batch_size: int) -> dict:
 
     import torch.distributed as dist
 
-    from trainloop.accelerator import build_accelerator
+    from trainloop.parallel.accelerator import build_accelerator
     from trainloop.build import build
     from trainloop.parallel import build_strategy
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainloop.config import CONFIG_DIR, compose_config
+from trainloop.config.compose import CONFIG_DIR, compose_config
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -55,9 +55,9 @@ NEEDS = {  # options whose required keys the user must give
     ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
     ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
     ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
-                          "objective.rewards=[trainloop.rewards:exact_answer]"],
+                          "objective.rewards=[trainloop.objectives.rewards:exact_answer]"],
     ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
-                            "objective.rewards=[trainloop.rewards:exact_answer]"],
+                            "objective.rewards=[trainloop.objectives.rewards:exact_answer]"],
 }
 # What each objective trains on, on top of the smoke preset, with the repository's test data (a new
 # row adds its own).
@@ -268,7 +268,7 @@ def conversation(i: int) -> list[dict]:
 
 def prepare(out: Path, *overrides: str, shard_documents: int = 10) -> dict:
     """trainloop.prepare's shards of the smoke preset's data (+ overrides) in `out`."""
-    from trainloop.shards import prepare as write
+    from trainloop.data.shards import prepare as write
 
     return write(compose_config(["+preset=smoke", *overrides]), str(out), shard_documents, progress=False)
 
@@ -338,9 +338,9 @@ def assert_samples_are_the_final_models(run_dir: Path, prompts: list[str], max_n
 
 def build_and_step(cfg):
     """The run's own builders, then one real forward, backward and optimizer step."""
-    from trainloop.data import build_tokenizer
-    from trainloop.model import build_model, build_model_config
-    from trainloop.optim import build_optimizer
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import compose, read_metrics, train
-from trainloop.offload import OffloadHooks
+from trainloop.memory.offload import OffloadHooks
 
 
 def tiny_llama(checkpointing: bool):

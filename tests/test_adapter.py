@@ -16,7 +16,7 @@ from helpers import (
     accelerate_launch, adapter_tensors, compose, conversation, executable, finish, launch, logits_agree,
     pretrained_llama, start, train, write_rows,
 )
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
 
 
@@ -160,8 +160,8 @@ def test_plan_counts_frozen_quantized_and_adapter_state(base):
     4 B/param (or NF4's ~0.52 B for the linear weights), as the real peft model has them."""
     from peft import get_peft_model
 
-    from trainloop.adapter import lora_config
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.adapter import lora_config
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.tools.plan import model_shape, plan_memory
 
     cfg = compose("+preset=smoke", *hf(base), "adapter=lora", "adapter.r=4")

@@ -48,8 +48,8 @@ def weighted(messages: list[dict], zero: set[int]) -> list[dict]:
 
 
 def trainloop_tokens(*overrides: str) -> tuple[list[list[int]], list[list[int]]]:
-    """Each row's input_ids and labels as a run tokenizes them (trainloop.data's own row tokenizer)."""
-    from trainloop.data import build_tokenizer, load_examples, tokenize_examples
+    """Each row's input_ids and labels as a run tokenizes them (trainloop.data.loaders's own row tokenizer)."""
+    from trainloop.data.loaders import build_tokenizer, load_examples, tokenize_examples
 
     cfg = compose("+preset=smoke", "data=chat", *overrides)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
@@ -64,7 +64,7 @@ def targets(labels: list[int]) -> list[int]:
 def test_marked_templates_train_the_tokens_of_transformers_assistant_mask(tmp_path):
     """20 multi-turn rows, some replies weighted 0: trainloop's tokens are transformers' tokens, its
     targets are exactly the assistant mask; with data.train_on=all every token is a target."""
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     rows = [weighted(m, zero={0} if i % 5 == 2 else set()) for i, m in enumerate(ROWS)]
     data = [f"data.path={write_rows(tmp_path / 'chat.jsonl', [{'messages': m} for m in rows])}",
@@ -89,7 +89,7 @@ def trl_tokenizer(path: Path, special: dict, template: str):
     template, saved and loaded back as a run loads data.tokenizer."""
     from transformers import AutoTokenizer
 
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
     tokenizer.add_special_tokens(special)

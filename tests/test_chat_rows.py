@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import compose, launch, read_metrics, train
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 
 U = {"role": "user", "content": "What is two plus two?"}
 A = {"role": "assistant", "content": "Four."}
@@ -38,7 +38,7 @@ def write_lines(path: Path, rows: list) -> Path:
 
 
 def examples(*overrides: str):
-    from trainloop.data import byte_level_tokenizer, load_examples
+    from trainloop.data.loaders import byte_level_tokenizer, load_examples
 
     cfg = compose(*overrides)
     validate(cfg)
@@ -46,7 +46,7 @@ def examples(*overrides: str):
 
 
 def build(*overrides: str):
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     cfg = compose(*overrides)
     validate(cfg)
@@ -98,7 +98,7 @@ def test_with_train_on_all_a_conversation_without_a_reply_is_kept(tmp_path):
 
 
 def test_a_trailing_user_turn_is_context_without_a_loss(tmp_path, caplog):
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     path = write_lines(tmp_path / "chat.jsonl", [{"messages": [U, A, {"role": "user", "content": "Thanks!"}]}] * 20)
     with caplog.at_level(logging.WARNING, logger="trainloop"):

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import compose, launch, read_metrics, train
-from trainloop.checkpoint import COMPLETE
+from trainloop.checkpoint.integrity import COMPLETE
 from trainloop.preemption import Preemption
-from trainloop.config import ConfigError
+from trainloop.config.compose import ConfigError
 
 
 @pytest.fixture(scope="module")

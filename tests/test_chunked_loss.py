@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import OBJECTIVE_NEEDS, compose, conversation, launch, read_metrics, torchrun, train, write_rows
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 from trainloop.objectives import build_objective
 
 TOLERANCE = 1e-6
@@ -46,8 +46,8 @@ def chat_data(tmp_path_factory) -> list[str]:
 @functools.cache
 def batch_of(*data_overrides: str) -> tuple[dict, int]:
     """4 training blocks of the run's own data and the tokenizer's size, built once per process."""
-    from trainloop.data import build_tokenizer
-    from trainloop.mixture import build_training_data
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.data.mixture import build_training_data
 
     cfg = compose("+preset=smoke", *data_overrides)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
@@ -58,8 +58,8 @@ def batch_of(*data_overrides: str) -> tuple[dict, int]:
 
 def model_for(cfg, vocab: int, untied: bool = False):
     """The run's model (with its adapter), from a fixed seed; untied: its own output weight."""
-    from trainloop.adapter import apply_adapter
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.model.builder import build_model, build_model_config
 
     config = build_model_config(cfg.model, vocab)
     config.tie_word_embeddings = not untied
@@ -102,7 +102,7 @@ def test_the_chunked_loss_and_its_gradients_equal_the_full_logits(case, chat_dat
 
 def test_per_token_log_probabilities_and_their_gradients_equal_the_full_logits(chat_data):
     """What DPO sums per completion: each token's log-probability, 0 where the label is masked."""
-    from trainloop.chunked_loss import token_logps
+    from trainloop.objectives.chunked_loss import token_logps
     from trainloop.objectives.causal_lm import model_inputs
 
     _, _, model, batch = full_and_chunked(data=chat_data)
@@ -120,7 +120,7 @@ def test_per_token_log_probabilities_and_their_gradients_equal_the_full_logits(c
 
 
 def test_the_output_layer_is_left_as_it_was():
-    from trainloop.chunked_loss import computing_in_output_layer, output_layer
+    from trainloop.objectives.chunked_loss import computing_in_output_layer, output_layer
 
     full, chunked, model, batch = full_and_chunked()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -151,7 +151,7 @@ def test_what_cannot_work_is_refused_by_name():
 
     refused = [(["trainer.loss_chunk_tokens=-1"], "must be 0"),
                (["trainer.loss_chunk_tokens=16", "compile=inductor"], "compile.regional=true")]
-    # an objective reads the key once it scores tokens through trainloop.chunked_loss (its row says so)
+    # an objective reads the key once it scores tokens through trainloop.objectives.chunked_loss (its row says so)
     refused += [(["trainer.loss_chunk_tokens=16", f"objective={name}", *OBJECTIVE_NEEDS[name]], "only for now")
                 for name, row in OBJECTIVES.items() if not row.chunks_loss]
     for overrides, says in refused:
@@ -186,9 +186,9 @@ def fsdp_worker(out: str, *overrides: str) -> None:
     """Under torchrun: the run's own build with fsdp=full_shard; one batch through both losses."""
     from torch.distributed.tensor import DTensor
 
-    from trainloop.accelerator import build_accelerator
+    from trainloop.parallel.accelerator import build_accelerator
     from trainloop.build import build
-    from trainloop.chunked_loss import output_layer, token_logps
+    from trainloop.objectives.chunked_loss import output_layer, token_logps
     from trainloop.objectives.causal_lm import model_inputs
     from trainloop.parallel import build_strategy
     from trainloop.run import end_distributed

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import GROUPS, NEEDS, OPTIONS, compose, launch, read_metrics, train
-from trainloop.config import CONFIG_DIR, ConfigError, validate
+from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
 
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
 PRESET_NEEDS = {"qlora": ["model.name_or_path=/some/model"]}  # quantizes a pretrained model
@@ -38,7 +38,7 @@ def conflicting_presets() -> list[tuple[str, str]]:
     """Every pair of shipped presets that choose different options of one config group."""
     from itertools import combinations
 
-    from trainloop.config import preset_choices
+    from trainloop.config.compose import preset_choices
 
     return [(a, b) for a, b in combinations(PRESETS, 2)
             if any(preset_choices(b).get(group, option) != option for group, option in preset_choices(a).items())]
@@ -56,7 +56,7 @@ def test_the_strategy_presets_conflict_pairwise():
 def test_conflicting_presets_are_refused_in_either_order_naming_both(a, b):
     from itertools import permutations
 
-    from trainloop.config import compose_config
+    from trainloop.config.compose import compose_config
 
     for order in [*permutations(["smoke", a, b])]:
         with pytest.raises(ConfigError, match=f"preset ({a}|{b}) sets .* preset ({a}|{b}) sets") as refused:
@@ -89,7 +89,7 @@ def test_default_config_is_the_documented_one():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_tiny_model_builds_with_requested_shape(arch):
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", f"model.arch={arch}")
     model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
@@ -100,8 +100,8 @@ def test_tiny_model_builds_with_requested_shape(arch):
 
 
 def test_decay_groups_exclude_biases_and_norms():
-    from trainloop.model import build_model, build_model_config
-    from trainloop.optim import parameter_groups
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.optim.optimizers import parameter_groups
 
     cfg = compose("+preset=smoke", "model.arch=gpt2")
     model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))

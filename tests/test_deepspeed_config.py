@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from helpers import REPO, clean_env, compose, launch, train
-from trainloop.config import ConfigError, validate
-from trainloop.deepspeed import deepspeed_config
-from trainloop.accelerator import build_accelerator, check_launcher_env
-from trainloop.data import check_batch_fits
+from trainloop.config.compose import ConfigError, validate
+from trainloop.parallel.deepspeed_config import deepspeed_config
+from trainloop.parallel.accelerator import build_accelerator, check_launcher_env
+from trainloop.data.loaders import check_batch_fits
 
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "preset").glob("*.yaml"))
 

@@ -23,7 +23,7 @@ from helpers import (
     SMALL, accelerate_launch, clean_env, compose, finish, launch, logits_agree, read_metrics, torchrun,
     train, wait_for_step, write_rows,
 )
-from trainloop.config import ConfigError, check_command_line, validate
+from trainloop.config.compose import ConfigError, check_command_line, validate
 
 DPO = ["data=preference", "objective=dpo", "adapter=lora"]
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
@@ -46,7 +46,7 @@ def as_implicit(row: dict) -> dict:
 
 
 def build(path: Path, *overrides: str):
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     cfg = compose("+preset=smoke", *DPO, f"data.path={path}", *overrides)
     validate(cfg)
@@ -63,8 +63,8 @@ def completion(tokenizer, item: dict, side: str) -> str:
 def test_the_three_row_forms_give_one_pair_per_row(tmp_path, caplog):
     import pandas
 
-    from trainloop.data import byte_level_tokenizer, trained_chat_template
-    from trainloop.formats.chat import BUILTIN_CHAT_TEMPLATE
+    from trainloop.data.loaders import byte_level_tokenizer, trained_chat_template
+    from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
 
     tokenizer, rows = byte_level_tokenizer(), sums()
     plain = write_rows(tmp_path / "plain.jsonl", rows)
@@ -116,7 +116,7 @@ def test_a_bad_row_is_refused_naming_its_file_and_line(tmp_path, row, says):
 
 
 def test_identical_pairs_and_overlong_prompts_are_skipped_and_counted(tmp_path, caplog):
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     rows = [*sums(10), {"prompt": "1+1=", "chosen": "2", "rejected": "2"},
             {"prompt": "x" * 80, "chosen": "2", "rejected": "3"}, {"prompt": "long:", "chosen": "y" * 90, "rejected": "z"}]
@@ -153,7 +153,7 @@ def test_truncating_every_pair_warns_and_nothing_left_to_tell_them_apart_is_refu
 
 
 def test_the_data_fingerprint_sees_the_pairs(tmp_path):
-    from trainloop.data import byte_level_tokenizer, data_fingerprint
+    from trainloop.data.loaders import byte_level_tokenizer, data_fingerprint
 
     tokenizer = byte_level_tokenizer()
     one = data_fingerprint(tokenizer, *build(write_rows(tmp_path / "a.jsonl", sums())))
@@ -197,9 +197,9 @@ def test_the_loss_and_rewards_are_trls_on_the_same_batch(tmp_path, loss_type):
     import datasets
     from trl import DPOConfig, DPOTrainer
 
-    from trainloop.adapter import lora_config
-    from trainloop.data import byte_level_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.adapter import lora_config
+    from trainloop.data.loaders import byte_level_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
 
     smoothing = ["objective.label_smoothing=0.2"] if loss_type == "robust" else []

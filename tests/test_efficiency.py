@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import SMALL, compose, launch, read_metrics, reset_accelerate, train
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 
 STEPS = ["trainer.max_steps=5", "trainer.eval_every=5"]
 # The smallest model that still has the parts under test: one block, 32 wide.
@@ -76,8 +76,8 @@ def test_optimizer_trains_5_steps(tmp_path, name):
 @pytest.mark.slow
 def test_optimizer_state_bytes_per_parameter():
     """Acceptance 2: measured on the live optimizers after one step of the tiny model."""
-    from trainloop.model import build_model, build_model_config
-    from trainloop.optim import build_optimizer, optimizer_state_bytes
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.optim.optimizers import build_optimizer, optimizer_state_bytes
 
     measured = {}
     for name in ("adamw", "adamw8bit", "adafactor", "sgd"):
@@ -102,8 +102,8 @@ def test_optimizer_state_bytes_per_parameter():
 @pytest.mark.slow
 def test_deepspeed_offload_takes_cpu_adam_only(monkeypatch, deepspeed_ops):
     """Under optimizer offload the state lives in CPU memory and DeepSpeed's CPU Adam steps it."""
-    from trainloop.model import build_model, build_model_config
-    from trainloop.optim import build_optimizer, optimizer_state_bytes
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.optim.optimizers import build_optimizer, optimizer_state_bytes
 
     with pytest.raises(ConfigError, match="optimizer=adafactor with deepspeed.offload_optimizer"):
         validate(compose("deepspeed=zero2", "deepspeed.offload_optimizer=cpu", "optimizer=adafactor"))
@@ -140,7 +140,7 @@ def test_fp16_on_cpu_is_refused_before_training(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_loss(tmp_path, baseline):
     """Acceptance 3: recomputing activations changes memory, not the numbers (fp32, same seed)."""
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", "model.gradient_checkpointing=true")
     model = build_model(cfg.model, build_model_config(cfg.model, 257))
@@ -154,11 +154,11 @@ def test_batch_search_trials_leave_the_weights_alone():
     """With room for the largest candidate the search takes it at once, and changes no weight."""
     from functools import partial
 
-    from trainloop.accelerator import build_accelerator
-    from trainloop.batch_size import search_batch_size
-    from trainloop.model import build_model, build_model_config
+    from trainloop.parallel.accelerator import build_accelerator
+    from trainloop.memory.batch_size import search_batch_size
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
-    from trainloop.optim import build_optimizer
+    from trainloop.optim.optimizers import build_optimizer
     from trainloop.parallel import build_strategy
 
     cfg = compose("+preset=smoke", "data.seq_len=128")
@@ -177,7 +177,7 @@ def test_batch_search_trials_leave_the_weights_alone():
 
 
 def test_batch_candidates_divide_the_effective_batch():
-    from trainloop.batch_size import candidates
+    from trainloop.memory.batch_size import candidates
 
     assert list(candidates(32, 1000)) == [32, 16, 8, 4, 2, 1]
     assert list(candidates(24, 1000)) == [24, 12, 6, 3, 1]
@@ -224,7 +224,7 @@ def test_auto_batch_size_halves_on_real_oom_and_keeps_the_effective_batch(tmp_pa
 
 
 def test_batch_size_advice_names_sizes_off_the_multiple(tmp_path, caplog):
-    from trainloop.batch_size import batch_size_advice, tensor_core_multiple
+    from trainloop.memory.batch_size import batch_size_advice, tensor_core_multiple
 
     assert tensor_core_multiple("bf16", torch.device("cpu")) is None  # no tensor cores: no advice
     sizes = {"data.batch_size": 12, "data.seq_len": 128, "hidden size": 100, "vocab size": 320}
@@ -250,7 +250,7 @@ def test_eager_attention_matches_sdpa(tmp_path, baseline):
 
 
 def test_flash_attention_2_unavailable_says_so():
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", "model.attn_implementation=flash_attention_2")
     with pytest.raises(ConfigError, match=r"model.attn_implementation='flash_attention_2' is not available "
@@ -277,8 +277,8 @@ def fresh_dynamo():
 
 
 def test_regional_compile_compiles_each_block_and_keeps_names():
-    from trainloop.compile import compile_model
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.compile import compile_model
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", "compile=aot_eager", "compile.regional=true")
     model = build_model(cfg.model, build_model_config(cfg.model, 257))

@@ -71,7 +71,7 @@ def test_readme_snippet_generates_past_a_hash(tmp_path):
 
 
 def test_export_fails_on_an_id_outside_the_vocabulary(tmp_path):
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
     from trainloop.export import check_token_ids
 
     tokenizer = byte_level_tokenizer()
@@ -89,8 +89,8 @@ def test_export_fails_on_an_id_outside_the_vocabulary(tmp_path):
 
 
 def test_model_config_refuses_token_ids_outside_its_vocabulary():
-    from trainloop.config import ConfigError
-    from trainloop.model import build_model_config
+    from trainloop.config.compose import ConfigError
+    from trainloop.model.builder import build_model_config
 
     cfg = compose("+preset=smoke").model
     assert build_model_config(cfg, 257, {"eos_token_id": 256}).eos_token_id == 256
@@ -104,7 +104,7 @@ def test_a_bf16_checkpoint_trains_in_fp32(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
 
     path = pretrained_llama(tmp_path / "fp32")
     AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

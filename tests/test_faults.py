@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from helpers import alive, clean_env, compose, family, launch, read_metrics, train
-from trainloop.checkpoint import COMPLETE, STATE_FILE, why_unloadable
-from trainloop.config import ConfigError
+from trainloop.checkpoint.integrity import COMPLETE, STATE_FILE, why_unloadable
+from trainloop.config.compose import ConfigError
 
 FINISHED = ["checkpoint.every_steps=1", "checkpoint.keep_last=2", "checkpoint.save_final_model=false"]
 
@@ -242,7 +242,7 @@ def rows_file(tmp_path: Path, rows: list[dict]) -> Path:
 def test_rows_without_the_text_field_are_skipped_and_counted(tmp_path, caplog):
     from pydoc_data.topics import topics
 
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     texts = [topics[k] for k in sorted(topics)[:30]]
     mixed = rows_file(tmp_path, [row for t in texts for row in ({"content": t}, {"other": "no content"})])
@@ -256,7 +256,7 @@ def test_rows_without_the_text_field_are_skipped_and_counted(tmp_path, caplog):
 
 
 def test_data_where_no_row_has_text_is_refused(tmp_path):
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     empty = rows_file(tmp_path, [{"content": None, "other": "x"}, {"content": "", "other": "y"}])
     cfg = compose("data=files", f"data.path={empty}", "data.text_field=content").data
@@ -282,8 +282,8 @@ def test_kill_9_of_a_run_with_loader_workers_leaves_no_process(tmp_path):
     """Issue 23: SIGKILL a data=prepared run with 2 forkserver workers mid-training; within 10 s
     the workers, the forkserver and the resource tracker are gone too (they used to wait on one
     another forever: trainloop.lifetime)."""
-    from trainloop.config import compose_config
-    from trainloop.shards import prepare
+    from trainloop.config.compose import compose_config
+    from trainloop.data.shards import prepare
 
     prepare(compose_config(["+preset=smoke"]), str(tmp_path / "shards"), 10, progress=False)
     tag = uuid.uuid4().hex

@@ -24,8 +24,8 @@ def chat_jsonl(tmp_path) -> Path:
 
 
 def training_tokens(*overrides: str) -> list[list[int]]:
-    """Each row's tokens as the run tokenizes it (trainloop.data's own row tokenizer)."""
-    from trainloop.data import build_tokenizer, load_examples, tokenize_examples
+    """Each row's tokens as the run tokenizes it (trainloop.data.loaders's own row tokenizer)."""
+    from trainloop.data.loaders import build_tokenizer, load_examples, tokenize_examples
 
     cfg = compose("+preset=smoke", *overrides)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)

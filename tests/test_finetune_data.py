@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import compose, conversation, launch, reset_accelerate, write_rows
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 
 EOS = "<|endoftext|>"
 
@@ -31,7 +31,7 @@ def pairs_jsonl(tmp_path) -> Path:
 
 
 def build(*overrides: str):
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     cfg = compose(*overrides)
     validate(cfg)
@@ -97,8 +97,8 @@ def test_eval_loss_counts_only_target_tokens(chat_jsonl):
     run alone through the model: masked tokens and packing change nothing."""
     from accelerate import Accelerator
 
-    from trainloop.data import build_dataloaders
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import build_dataloaders
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
     from trainloop.parallel import build_strategy
 
@@ -137,7 +137,7 @@ def test_a_row_packed_after_others_has_the_logits_it_has_alone(chat_jsonl, attn,
     """A block built by the data pipeline, through the loop's forward: each row's logits equal
     that row alone, in training and in evaluation mode, even with a model whose config asks for
     a cache (the packed mask needs use_cache=False)."""
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives.causal_lm import model_inputs
 
     cfg, tokenizer, train, _ = build("+preset=smoke", "data=chat", f"data.path={chat_jsonl}", "data.seq_len=256",

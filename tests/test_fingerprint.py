@@ -1,7 +1,7 @@
 """The objective in a checkpoint's fingerprint (issue 34, item 5): resuming with another objective,
 or with an objective key that changes the loss, is refused in one line naming the keys, before any
 compute; what may change on resume (optimizer.lr, trainer.max_steps, ...) is one list,
-trainloop.checkpoint.MAY_CHANGE_ON_RESUME, and every config key is either in it or recorded; a
+trainloop.checkpoint.compatibility.MAY_CHANGE_ON_RESUME, and every config key is either in it or recorded; a
 checkpoint saved before the objective was recorded resumes, with a warning naming the keys.
 
 Real runs, small: DPO with LoRA on tests/data/preference.jsonl stopped after step 2 of 4, and
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from helpers import SMALL, compose, launch, read_metrics, train
-from trainloop.checkpoint import (FINGERPRINT_KEYS, MAY_CHANGE_ON_RESUME, STATE_FILE, may_change_on_resume,
-                                  run_fingerprint)
+from trainloop.checkpoint.compatibility import (FINGERPRINT_KEYS, MAY_CHANGE_ON_RESUME, may_change_on_resume,
+                                                run_fingerprint)
+from trainloop.checkpoint.integrity import STATE_FILE
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
 PAIRS_DATA = ["data=preference", f"data.path={PAIRS}", "data.validation_fraction=0.2"]
@@ -100,7 +101,7 @@ def test_resuming_with_another_learning_rate_trains_on_at_it(dpo_run, tmp_path, 
     """optimizer.lr may change on resume, and the schedule goes on from it: the loaded scheduler and
     optimizer would otherwise put the checkpoint's back (the message of a non-finite stop tells
     the user to resume with optimizer.lr=LOWER)."""
-    from trainloop.optim import lr_factor
+    from trainloop.optim.optimizers import lr_factor
 
     run = copy_of(dpo_run, tmp_path)
     with caplog.at_level(logging.INFO, logger="trainloop"):

@@ -1,4 +1,4 @@
-"""Model FLOPs per token (trainloop.flops) against torch's own flop counter, and tflops/mfu in metrics.jsonl."""
+"""Model FLOPs per token (trainloop.observe.flops) against torch's own flop counter, and tflops/mfu in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def test_formula_matches_the_flop_counter(arch):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainloop.flops import flops_per_token
-    from trainloop.model import build_model, build_model_config
+    from trainloop.observe.flops import flops_per_token
+    from trainloop.model.builder import build_model, build_model_config
 
     seq_len = 256
     cfg = compose("+preset=smoke", f"model.arch={arch}", f"data.seq_len={seq_len}",
@@ -35,8 +35,8 @@ def test_formula_matches_the_flop_counter(arch):
 
 def test_moe_and_lora_count_what_they_compute():
     """A mixture counts its routed experts, not all of them; a frozen base costs 4x, not 6x."""
-    from trainloop.flops import flops_per_token, matmul_params
-    from trainloop.model import build_model_config
+    from trainloop.observe.flops import flops_per_token, matmul_params
+    from trainloop.model.builder import build_model_config
 
     dense = build_model_config(compose("+preset=smoke").model, 256)
     moe_cfg = compose("+preset=smoke", "model.arch=mixtral").model
@@ -61,7 +61,7 @@ def test_train_lines_carry_tflops_and_mfu(tmp_path):
 
 
 def test_a_peak_that_is_not_positive_is_refused():
-    from trainloop.config import ConfigError, validate
+    from trainloop.config.compose import ConfigError, validate
 
     with pytest.raises(ConfigError, match=r"logging.peak_tflops=0.0 must be greater than 0, or null"):
         validate(compose("logging.peak_tflops=0"))

@@ -12,16 +12,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import compose, conversation, write_rows
-from trainloop.config import ConfigError, check_command_line, choices, read_only_by, validate
-from trainloop.formats import FORMATS
-from trainloop.formats.text import Files
+from trainloop.config.compose import ConfigError, check_command_line, choices, read_only_by, validate
+from trainloop.data.formats import FORMATS
+from trainloop.data.formats.text import Files
 
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_formats_default_train_on_is_the_first_it_serves(name):
     paths = [] if name == "pydoc" else ["data.path=/some/data"]
     pairs = ["objective=dpo", "adapter=lora"] if FORMATS[name].pairs else []  # what trains on its pairs
-    prompts = ["objective=grpo", "objective.rewards=[trainloop.rewards:exact_answer]"] if FORMATS[name].prompts else []
+    prompts = ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"] if FORMATS[name].prompts else []
     cfg = compose(f"data={name}", *paths, *pairs, *prompts)
     validate(cfg)
     assert cfg.data.train_on == FORMATS[name].train_on[0]
@@ -48,7 +48,7 @@ class Shouting(Files):
 
 
 def test_a_new_format_is_one_class_and_one_row(monkeypatch, tiny_jsonl):
-    from trainloop.data import build_datasets, byte_level_tokenizer, load_examples
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer, load_examples
 
     monkeypatch.setitem(FORMATS, "shouting", Shouting())
     assert "shouting" in choices()["data.name"]
@@ -66,9 +66,9 @@ def test_a_new_format_is_one_class_and_one_row(monkeypatch, tiny_jsonl):
 
 
 def test_training_sets_answer_the_protocol_with_their_defaults(tiny_jsonl):
-    from trainloop.data import build_datasets, byte_level_tokenizer
-    from trainloop.mixture import MixtureBlocks
-    from trainloop.packing import TrainingSet
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
+    from trainloop.data.mixture import MixtureBlocks
+    from trainloop.data.packing import TrainingSet
 
     cfg = compose("data=files", f"data.path={tiny_jsonl}", "data.text_field=content", "+preset=smoke")
     train, valid = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
@@ -83,7 +83,7 @@ def test_training_sets_answer_the_protocol_with_their_defaults(tiny_jsonl):
 
 def test_the_built_in_chat_template_is_announced_once(tmp_path, caplog):
     """The run's final/ tokenizer, the row checks and the row tokenizer each ask for the template."""
-    from trainloop.data import build_datasets, byte_level_tokenizer, trained_chat_template
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer, trained_chat_template
 
     chats = write_rows(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(20)])
     cfg = compose("data=chat", f"data.path={chats}", "+preset=smoke", "data.seq_len=256")
@@ -95,8 +95,8 @@ def test_the_built_in_chat_template_is_announced_once(tmp_path, caplog):
 
 
 def test_prepare_refuses_a_format_that_reads_no_rows(tmp_path):
-    from trainloop.config import compose_config
-    from trainloop.shards import prepare
+    from trainloop.config.compose import compose_config
+    from trainloop.data.shards import prepare
 
     cfg = compose_config(["data=prepared", f"data.path={tmp_path}"])
     with pytest.raises(ConfigError, match=r"^data=prepared reads shards; prepare from the data itself "

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import compose, read_metrics, train
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 
 # 50 steps of 2 x 32 tokens; one evaluation at the end
 FIFTY = ["data.seq_len=32", "data.batch_size=2", "trainer.max_steps=50", "trainer.log_every=10", "trainer.eval_every=50"]
@@ -28,8 +28,8 @@ def step_losses(run_dir: Path) -> dict[int, float]:
 
 def swapped(*overrides: str):
     """The smoke model, built and converted as a run would on this CPU."""
-    from trainloop import fp8
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model import fp8
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", "precision=fp8", *overrides)
     validate(cfg)
@@ -53,8 +53,8 @@ def test_the_swap_leaves_the_output_layer_and_layers_not_divisible_by_16_in_bf16
 def test_fp8_skip_small_uses_torchaos_thresholds():
     """torchao's tensorwise thresholds (measured on H100): a layer converts unless in_features <=
     4096 and out_features <= 1024. A 1-layer, 1024-wide model, built on the meta device."""
-    from trainloop import fp8
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model import fp8
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", "precision=fp8", "precision.fp8_skip_small=true", "model.num_layers=1",
                   "model.hidden_size=1024", "model.num_heads=8")
@@ -119,7 +119,7 @@ def test_refused_without_torchao(monkeypatch):
 
 
 def test_fp8_keys_are_refused_without_precision_fp8():
-    from trainloop.config import check_command_line
+    from trainloop.config.compose import check_command_line
 
     for key in ("precision.fp8_emulate=true", "precision.fp8_skip_small=true"):
         overrides = ["precision=bf16", key]

@@ -20,7 +20,7 @@ from helpers import (
     grad_norms, launch, losses, pretrained_llama, read_metrics, relative_difference, run_log,
     safetensors_of, torchrun, train,
 )
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 
 TOLERANCE = 1e-5
 FSDP_LINE = "FSDP2 full_shard over 2 shard(s) (DTensor placements Shard(dim=0), mesh cpu (2,); 3 modules sharded"
@@ -148,7 +148,7 @@ def test_what_fsdp_cannot_run_is_refused_before_compute(overrides, key):
 def test_accelerates_own_fsdp_flag_is_refused(preset):
     """`accelerate launch --use_fsdp` would have accelerate wrap the model too (on GPUs) or
     nothing at all (on CPU): trainloop shards it itself, so the flag stops the run."""
-    from trainloop.accelerator import check_launcher_env
+    from trainloop.parallel.accelerator import check_launcher_env
 
     with pytest.raises(ConfigError, match="--use_fsdp") as refused:
         check_launcher_env(compose(f"+preset={preset}"), {"ACCELERATE_USE_FSDP": "true"})

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from helpers import compose, end_family, launch, losses, ranks_of, read_metrics, start, torchrun
-from trainloop.checkpoint import check_format, run_fingerprint
-from trainloop.config import ConfigError
+from trainloop.checkpoint.compatibility import check_format, run_fingerprint
+from trainloop.config.compose import ConfigError
 
 FSDP = ["+preset=[smoke,fsdp]", "logging.progress_bar=false", "trainer.log_every=1", "trainer.eval_batches=1",
         "trainer.max_steps=8", "trainer.eval_every=8"]
@@ -111,7 +111,7 @@ def test_a_checkpoint_of_the_other_format_is_refused(chain, tmp_path):
 
 
 def test_async_save_is_read_only_under_fsdp():
-    from trainloop.config import check_command_line
+    from trainloop.config.compose import check_command_line
 
     with pytest.raises(ConfigError, match="checkpoint.async_save=True has no effect unless fsdp=full_shard"):
         check_command_line(compose("checkpoint.async_save=true"), ["checkpoint.async_save=true"])

@@ -15,7 +15,7 @@ import pytest
 
 
 from helpers import REPO, clean_env, compose, launch
-from trainloop.config import check_command_line, validate
+from trainloop.config.compose import check_command_line, validate
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402

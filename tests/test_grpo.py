@@ -23,7 +23,7 @@ from helpers import (
     SMALL, compose, finish, launch, read_metrics, reset_accelerate, start, torchrun, train, wait_for_step,
     write_rows,
 )
-from trainloop.config import ConfigError, check_command_line, validate
+from trainloop.config.compose import ConfigError, check_command_line, validate
 
 DATA = Path(__file__).resolve().parent / "data"
 PROMPTS = DATA / "prompts.jsonl"
@@ -32,7 +32,7 @@ GRPO = ["data=prompts", "objective=grpo", f"objective.rewards=[{REWARDS}:letters
 
 
 def build(path: Path, *overrides: str):
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     cfg = compose("+preset=smoke", *GRPO, f"data.path={path}", *overrides)
     validate(cfg)
@@ -48,7 +48,7 @@ def prompt_text(tokenizer, item: dict) -> str:
 def test_text_and_conversational_prompts_keep_their_other_columns(tmp_path):
     import pandas
 
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": {"hard": a > 5}} for a in range(10)]
@@ -148,8 +148,8 @@ def trl_grpo(tmp_path, loss_type: str, scale: str):
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainloop.data import byte_level_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import byte_level_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose("+preset=smoke", *GRPO)
     first, second = preset_rewards()
@@ -367,7 +367,7 @@ def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["fsdp=full_shard", "deepspeed=zero3"])
 def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, request):
-    """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.fsdp marks
+    """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.parallel.sharding marks
     generate as a forward, so its embeddings are gathered; the KL's reference is the same sharded
     model with its adapters disabled (under ZeRO-3, the engine's module)."""
     if sharding.startswith("deepspeed"):
@@ -460,7 +460,7 @@ CHEAP = [*TASK, "data.batch_size=2", "objective.num_generations=2", "objective.m
 @pytest.mark.parametrize("function, value, row", [("nan_first", "nan", 0), ("infinite_last", "inf", 2)])
 def test_a_nan_or_infinite_reward_is_a_broken_verifier_named_with_its_row(function, value, row):
     """None says "does not apply"; NaN or inf says the verifier broke: refused, not read as None."""
-    from trainloop.rewards import Rewards
+    from trainloop.objectives.rewards import Rewards
 
     spec = f"{REWARDS}:{function}"
     with pytest.raises(ConfigError, match=rf"^the reward function {re.escape(spec)} returned {value} for completion "

@@ -1,4 +1,4 @@
-"""trainloop.tools.hardware and the doctor: real nvidia-smi outputs and NVML readings, and this machine."""
+"""trainloop.observe.hardware and the doctor: real nvidia-smi outputs and NVML readings, and this machine."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from helpers import launch
-from trainloop.config import compose_config
+from trainloop.config.compose import compose_config
 from trainloop.tools.doctor import main as doctor
 from trainloop.tools import doctor as doctor_module
-from trainloop.tools.hardware import (GpuReading, GpuReport, direct_io_works, gpu_warnings, host_facts, parse_link,
+from trainloop.observe.hardware import (GpuReading, GpuReport, direct_io_works, gpu_warnings, host_facts, parse_link,
                                 parse_smi_csv, parse_topology, throttle_reasons, topology_warnings)
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from helpers import NEEDS, OPTIONS, compose, launch, reset_accelerate
-from trainloop import schema
-from trainloop.config import ConfigError, check_command_line, validate
+from trainloop.config import schema
+from trainloop.config.compose import ConfigError, check_command_line, validate
 
 # Keys every option reads, whose effect a build on this CPU machine cannot show.
 NOT_PROBED = {
@@ -43,8 +43,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    from trainloop.config import compose_config
-    from trainloop.shards import prepare
+    from trainloop.config.compose import compose_config
+    from trainloop.data.shards import prepare
 
     root = tmp_path_factory.mktemp("probes")
     keys = sorted(topics)[:30]
@@ -117,7 +117,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs", "prepared": "prepared",
           "preference": "preference", "prompts": "prompts"}
 PAIRED = {"preference": ["objective=dpo", "adapter=lora"],  # what trains on the option's pairs, or prompts
-          "prompts": ["objective=grpo", "objective.rewards=[trainloop.rewards:exact_answer]"]}
+          "prompts": ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"]}
 
 
 def generating(files) -> list[str]:
@@ -184,8 +184,8 @@ def digest(tensor: torch.Tensor) -> str:
 
 def built(group: str, cfg):
     """What the chosen option of `group` builds from cfg, as comparable plain values."""
-    from trainloop.data import build_dataloaders, build_datasets, build_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
 
     if group == "model":
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
@@ -194,7 +194,7 @@ def built(group: str, cfg):
     if group == "adapter":  # the trainable parameters, their shapes and how each adapter computes
         from peft.tuners.lora import LoraLayer
 
-        from trainloop.adapter import apply_adapter
+        from trainloop.model.adapter import apply_adapter
 
         if cfg.adapter.name == "none":
             return None
@@ -219,7 +219,7 @@ def built(group: str, cfg):
                 loader.persistent_workers, loader.prefetch_factor, context)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     if group in ("optimizer", "scheduler"):
-        from trainloop.optim import build_optimizer, build_scheduler
+        from trainloop.optim.optimizers import build_optimizer, build_scheduler
 
         optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False)
         if group == "optimizer":
@@ -228,12 +228,12 @@ def built(group: str, cfg):
         scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
         return [scheduler.lr_lambdas[0](step) for step in range(10)]
     if group == "deepspeed":  # what build_deepspeed_plugin hands to accelerate
-        from trainloop.deepspeed import deepspeed_config
+        from trainloop.parallel.deepspeed_config import deepspeed_config
 
         ds = cfg.deepspeed
         return (deepspeed_config(cfg, world_size=1) if ds.stage else None), ds.stage == 3 and ds.zero3_init
     if group == "compile":
-        from trainloop.compile import compile_model, compile_options
+        from trainloop.model.compile import compile_model, compile_options
 
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
         compile_model(cfg.compile, model)  # lazy: nothing is compiled before the first call
@@ -244,7 +244,7 @@ def built(group: str, cfg):
     if group == "objective":  # its loss on one batch, of a model whose adapters moved off the reference
         return objective_loss(cfg)
     if group == "precision" and cfg.precision.name == "fp8":  # the layers it swaps for torchao's float8
-        from trainloop import fp8
+        from trainloop.model import fp8
 
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
         try:
@@ -255,8 +255,8 @@ def built(group: str, cfg):
 
 
 def objective_loss(cfg):
-    from trainloop.adapter import apply_adapter
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import OBJECTIVES, build_objective
 
     if OBJECTIVES[cfg.objective.name].prompts:
@@ -282,10 +282,10 @@ def generated_loss(cfg):
     their advantages and the log-probabilities kept from before the update; then, after an update
     moved the policy (so that the ratio to the sampling policy is not 1), the loss and its gradient;
     and which of the next steps draw new prompts."""
-    from trainloop.accelerator import build_accelerator
-    from trainloop.adapter import apply_adapter
-    from trainloop.data import build_datasets, build_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.parallel.accelerator import build_accelerator
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.data.loaders import build_datasets, build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
     from trainloop.parallel import build_strategy
 
@@ -335,8 +335,8 @@ def sharded_settings(cfg):
 
     from types import SimpleNamespace
 
-    from trainloop.fsdp import shard_model, sharding_settings
-    from trainloop.model import build_model, build_model_config
+    from trainloop.parallel.sharding import shard_model, sharding_settings
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.parallel.fsdp2 import FSDP2
 
     if cfg.fsdp.name == "none":
@@ -445,10 +445,10 @@ def test_the_command_line_refuses_a_key_the_default_option_ignores(tmp_path, ove
 
 def test_logging_trackers_is_read(tmp_path, monkeypatch):
     """logging.* is no group with options, so the walk above does not reach it: the trackers a run
-    builds (trainloop/trackers.py, before accelerate starts them) follow logging.trackers."""
+    builds (trainloop/observe/trackers.py, before accelerate starts them) follow logging.trackers."""
     from accelerate.tracking import GeneralTracker
 
-    from trainloop.trackers import TRACKERS
+    from trainloop.observe.trackers import TRACKERS
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # building the MLflow tracker sets it
 

@@ -30,7 +30,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 base = node.module if node.level == 0 else None
                 assert base is not None, f"{path}: relative import; name the module in full"
-                # `from trainloop import dcp` imports the module trainloop.dcp; `from x import f` imports x
+                # `from trainloop import dcp` imports the module trainloop.parallel.dcp; `from x import f` imports x
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
                 continue
@@ -64,9 +64,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_is_read_whole():
     graph = import_graph()
-    assert "trainloop.run" in graph and "trainloop.config" in graph["trainloop.run"]
-    assert "trainloop.errors" in graph["trainloop.config"]  # a top-level import
-    assert "trainloop.deepspeed" in graph["trainloop.accelerator"]  # a function-local one
+    assert "trainloop.run" in graph and "trainloop.config.compose" in graph["trainloop.run"]
+    assert "trainloop.errors" in graph["trainloop.config.compose"]  # a top-level import
+    assert "trainloop.parallel.deepspeed_config" in graph["trainloop.parallel.zero"]  # a function-local one
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -85,7 +85,24 @@ def test_checking_a_config_loads_neither_torch_nor_numpy():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom trainloop.config import compose_config\ncompose_config(['+preset=smoke'])\n"
+    code = ("import sys\nfrom trainloop.config.compose import compose_config\ncompose_config(['+preset=smoke'])\n"
             "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'datasets') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_root_holds_the_main_path_and_the_commands():
+    """trainloop/'s root is the main path (entry, run, build, loop and step, guard, export, errors, the
+    run's lifetime) and the command modules users type, each a thin entry point into its package;
+    everything else sits in a package named for its concern (issue 34)."""
+    commands = {"__main__", "plan", "doctor", "prepare", "reference", "report", "sweep", "verify_resume",
+                "deepspeed"}
+    root = {path.stem for path in PACKAGE.glob("*.py")}
+    assert commands <= root
+    assert len(root - commands) <= 15, sorted(root - commands)
+    for name in commands - {"__main__"}:
+        entry = (PACKAGE / f"{name}.py").read_text()
+        assert len(entry.splitlines()) <= 12 and 'if __name__ == "__main__":' in entry, name
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert {"config", "data", "model", "objectives", "optim", "parallel", "checkpoint", "memory", "observe",
+            "tools"} <= packages

@@ -89,7 +89,7 @@ def test_read_only_nvme_path_is_one_line_before_anything_is_built(tmp_path, read
 
 def test_first_use_op_build_is_announced_with_its_cache_folder(tmp_path, monkeypatch, caplog):
     """An empty extensions folder: DeepSpeed would compile; the log says what, and where it goes."""
-    from trainloop.deepspeed import announce_op_builds
+    from trainloop.parallel.deepspeed_config import announce_op_builds
 
     extensions = tmp_path / "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
@@ -108,7 +108,7 @@ def test_first_use_op_build_is_announced_with_its_cache_folder(tmp_path, monkeyp
 
 
 def test_built_ops_are_not_announced(caplog, deepspeed_ops, monkeypatch):
-    from trainloop.deepspeed import announce_op_builds
+    from trainloop.parallel.deepspeed_config import announce_op_builds
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     caplog.set_level(logging.INFO, logger="trainloop")

@@ -70,9 +70,9 @@ def test_uneven_targets_give_the_same_step_with_accumulation_and_on_two_processe
 def test_the_logged_loss_is_the_mean_over_the_steps_target_tokens(tmp_path, uneven_chat):
     """One step of batch 4 by hand, on data of exactly 4 training blocks (any order): summed token
     losses / their target tokens, which differs from the mean of per-block means here."""
-    from trainloop.config import compose_config
-    from trainloop.data import build_datasets, byte_level_tokenizer
-    from trainloop.model import build_model, build_model_config, special_token_ids
+    from trainloop.config.compose import compose_config
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
+    from trainloop.model.builder import build_model, build_model_config, special_token_ids
 
     rows = [json.loads(line) for line in uneven_chat.read_text().splitlines()][:5]
     five = write_rows(tmp_path / "five.jsonl", rows)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import compose, read_metrics, reset_accelerate, train
-from trainloop.config import ConfigError, check_command_line, compose_config, validate
-from trainloop.data import PackedBlocks
-from trainloop.mixture import MixtureBlocks, Schedule, build_training_data
+from trainloop.config.compose import ConfigError, check_command_line, compose_config, validate
+from trainloop.data.loaders import PackedBlocks
+from trainloop.data.mixture import MixtureBlocks, Schedule, build_training_data
 
 
 def counts_by_position(schedule: Schedule, positions: int, sources: int) -> list[list[int]]:
@@ -103,13 +103,13 @@ def test_the_command_line_form_composes_and_is_read(corpora):
     check_command_line(cfg, overrides)
     assert [(s.path, s.weight, s.name) for s in cfg.data.sources] == [
         (str(corpora[0]), 0.75, None), (str(corpora[1]), 0.25, "upper")]
-    from trainloop.checkpoint import run_fingerprint
+    from trainloop.checkpoint.compatibility import run_fingerprint
 
     assert run_fingerprint(cfg, 1)["data.sources"][1] == {"path": str(corpora[1]), "weight": 0.25, "name": "upper"}
 
 
 def test_an_unnamed_source_is_keyed_by_its_stem_unless_two_are_alike(corpora, tmp_path):
-    from trainloop.mixture import source_names
+    from trainloop.data.mixture import source_names
 
     a, b = corpora
     (tmp_path / "other").mkdir()
@@ -148,7 +148,7 @@ def test_sources_need_a_data_option_that_reads_paths(corpora):
 
 
 def test_a_missing_source_is_refused_naming_it(corpora, tmp_path):
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     cfg = compose("+preset=smoke", "data=files", SOURCES.format(a=corpora[0], b=tmp_path / "nothing_here"))
     validate(cfg)
@@ -191,9 +191,9 @@ def test_two_sources_follow_their_weights_and_resume_exactly(tmp_path, corpora):
 def test_the_run_reads_the_mixture_in_order_and_moves_it_each_epoch():
     from accelerate import Accelerator
 
-    from trainloop.data import build_dataloaders
+    from trainloop.data.loaders import build_dataloaders
     from trainloop.loop import TrainState, batches_forever
-    from trainloop.order import GlobalOrder
+    from trainloop.data.order import GlobalOrder
 
     reset_accelerate()
     mix = MixtureBlocks([blocks(30, 0), blocks(5, 1000)], [0.75, 0.25], seed=7)

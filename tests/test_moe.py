@@ -4,7 +4,7 @@ the router's real choices, and the model trains, exports and generates on 1 and 
 The load-balancing loss is transformers' (Switch Transformer's) over one forward's tokens: a product
 of per-batch means, so it does not split over samples. 2 processes at batch 4 therefore equal 1
 process at batch 4 with 2 accumulation steps (the same micro-batches of the same global batch,
-trainloop.order), not 1 process at batch 8.
+trainloop.data.order), not 1 process at batch 8.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ STEPS = 20
 # a coefficient large enough that balancing visibly acts within 20 steps (HF's default 0.001 barely does)
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.eval_every={STEPS}", "trainer.eval_batches=2",
        "logging.progress_bar=false", "checkpoint.keep_last=1", "model.router_aux_loss_coef=0.1",
-       "eval.prompts=['The ']", "eval.max_new_tokens=8"]  # every rank generates together (trainloop.samples)
+       "eval.prompts=['The ']", "eval.max_new_tokens=8"]  # every rank generates together (trainloop.observe.samples)
 TOLERANCE = 1e-5  # fp32 DDP against the 1-process run of the same micro-batches
 
 
@@ -91,10 +91,10 @@ def test_router_metrics_are_the_routers_choices():
     aux is transformers' load-balancing loss of that forward."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from trainloop.data import build_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives.causal_lm import CausalLM
-    from trainloop.router import RouterLoad
+    from trainloop.model.router import RouterLoad
 
     cfg = compose(*MOE)
     torch.manual_seed(0)
@@ -119,7 +119,7 @@ def test_router_metrics_are_the_routers_choices():
 def test_experts_without_tokens_still_get_a_gradient():
     """What DDP needs without find_unused_parameters: 3 tokens, 8 experts, top 1, so at least 5
     experts per block get no token; the stacked expert weights still all get a gradient."""
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives.causal_lm import CausalLM
 
     cfg = compose(*MOE, "model.num_experts=8", "model.experts_per_token=1")
@@ -143,8 +143,8 @@ def test_experts_without_tokens_still_get_a_gradient():
 def test_the_expert_keys_shape_the_model_and_its_router(key, value, field):
     """Each expert key reaches the Mixtral config (written to final/) and the loop's router.
     (test_ignored_keys checks that they are refused without model.arch=mixtral.)"""
-    from trainloop.model import build_model_config
-    from trainloop.router import RouterLoad
+    from trainloop.model.builder import build_model_config
+    from trainloop.model.router import RouterLoad
 
     cfg = compose(*MOE, f"model.{key}={value}")
     config = build_model_config(cfg.model, 320)
@@ -272,9 +272,9 @@ def test_the_export_check_counts_the_experts_written_in_the_checkpoint_layout(on
     check accepts that only if the elements add up, so a dropped expert tensor still fails it."""
     from safetensors.torch import load_file, save_file
 
-    from trainloop.data import build_tokenizer
+    from trainloop.data.loaders import build_tokenizer
     from trainloop.export import check_export, live_shapes
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
 
     cfg = compose(*MOE)
     live = live_shapes(build_model(cfg.model, build_model_config(cfg.model, len(build_tokenizer(None, None)))))

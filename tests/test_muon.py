@@ -1,5 +1,5 @@
 """optimizer=muon: torch.optim.Muon on the hidden layers' matrices, AdamW on the rest, built as one
-optimizer from one row of trainloop/optim.py's table. The 200-step comparison with AdamW is in
+optimizer from one row of trainloop/optim/optimizers.py's table. The 200-step comparison with AdamW is in
 BENCHMARKS.md (too slow for the suite)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import SMALL, build_and_step, compose, storage_bytes
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
 from trainloop.tools.plan import model_shape, plan_memory
 

@@ -8,7 +8,7 @@ import enum
 import logging
 import sys
 
-from trainloop.notices import LibraryNotices, built_for_another_python, cuda_build, says_nothing
+from trainloop.observe.notices import LibraryNotices, built_for_another_python, cuda_build, says_nothing
 
 THIS_PYTHON = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
 

@@ -18,10 +18,10 @@ PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
 DATA = Path(__file__).resolve().parent / "data"
 def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     """A batch of 4 training blocks from the run's own data, and the run's model (with its adapter)."""
-    from trainloop.adapter import apply_adapter
-    from trainloop.data import build_tokenizer
-    from trainloop.mixture import build_training_data
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.data.mixture import build_training_data
+    from trainloop.model.builder import build_model, build_model_config
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     train_set, _, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
@@ -44,7 +44,7 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
 
 
 def test_every_objective_has_its_config_and_its_test_needs():
-    from trainloop.config import CONFIG_DIR
+    from trainloop.config.compose import CONFIG_DIR
 
     assert set(OBJECTIVES) == set(OBJECTIVE_NEEDS) == {p.stem for p in (CONFIG_DIR / "objective").glob("*.yaml")}
 
@@ -67,7 +67,7 @@ def test_the_loss_and_its_units_add_up_over_micro_batches(name):
 def test_evaluation_is_the_summed_loss_per_unit(name):
     from accelerate import Accelerator
 
-    from trainloop.data import build_dataloaders
+    from trainloop.data.loaders import build_dataloaders
     from trainloop.parallel import build_strategy
 
     cfg = compose("+preset=smoke", f"objective={name}", *OBJECTIVE_NEEDS[name], "data.batch_size=4")

@@ -1,4 +1,4 @@
-"""The optimizer table (trainloop/optim.py) is the one place an optimizer is described: the
+"""The optimizer table (trainloop/optim/optimizers.py) is the one place an optimizer is described: the
 YAML options, validate(), the config reference and the planner all follow it. Nothing here
 names an optimizer: each test walks conf/optimizer/ and the table."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import REPO, compose
-from trainloop.config import CONFIG_DIR, ConfigError, validate
-from trainloop.optim import OPTIMIZERS, build_optimizer, planned_state_bytes
+from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
+from trainloop.optim.optimizers import OPTIMIZERS, build_optimizer, planned_state_bytes
 from trainloop.tools.plan import main as plan_main
 from trainloop.tools.plan import model_shape
 
@@ -76,8 +76,8 @@ def test_the_schedules_are_transformers_own(name, theirs):
     run ~2 s of peft and bitsandbytes imports); they are get_scheduler's, value for value."""
     from transformers import get_scheduler
 
-    from trainloop.schema import SchedulerConfig
-    from trainloop.optim import build_scheduler
+    from trainloop.config.schema import SchedulerConfig
+    from trainloop.optim.optimizers import build_scheduler
 
     for warmup, total in ((0, 1), (0, 50), (7, 50), (10, 500)):
         ours = build_scheduler(SchedulerConfig(name=name, warmup_steps=warmup), torch.optim.SGD([torch.zeros(1)], lr=1), total)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from helpers import SMALL, compose, launch, torchrun, train
-from trainloop.checkpoint import check_world_size_change
-from trainloop.config import ConfigError
-from trainloop.order import GlobalOrder, ValidationOrder
+from trainloop.checkpoint.compatibility import check_world_size_change
+from trainloop.config.compose import ConfigError
+from trainloop.data.order import GlobalOrder, ValidationOrder
+from trainloop.parallel.zero import DeepSpeedZeRO
 from trainloop.tools.verify_resume import compare
 
 # 108 training blocks (validation holds out 78 of the 79 whole documents): 13 global batches of 8
@@ -91,7 +92,7 @@ def test_the_permutation_is_a_bijection_that_changes_with_its_key(n):
     """Computed index by index (no array of the corpus's size), yet each sample exactly once."""
     import numpy as np
 
-    from trainloop.order import Permutation
+    from trainloop.data.order import Permutation
 
     image = Permutation(n, 1234, 0)[np.arange(n)]
     assert sorted(image.tolist()) == list(range(n))
@@ -106,7 +107,7 @@ def test_the_permutation_is_a_bijection_that_changes_with_its_key(n):
 def test_each_position_is_equally_likely_over_keys():
     import numpy as np
 
-    from trainloop.order import Permutation
+    from trainloop.data.order import Permutation
 
     where = np.bincount([int(np.flatnonzero(Permutation(10, 7, key)[np.arange(10)] == 0)[0]) for key in range(4000)],
                         minlength=10)
@@ -119,17 +120,18 @@ def fingerprint(world_size: int, batch_size: int, accumulation: int = 1) -> dict
 
 
 def test_another_world_size_needs_the_same_global_batch_and_ddp():
-    check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 8), deepspeed_stage=0)
-    check_world_size_change(Path("ckpt"), fingerprint(2, 4, 2), fingerprint(4, 1, 4), deepspeed_stage=0)
+    check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 8), keeps_world_size=None)
+    check_world_size_change(Path("ckpt"), fingerprint(2, 4, 2), fingerprint(4, 1, 4), keeps_world_size=None)
     with pytest.raises(ConfigError, match=r"2 process\(es\) x data.batch_size=4 x trainer.gradient_accumulation_steps="
                                           r"1 = 8 samples per step.*world_size: 2 -> 1.*resume with data.batch_size=8 "
                                           r"on 1 process"):
-        check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 4), deepspeed_stage=0)
+        check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 4), keeps_world_size=None)
     with pytest.raises(ConfigError, match=r"data.batch_size x trainer.gradient_accumulation_steps = 2"):
-        check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(4, 1, 3), deepspeed_stage=0)
+        check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(4, 1, 3), keeps_world_size=None)
     with pytest.raises(ConfigError, match=r"world_size: 2 -> 1.*DeepSpeed ZeRO \(deepspeed.stage=2\) each rank saves "
                                           r"its own partition"):
-        check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 8), deepspeed_stage=2)
+        check_world_size_change(Path("ckpt"), fingerprint(2, 4), fingerprint(1, 8),
+                                keeps_world_size=DeepSpeedZeRO.keeps_world_size(compose("deepspeed=zero2")))
 
 
 def on_two_processes(run_dir: Path, *overrides: str) -> str:
@@ -164,7 +166,7 @@ def slow_tokenizer(path: Path, passes: int):
     """A real tokenizer that is slow: the built-in bytes behind `passes` normalizer passes."""
     from tokenizers import normalizers
 
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
     tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Replace("e", "e")] * passes)
@@ -210,7 +212,7 @@ def test_a_waiting_rank_stops_when_the_builder_fails_or_dies(tmp_path):
     import subprocess
     import sys
 
-    from trainloop.node_turns import DataBuildFailed, wait_for, write_failure
+    from trainloop.data.node_turns import DataBuildFailed, wait_for, write_failure
 
     done, failed = tmp_path / "ready", tmp_path / "failed"
     builder = subprocess.Popen([sys.executable, "-c", "pass"])  # not reaped: a zombie once it ends

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import SMALL, build_and_step, clean_env, compose, launch, storage_bytes, torchrun
-from trainloop.optim import OPTIMIZERS
+from trainloop.optim.optimizers import OPTIMIZERS
 from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
 
 
@@ -54,8 +54,8 @@ def test_the_meta_model_has_the_live_model_shape(arch):
 def saved_activation_bytes(cfg, autocast: bool, dtype=torch.float32) -> int:
     """Bytes autograd keeps for the backward pass after one forward: the activations (of the model
     in `dtype`: bfloat16 computes as FSDP2's and DeepSpeed's 16-bit models do)."""
-    from trainloop.data import build_tokenizer
-    from trainloop.model import build_model, build_model_config
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.model.builder import build_model, build_model_config
 
     tokenizer = build_tokenizer(None, None)
     model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).to(dtype)

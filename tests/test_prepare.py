@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from helpers import compose, conversation, launch, prepare, read_metrics, train, write_rows
-from trainloop.config import ConfigError, check_command_line
+from trainloop.config.compose import ConfigError, check_command_line
 
 
 def blocks(*overrides: str):
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     cfg = compose("+preset=smoke", *overrides)
     return build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
@@ -35,7 +35,7 @@ def chat_jsonl(tmp_path) -> Path:
 @pytest.fixture
 def other_tokenizer(tmp_path) -> Path:
     """The byte-level tokenizer with one token more: another vocabulary."""
-    from trainloop.data import byte_level_tokenizer
+    from trainloop.data.loaders import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()
     tokenizer.add_tokens(["<|extra|>"])
@@ -76,7 +76,7 @@ def test_prepared_shards_give_the_blocks_of_the_on_the_fly_path(tmp_path, tiny_j
 
 
 def test_train_from_shards_maps_them_and_reads_blocks_on_demand(tmp_path, tiny_jsonl):
-    from trainloop.data import build_datasets, byte_level_tokenizer, data_fingerprint
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer, data_fingerprint
 
     prepare(tmp_path / "shards", "data=files", f"data.path={tiny_jsonl}", "data.text_field=content")
     cfg = compose("+preset=smoke", "data=prepared", f"data.path={tmp_path / 'shards'}")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import compose, train
-from trainloop.config import ConfigError, validate
+from trainloop.config.compose import ConfigError, validate
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear"}
 

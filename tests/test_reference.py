@@ -1,4 +1,4 @@
-"""docs/config-reference.md is generated from trainloop/config.py and conf/, and kept current."""
+"""docs/config-reference.md is generated from trainloop/config/compose.py and conf/, and kept current."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from omegaconf import OmegaConf
 
 from helpers import REPO, compose, launch
-from trainloop.config import CONFIG_DIR
+from trainloop.config.compose import CONFIG_DIR
 from trainloop.tools.reference import DOCS_FILE, field_docs, render
 
 
@@ -120,7 +120,7 @@ def test_every_key_and_option_is_described():
     undocumented = [row.split("|")[1].strip() for row in render().splitlines()
                     if row.startswith("| `") and not row.rstrip(" |").split("|")[-1].strip()]
     assert not undocumented, (f"no description for {undocumented}: add a trailing comment to the field "
-                              "in trainloop/config.py, or a leading comment to the conf/ file")
+                              "in trainloop/config/compose.py, or a leading comment to the conf/ file")
 
 
 def test_descriptions_come_from_trailing_or_preceding_comments():

@@ -100,7 +100,7 @@ def test_a_resumed_run_keeps_the_last_value_of_each_step(two_runs, tmp_path):
 
 
 def test_gpu_telemetry_draws_peak_reserved_and_rss(two_runs, tmp_path):
-    """The GPU fields trainloop.telemetry writes on CUDA, added to a CPU run's telemetry lines."""
+    """The GPU fields trainloop.observe.telemetry writes on CUDA, added to a CPU run's telemetry lines."""
     run = tmp_path / "gpu"
     run.mkdir()
     with open(run / "metrics.jsonl", "w") as f:

@@ -181,7 +181,7 @@ def test_cpu_adam_resumes_bitwise(deepspeed_ops, monkeypatch):
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from trainloop.deepspeed import restore_cpu_adam_step_count
+    from trainloop.parallel.deepspeed_config import restore_cpu_adam_step_count
 
     def train(params, optimizer, steps):
         for step in steps:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import SMALL, alive, clean_env, end_family, family, launch, start, torchrun
-from trainloop.config import ConfigError
+from trainloop.config.compose import ConfigError
 from trainloop.rundir import RUN_LOCK, hold_run_dir, run_dir_problem
 
 

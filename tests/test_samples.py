@@ -33,9 +33,9 @@ def test_samples_at_every_evaluation_are_final_models_and_leave_training_as_it_w
      r"eval.prompts\[0\] is 4 tokens and eval.max_new_tokens=2000: together longer than the model's context of 1024"),
 ])
 def test_prompts_that_cannot_be_completed_are_refused(overrides, message):
-    from trainloop.config import ConfigError
-    from trainloop.data import build_tokenizer
-    from trainloop.samples import Samples
+    from trainloop.config.compose import ConfigError
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.observe.samples import Samples
 
     cfg = compose("+preset=smoke", *overrides)
     with pytest.raises(ConfigError, match=message):
@@ -43,7 +43,7 @@ def test_prompts_that_cannot_be_completed_are_refused(overrides, message):
 
 
 def test_max_new_tokens_without_prompts_is_refused_naming_eval_prompts():
-    from trainloop.config import ConfigError, check_command_line
+    from trainloop.config.compose import ConfigError, check_command_line
 
     overrides = ["eval.max_new_tokens=8"]
     with pytest.raises(ConfigError, match=r"eval.max_new_tokens=8 has no effect unless eval.prompts=\[...\]"):

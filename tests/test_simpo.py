@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import SMALL, compose, launch, read_metrics, torchrun, train, write_rows
-from trainloop.config import ConfigError, check_command_line, validate
+from trainloop.config.compose import ConfigError, check_command_line, validate
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
 SIMPO = ["data=preference", "objective=simpo", f"data.path={PAIRS}"]
@@ -38,7 +38,7 @@ def trl_cpo(beta: float, gamma: float, label_smoothing: float):
 
 
 def pairs_batch(cfg, n: int) -> dict:
-    from trainloop.data import build_datasets, byte_level_tokenizer
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
 
     train_set, _ = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
     return {key: value[:n] for key, value in train_set.tensors.items()}
@@ -50,7 +50,7 @@ def pairs_batch(cfg, n: int) -> dict:
 def test_the_loss_rewards_and_logps_are_trls_on_the_same_batch(label_smoothing):
     """TRL's CPOTrainer computes its SimPO loss and metrics (its forward with an attention mask,
     its per-token mean, its cpo_loss) on the same tiny model and the same data=preference pairs."""
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
 
     cfg = compose("+preset=smoke", *SIMPO, "objective.beta=2.5", "objective.gamma=1.375",
@@ -80,7 +80,7 @@ def test_the_loss_rewards_and_logps_are_trls_on_the_same_batch(label_smoothing):
 def test_a_tie_counts_half_and_the_margin_gamma_is_the_loss_at_a_tie():
     """Chosen identical to rejected: rewards tie, the accuracy is a coin flip (0.5), and the loss is
     -log sigmoid(-gamma) for every pair."""
-    from trainloop.model import build_model, build_model_config
+    from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
 
     cfg = compose("+preset=smoke", *SIMPO)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import compose, reset_accelerate
-from trainloop.config import validate
+from trainloop.config.compose import validate
 from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
 
 # A config that chooses each row (a new row adds its own).

@@ -14,7 +14,7 @@ import math
 import pytest
 
 from helpers import launch
-from trainloop.config import compose_config
+from trainloop.config.compose import compose_config
 from trainloop.tools import suggest as suggestion
 from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, model_shape, plan_memory
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import read_metrics, train
-from trainloop.tools.hardware import GpuReading
-from trainloop.telemetry import Telemetry
+from trainloop.observe.hardware import GpuReading
+from trainloop.observe.telemetry import Telemetry
 
 
 def test_a_run_with_telemetry_records_rss_and_data_wait(tmp_path):

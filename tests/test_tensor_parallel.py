@@ -178,7 +178,7 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
      "parallel.sequence_parallel=true needs parallel.tp_size > 1"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_compute(overrides, says):
-    from trainloop.config import ConfigError, validate
+    from trainloop.config.compose import ConfigError, validate
 
     with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("[", r"\[")):
         validate(compose("+preset=[smoke,tp]", *overrides))
@@ -191,7 +191,7 @@ def test_a_pretrained_models_plan_and_widths_are_checked_when_it_is_built():
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     from trainloop.errors import ConfigError
-    from trainloop.tensor_parallel import split_dimension, tensor_parallel_plan
+    from trainloop.parallel.tensor_parallel import split_dimension, tensor_parallel_plan
 
     llama = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1)
     plan = tensor_parallel_plan(LlamaConfig(**llama, num_key_value_heads=2), 2)
@@ -226,10 +226,10 @@ def test_sequence_parallelism_keeps_frozen_weights_frozen_and_names_the_layout_i
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, Gemma2Config
 
-    from trainloop.adapter import apply_adapter
+    from trainloop.model.adapter import apply_adapter
     from trainloop.errors import ConfigError
-    from trainloop.model import build_model, build_model_config
-    from trainloop.tensor_parallel import (apply_tensor_parallel, sequence_parallel_norms, sequence_parallel_problem,
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.parallel.tensor_parallel import (apply_tensor_parallel, sequence_parallel_norms, sequence_parallel_problem,
                                            tensor_parallel_plan)
 
     cfg = compose("+preset=[smoke,tp,lora]", "parallel.sequence_parallel=true")
@@ -265,9 +265,9 @@ def test_the_planner_splits_what_the_split_splits_and_leaves_a_mixtures_experts_
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from trainloop.adapter import apply_adapter
-    from trainloop.model import build_model, build_model_config
-    from trainloop.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
     from trainloop.tools.plan import model_shape
 
     cfg = compose("+preset=[smoke,tp" + (",lora]" if adapter == "lora" else "]"), "model.arch=mixtral",

@@ -13,7 +13,7 @@ from helpers import REPO, clean_env
 HANGS = '''
 import time
 
-import trainloop.accelerator  # noqa: F401 - conftest's autouse fixture imports it (torch): at collection, untimed
+import trainloop.parallel.accelerator  # noqa: F401 - conftest's autouse fixture imports it (torch): at collection, untimed
 
 
 def test_hangs():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step
-from trainloop.trackers import TRACKERS, Trackers
+from trainloop.observe.trackers import TRACKERS, Trackers
 
 
 def by_step(records: list[dict], key: str) -> dict[int, float]:
@@ -186,7 +186,7 @@ def write_through_metrics(run_dir: Path, tracker: str):
     """Start `tracker` on a real Accelerator and write records through Metrics, as a run does."""
     from accelerate import Accelerator
 
-    from trainloop.metrics import Metrics
+    from trainloop.observe.metrics import Metrics
 
     reset_accelerate()
     accelerator = Accelerator(cpu=True)

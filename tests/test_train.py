@@ -35,7 +35,7 @@ def test_loader_workers_load_the_batches_one_process_loads(method):
     deliver the same batches, in the same order, as loading in the training process."""
     import torch
 
-    from trainloop.data import PackedBlocks, build_dataloaders
+    from trainloop.data.loaders import PackedBlocks, build_dataloaders
 
     blocks = PackedBlocks(torch.arange(40 * 8).view(40, 8))
 
@@ -78,8 +78,9 @@ def test_an_in_process_run_leaves_torch_distributed_as_it_found_it(tmp_path):
     import torch.distributed as dist
     from accelerate.utils import DistributedType
 
-    from trainloop.accelerator import PROCESS_GROUP_ENV, build_accelerator
-    from trainloop.config import ConfigError
+    from trainloop.parallel.accelerator import build_accelerator
+    from trainloop.parallel.process_group import PROCESS_GROUP_ENV
+    from trainloop.config.compose import ConfigError
 
     env = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
     assert not dist.is_initialized()

@@ -1,6 +1,6 @@
 """trainloop: Hydra configs composed into one hand-written Accelerate training loop."""
 
-from trainloop.notices import quiet_library_notices
+from trainloop.observe.notices import quiet_library_notices
 
 __version__ = "0.1.0"
 

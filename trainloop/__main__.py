@@ -65,7 +65,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from trainloop.config import CONFIG_DIR, ConfigError, check_command_line, register_configs
+    from trainloop.config.compose import CONFIG_DIR, ConfigError, check_command_line, register_configs
     from trainloop.lifetime import register_forked_children, watch_launcher
 
     register_configs()
@@ -77,8 +77,8 @@ def main() -> None:
     def app(cfg: DictConfig) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
-        from trainloop.rundir import LaunchRecord
         from trainloop.run import run
+        from trainloop.rundir import LaunchRecord
 
         nonlocal run_started
         run_started = True

@@ -29,7 +29,7 @@ class Built:
     objective: Any  # trainloop.objectives.Objective
     tokenizer: Any
     model_config: Any
-    samples: Any  # trainloop.samples.Samples, or None without eval.prompts
+    samples: Any  # trainloop.observe.samples.Samples, or None without eval.prompts
     train_set: Any
     valid_set: Any
     model: Any
@@ -40,7 +40,7 @@ class Built:
     flops_per_token: float
     batch_size: int  # the per-device micro-batch the run takes: data.batch_size, or the one trainer.auto_batch_size settled
     accumulation: int  # micro-batches per optimizer step: trainer.gradient_accumulation_steps, or the settled one
-    batch_search: Any = None  # trainloop.batch_size.BatchSearch with trainer.auto_batch_size
+    batch_search: Any = None  # trainloop.memory.batch_size.BatchSearch with trainer.auto_batch_size
 
 
 def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, blocks=None,
@@ -55,21 +55,21 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     import torch
     from accelerate.utils import set_seed
 
-    from trainloop import fp8
-    from trainloop.adapter import apply_adapter, check_targets
-    from trainloop.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
-    from trainloop.compile import compile_model
-    from trainloop.data import build_dataloaders, carry_chat_template, check_batch_fits, trained_chat_template
+    from trainloop.data.loaders import build_dataloaders, carry_chat_template, check_batch_fits, trained_chat_template
+    from trainloop.data.mixture import build_training_data
+    from trainloop.data.node_turns import build_once_per_node
+    from trainloop.data.order import GlobalOrder
+    from trainloop.data.tokenizer import build_tokenizer
     from trainloop.errors import ConfigError
-    from trainloop.flops import flops_per_token, trained_matmul_params
-    from trainloop.mixture import build_training_data
-    from trainloop.model import build_model, build_model_config, context_length, special_token_ids
-    from trainloop.node_turns import build_once_per_node
+    from trainloop.memory.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
+    from trainloop.model import fp8
+    from trainloop.model.adapter import apply_adapter, check_targets
+    from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
+    from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective
-    from trainloop.optim import build_optimizer, build_scheduler
-    from trainloop.order import GlobalOrder
-    from trainloop.samples import Samples
-    from trainloop.tokenizer import build_tokenizer
+    from trainloop.observe.flops import flops_per_token, trained_matmul_params
+    from trainloop.observe.samples import Samples
+    from trainloop.optim.optimizers import build_optimizer, build_scheduler
 
     accelerator = strategy.accelerator
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
@@ -130,7 +130,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     # Stepped by the loop once per optimizer step; accelerate would step a prepared one once per
     # process, changing the schedule with the world size.
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
-    # The loaders are already this rank's share (trainloop.order): accelerate must not shard them again.
+    # The loaders are already this rank's share (trainloop.data.order): accelerate must not shard them again.
     model, optimizer = strategy.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     objective.start(strategy, model, None if frozen is None else strategy.prepare_frozen(frozen),

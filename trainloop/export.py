@@ -87,7 +87,7 @@ def check_token_ids(directory: Path, tokenizer) -> None:
     """config.json and generation_config.json name the tokenizer's own bos/eos/pad ids, each
     inside the vocabulary: an id the model cannot emit, or one naming another token, makes
     `generate` run on past the end of the text or stop in the middle of it."""
-    from trainloop.model import SPECIAL_TOKENS
+    from trainloop.model.builder import SPECIAL_TOKENS
 
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
     wanted = {key: getattr(tokenizer, key) for key in SPECIAL_TOKENS}
@@ -141,7 +141,7 @@ def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
 
 def for_inference(model):
     """The KV cache back on in config.json and generation_config.json: training turns it off
-    (trainloop.model), and a model saved that way generates without a cache, 2-3x slower."""
+    (trainloop.model.builder), and a model saved that way generates without a cache, 2-3x slower."""
     model.config.use_cache = True
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = True
@@ -207,8 +207,8 @@ def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dic
     from peft.utils import set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from trainloop.adapter import wrap_lora
-    from trainloop.model import SPECIAL_TOKENS, carry_token_ids
+    from trainloop.model.adapter import wrap_lora
+    from trainloop.model.builder import SPECIAL_TOKENS, carry_token_ids
 
     live_config = peft_model.get_base_model().config
     if cfg.model.quantization != "none":

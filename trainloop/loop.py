@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from trainloop.mixture import source_names
-from trainloop.offload import ActivationOffload
-from trainloop.profiler import StepProfiler
+from trainloop.data.mixture import source_names
+from trainloop.memory.offload import ActivationOffload
+from trainloop.observe.profiler import StepProfiler
+from trainloop.observe.telemetry import Telemetry
 from trainloop.step import train_step
-from trainloop.telemetry import Telemetry
 
 
 @dataclass
@@ -21,7 +21,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    samples_in_epoch: int = 0  # samples of this epoch already consumed, over all ranks (trainloop.order)
+    samples_in_epoch: int = 0  # samples of this epoch already consumed, over all ranks (trainloop.data.order)
     tokens_seen: int = 0  # over all ranks
     tokens_per_source: dict = field(default_factory=dict)  # data.sources: tokens_seen by source name
     nonfinite_steps: int = 0  # updates skipped because the loss or gradient norm was NaN/Inf
@@ -36,7 +36,7 @@ class TrainState:
 
 def batches_forever(accelerator, loader, state: TrainState):
     """Yield this rank's training batches epoch after epoch, on its device, keeping
-    state.epoch/samples_in_epoch exact. The loader's batch_sampler is a trainloop.order.GlobalOrder:
+    state.epoch/samples_in_epoch exact. The loader's batch_sampler is a trainloop.data.order.GlobalOrder:
     a resumed run starts mid-epoch at a sample position, not by loading data."""
     from accelerate.utils import send_to_device
 
@@ -58,7 +58,7 @@ def batches_forever(accelerator, loader, state: TrainState):
 
 
 def step_batches(batches, accumulation: int) -> list[dict]:
-    """The micro-batches of one optimizer step: an epoch holds whole global batches only (trainloop.order)."""
+    """The micro-batches of one optimizer step: an epoch holds whole global batches only (trainloop.data.order)."""
     return [next(batches) for _ in range(accumulation)]
 
 
@@ -66,10 +66,10 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
           state: TrainState, metrics, checkpointer, guard, samples=None) -> float | None:
     """Run optimizer steps (trainloop.step) until trainer.max_steps (or a stop); return the last
     validation loss. `strategy` (trainloop.parallel) spreads the model over the processes,
-    `objective` (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.samples,
+    `objective` (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.observe.samples,
     from eval.prompts) generates at every evaluation."""
     tc, accelerator = cfg.trainer, strategy.accelerator
-    order = train_loader.batch_sampler  # trainloop.order.GlobalOrder: the batch and accumulation the run takes
+    order = train_loader.batch_sampler  # trainloop.data.order.GlobalOrder: the batch and accumulation the run takes
     tokens_per_batch = order.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
     telemetry = Telemetry(cfg.logging.telemetry_every, accelerator.device)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainloop.config import check_complete, validate
+from trainloop.config.compose import check_complete, validate
 from trainloop.rundir import LaunchRecord, hold_run_dir, same_command
 
 log = logging.getLogger("trainloop")
@@ -26,7 +26,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None
     on); `record`, this launch's Hydra files, is written to run_dir/.hydra once the run is
     accepted: config, data and checkpoint checked, just before the first step.
     """
-    from trainloop.accelerator import distributed_as_found
+    from trainloop.parallel.process_group import distributed_as_found
 
     check_complete(cfg)
     validate(cfg)
@@ -37,20 +37,20 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None
 def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None) -> float | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
 
-    from trainloop.accelerator import agree_run_dir, build_accelerator
-    from trainloop.batch_size import with_batch
     from trainloop.build import build
-    from trainloop.checkpoint import Checkpointer
+    from trainloop.checkpoint.checkpointer import Checkpointer
+    from trainloop.data.formats import data_format
     from trainloop.errors import Preempted
     from trainloop.export import export_model
-    from trainloop.flops import peak_tflops
-    from trainloop.formats import data_format
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
-    from trainloop.metrics import Metrics, library_progress_bars
+    from trainloop.memory.batch_size import with_batch
+    from trainloop.observe.flops import peak_tflops
+    from trainloop.observe.metrics import Metrics, library_progress_bars
+    from trainloop.observe.trackers import Trackers
     from trainloop.parallel import build_strategy, full_numel
+    from trainloop.parallel.accelerator import agree_run_dir, build_accelerator
     from trainloop.preemption import Preemption
-    from trainloop.trackers import Trackers
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
     library_progress_bars(cfg.logging.progress_bar, loads_rows=data_format(cfg.data.name).loads_rows)

@@ -25,7 +25,7 @@ __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read
 
 
 def build_objective(cfg, device) -> Objective:
-    """The objective the config names (`objective.name`, one of OBJECTIVES: trainloop.config checks it)."""
+    """The objective the config names (`objective.name`, one of OBJECTIVES: trainloop.config.compose checks it)."""
     return OBJECTIVES[cfg.objective.name](cfg, device)
 
 
@@ -64,7 +64,7 @@ def items(row) -> str | None:
 
 
 def problems(cfg, data_format=None) -> list[str]:
-    """The chosen objective's own checks, and whether the data (its format's row, trainloop.formats)
+    """The chosen objective's own checks, and whether the data (its format's row, trainloop.data.formats)
     holds what it trains on."""
     objective = OBJECTIVES.get(cfg.objective.name)
     if objective is None:  # refused with the other choices

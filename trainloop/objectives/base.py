@@ -48,7 +48,7 @@ class Objective:
     reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
     # KEY of reads -> (does this config read it?, what makes it read): a key it reads only in some settings
     read_when: dict = {}
-    chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.chunked_loss
+    chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.objectives.chunked_loss
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
     headline: tuple[str, ...] = ()  # window() keys the progress bar and the log line show beside loss and lr
 
@@ -100,7 +100,7 @@ class Objective:
 
     def evaluate(self, strategy, model, loader, max_batches: int | None) -> dict:
         """The eval line's values over the validation split, identical on every rank. `loader` reads
-        this rank's share in a trainloop.order.ValidationOrder, every item by one rank; max_batches
+        this rank's share in a trainloop.data.order.ValidationOrder, every item by one rank; max_batches
         (trainer.eval_batches) counts global batches. The micro-batches past its `counted` ones run
         their forward (a sharded model needs every rank in it) and are not counted."""
         import torch

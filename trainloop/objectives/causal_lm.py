@@ -1,14 +1,14 @@
 """Next-token prediction: cross-entropy on every target token (labels not IGNORE), and, for a
 mixture of experts (model.arch=mixtral), the router's load-balancing loss. With
 trainer.loss_chunk_tokens=N the cross-entropy is taken N tokens at a time, never through the full
-logits (trainloop/chunked_loss.py)."""
+logits (trainloop/objectives/chunked_loss.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from trainloop.data.tokenizer import IGNORE
 from trainloop.objectives.base import BatchLoss, Objective, loss_sums
-from trainloop.tokenizer import IGNORE
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -30,7 +30,7 @@ class CausalLM(Objective):
     chunks_loss = True
 
     def __init__(self, cfg, device):
-        from trainloop.router import RouterLoad
+        from trainloop.model.router import RouterLoad
 
         self.router = RouterLoad.for_model(cfg.model, device)
         self.chunk = cfg.trainer.loss_chunk_tokens
@@ -39,7 +39,7 @@ class CausalLM(Objective):
         return (batch["labels"][:, 1:] != IGNORE).sum()
 
     def batch_loss(self, model, batch: dict) -> BatchLoss:
-        from trainloop.chunked_loss import next_token_nll
+        from trainloop.objectives.chunked_loss import next_token_nll
 
         summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)
         if self.router is None:
@@ -48,7 +48,7 @@ class CausalLM(Objective):
         return BatchLoss(summed, self.router.coef * self.router.aux)
 
     def eval_sums(self, model, batch: dict) -> torch.Tensor:
-        from trainloop.chunked_loss import next_token_nll
+        from trainloop.objectives.chunked_loss import next_token_nll
 
         # no routing recorded: the train line's window is training's
         return loss_sums(next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)[0], self.count(batch))

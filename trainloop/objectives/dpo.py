@@ -35,7 +35,7 @@ def reference_model(model):
 
 
 def pair_tensors(dataset) -> dict:
-    """A preference set's own columns (trainloop.packing.PairBlocks), without precomputed ones."""
+    """A preference set's own columns (trainloop.data.packing.PairBlocks), without precomputed ones."""
     return {key: t for key, t in dataset.tensors.items() if key != PRECOMPUTED}
 
 
@@ -85,10 +85,6 @@ class DPO(PairObjective):
         if o.loss_type != "robust" and o.label_smoothing != 0.0:
             problems.append(f"objective.label_smoothing={o.label_smoothing} is read only by objective.loss_type=robust "
                             f"(objective.loss_type is {o.loss_type}): choose robust, or drop it")
-        if cfg.adapter.name == "none" and cfg.deepspeed.stage == 3 and cfg.deepspeed.zero3_init:
-            problems.append("deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a "
-                            "copy of the model as built, and zero.Init builds it already partitioned; set "
-                            "deepspeed.zero3_init=false (the copy is then partitioned like the policy), or adapter=lora")
         if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
             problems.append("objective=dpo does not add a mixture's router loss (model.router_aux_loss_coef): "
                             "use model.arch=llama or gpt2")

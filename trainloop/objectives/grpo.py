@@ -3,7 +3,7 @@ GRPOTrainer computes it (`_generate_and_score_completions`, `_compute_loss`).
 
 Each step, every rank samples objective.num_generations completions for each of its prompts with
 the current policy (objective.temperature, top_p, max_new_tokens), scores them with the reward
-functions (trainloop.rewards: weighted, None skipped) and normalises each completion's reward
+functions (trainloop.objectives.rewards: weighted, None skipped) and normalises each completion's reward
 within its group of the same prompt (objective.scale_rewards: by the group's std, the step's
 global batch's, or none). The loss is the clipped policy ratio times the advantage per completion
 token, plus beta x the KL to the reference (the model with its LoRA adapters disabled, or a full
@@ -155,8 +155,8 @@ class GRPO(Objective):
     def __init__(self, cfg, device):
         import torch
 
-        from trainloop.rewards import Rewards
-        from trainloop.tokenizer import build_tokenizer, pad_id
+        from trainloop.data.tokenizer import build_tokenizer, pad_id
+        from trainloop.objectives.rewards import Rewards
 
         o = self.cfg = cfg.objective
         self.rewards = Rewards(o.rewards, o.reward_weights)
@@ -187,7 +187,7 @@ class GRPO(Objective):
 
     @staticmethod
     def problems(cfg) -> list[str]:
-        from trainloop.rewards import reward_problems
+        from trainloop.objectives.rewards import reward_problems
 
         o, problems = cfg.objective, []
         problems += reward_problems(o.rewards, o.reward_weights)
@@ -261,7 +261,7 @@ class GRPO(Objective):
 
     def generate(self, strategy, model, batch: dict, seed: int) -> dict:
         """num_generations completions of each prompt of the batch, sampled from `seed`'s generator,
-        every rank taking part in every forward (trainloop.samples says why)."""
+        every rank taking part in every forward (trainloop.observe.samples says why)."""
         import torch
 
         keep = batch["prompt_mask"].any(0)  # the columns where some prompt has a token: the rest is padding

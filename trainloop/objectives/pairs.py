@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from trainloop.data.tokenizer import IGNORE
 from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.tokenizer import IGNORE
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -25,10 +25,10 @@ def completion_logps(model, batch: dict, chunk: int = 0) -> tuple[torch.Tensor, 
     """Each sequence's summed log-probability of its completion tokens, chosen rows first then
     rejected, from one forward of both; and each one's completion tokens. `chunk`
     (trainer.loss_chunk_tokens): the output layer scores that many tokens at a time, never
-    holding the full logits (trainloop.chunked_loss); 0: through the full logits."""
+    holding the full logits (trainloop.objectives.chunked_loss); 0: through the full logits."""
     import torch
 
-    from trainloop.chunked_loss import token_logps
+    from trainloop.objectives.chunked_loss import token_logps
 
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])

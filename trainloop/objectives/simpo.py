@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from trainloop.data.tokenizer import IGNORE
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
-from trainloop.tokenizer import IGNORE
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch

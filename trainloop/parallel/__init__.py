@@ -1,10 +1,13 @@
 """Which parallelism runs, and every question that depends on it, answered by one Strategy.
 
-A row of STRATEGIES is chosen from the config (parallel.tp_size > 1, deepspeed=zero*,
-fsdp=full_shard, else data parallel, which is also the one-process case): how the model is
-wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full state
-dict gathered for export, the log line, its own config checks, and the data-parallel size and
-rank that the sample order, the loss normalisation, the batch and the checkpoint fingerprint read. A parameter's full shape and
+A row of STRATEGIES is chosen from the config (parallel.tp_size > 1, fsdp=full_shard, deepspeed=zero*,
+else data parallel, which is also the one-process case). Before anything is built its class answers
+the Accelerator's arguments, the checks of its keys, whether its checkpoints reshard, the planner's
+and `plan --suggest`'s terms (memory, traffic, layouts) and the doctor's view; once built, how the
+model is wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full
+state dict gathered for export, the log line, and the data-parallel size and rank that the sample
+order, the loss normalisation, the batch and the checkpoint fingerprint read. Outside this package
+only the config's composition and checks read the strategies' keys. A parameter's full shape and
 local shard are asked in trainloop.parallel.tensors, never by probing parameters elsewhere. A new
 strategy is one module with a Strategy subclass and one row here (docs/extending.md).
 """
@@ -25,8 +28,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fsdp2_tp": FSDP2xTP,  # parallel.tp_size > 1 (with fsdp=full_shard): a dp_shard x tp mesh
 }
 
-__all__ = ["STRATEGIES", "Strategy", "build_strategy", "chosen", "full_numel", "full_shape", "local_shard",
-           "problems", "running"]
+__all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "chosen", "full_numel", "full_shape", "layouts",
+           "local_shard", "problems", "row", "running"]
 
 
 def chosen(cfg) -> str:
@@ -38,8 +41,22 @@ def chosen(cfg) -> str:
     return "zero" if cfg.deepspeed.stage else "ddp"
 
 
+def row(cfg) -> type[Strategy]:
+    """The chosen strategy's class: what it answers before anything is built (planner, doctor, checks)."""
+    return STRATEGIES[chosen(cfg)]
+
+
 def build_strategy(cfg, accelerator) -> Strategy:
-    return STRATEGIES[chosen(cfg)](cfg, accelerator)
+    return row(cfg)(cfg, accelerator)
+
+
+def layouts(gpus_per_node: int) -> dict[str, dict]:
+    """Every layout `plan --suggest` weighs, each strategy's in the table's order."""
+    return {name: layout for strategy in STRATEGIES.values() for name, layout in strategy.layouts(gpus_per_node).items()}
+
+
+# every strategy's keys at the values that turn it off: each layout sets all of them
+OFF = {key: value for strategy in STRATEGIES.values() for key, value in strategy.off.items()}
 
 
 def problems(cfg) -> list[str]:

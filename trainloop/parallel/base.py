@@ -68,6 +68,16 @@ class Strategy:
         return self.accelerator.reduce(tensor, reduction="sum") if self.world_size > 1 else tensor
 
     # -- the build -------------------------------------------------------------------------------
+    @staticmethod
+    def accelerator_arguments(cfg, on_cuda: bool) -> tuple[dict, dict]:
+        """Accelerator(...)'s arguments for this strategy, and its process group's (InitProcessGroupKwargs);
+        called before the accelerator, and the strategy, exist."""
+        return ({} if on_cuda else {"cpu": True}), {}  # no GPU: MULTI_CPU over gloo when launched as several
+
+    @staticmethod
+    def accelerator_built(cfg) -> None:
+        """Called once the Accelerator is built, before the model is."""
+
     def builds_on_meta(self) -> bool:
         """Whether this process builds the model's shapes only, its weights coming from another."""
         return False
@@ -125,6 +135,26 @@ class Strategy:
         acc = self.accelerator
         return f"{acc.num_processes} process(es), {acc.device}, backend {acc.state.backend}"
 
+    # -- the planner's, --suggest's and the doctor's terms ---------------------------------------------
+    # this strategy's keys at the values that turn it off: a layout --suggest weighs sets every row's,
+    # so neither the user's overrides nor a preset can leave a stale one behind
+    off: dict = {}
+
+    @staticmethod
+    def layouts(gpus_per_node: int) -> dict[str, dict]:
+        """The layouts `plan --suggest` weighs with this strategy: a name -> the overrides that choose it."""
+        return {}
+
+    @staticmethod
+    def tensor_parallel(cfg) -> tuple[int, bool]:
+        """(how many processes split each layer, whether the sequence is split too) for the planner."""
+        return 1, False
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        """This strategy's own keys as the config sets them (the doctor reports and checks them)."""
+        return {}
+
     @staticmethod
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """The planner's model-state lines for one process (trainloop.tools.plan): parameters,
@@ -138,6 +168,12 @@ class Strategy:
         Transfers appended to `plan.traffic` (the bytes it sends in each collective, and over PCIe
         to and from an offloaded copy), counted as the ZeRO paper counts them (ring collectives)."""
         raise NotImplementedError
+
+    @staticmethod
+    def keeps_world_size(cfg) -> str | None:
+        """Why this strategy's checkpoints resume only on the world size that saved them (each rank's
+        files hold its own partition), for the refusal's message; None: they load at any world size."""
+        return None
 
     @staticmethod
     def problems(cfg) -> list[str]:

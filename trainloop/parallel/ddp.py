@@ -38,6 +38,10 @@ def expect_trainable(path: Path, model) -> None:
 class DataParallel(Strategy):
     name = "ddp"
 
+    @staticmethod
+    def layouts(gpus_per_node: int) -> dict[str, dict]:
+        return {"DDP": {}}
+
     def save_state(self, directory, model, adapter_only: bool) -> None:
         acc = self.accelerator
         if not adapter_only:
@@ -64,7 +68,7 @@ class DataParallel(Strategy):
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """Every rank holds the whole model in fp32, its gradients and optimizer state; DDP adds its
         gradient buckets."""
-        from trainloop.optim import planned_state_bytes, planned_step_temporaries
+        from trainloop.optim.optimizers import planned_state_bytes, planned_step_temporaries
         from trainloop.parallel.memory import QUANTIZED_BYTES, Line
 
         add, opt = plan.lines.append, cfg.optimizer

@@ -1,11 +1,12 @@
-"""PyTorch FSDP2 (fsdp=full_shard), applied by trainloop (trainloop/fsdp.py): parameters, gradients
-and optimizer state are DTensors sharded over the ranks; checkpoints in DCP format (trainloop/dcp.py)."""
+"""PyTorch FSDP2 (fsdp=full_shard), applied by trainloop (trainloop/parallel/sharding.py): parameters, gradients
+and optimizer state are DTensors sharded over the ranks; checkpoints in DCP format (trainloop/parallel/dcp.py)."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 from trainloop.parallel.base import Strategy, running
+from trainloop.parallel.process_group import single_process_group_env
 from trainloop.parallel.tensors import is_dtensor
 
 
@@ -13,6 +14,21 @@ class FSDP2(Strategy):
     name = "fsdp2"
     saves_async = True
     autocast = False  # MixedPrecisionPolicy: blocks compute on bf16 copies of the fp32 shards
+    off = {"fsdp": "none", "fsdp.offload": "none"}
+
+    @staticmethod
+    def layouts(gpus_per_node: int) -> dict[str, dict]:
+        return {"FSDP2": {"fsdp": "full_shard"}, "FSDP2 + CPU offload": {"fsdp": "full_shard", "fsdp.offload": "cpu"}}
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        return {"fsdp.name": cfg.fsdp.name, "fsdp.offload": cfg.fsdp.offload,
+                "fsdp.reshard_after_forward": cfg.fsdp.reshard_after_forward}
+
+    @staticmethod
+    def accelerator_arguments(cfg, on_cuda: bool) -> tuple[dict, dict]:
+        single_process_group_env()  # FSDP2's device mesh needs a process group, even of one
+        return Strategy.accelerator_arguments(cfg, on_cuda)
 
     def builds_on_meta(self) -> bool:
         """Several processes: only the main process draws the random weights (model=tiny) or loads
@@ -22,14 +38,14 @@ class FSDP2(Strategy):
         return self.world_size > 1 and not self.accelerator.is_main_process
 
     def shard(self, model):
-        from trainloop.fsdp import shard_model
+        from trainloop.parallel.sharding import shard_model
 
         return shard_model(self.cfg, model, self.device)
 
     def prepare_frozen(self, model):
         """Sharded as the policy is (every block, then the root; shards from the main process),
         gathered block by block in its forward: no process holds a whole second copy."""
-        from trainloop.fsdp import shard_model
+        from trainloop.parallel.sharding import shard_model
 
         return shard_model(self.cfg, model, self.device).eval()
 
@@ -60,13 +76,13 @@ class FSDP2(Strategy):
         yield
 
     def save_state(self, directory, model, adapter_only: bool) -> None:
-        from trainloop import dcp
+        from trainloop.parallel import dcp
 
         dcp.save(directory, model, self.accelerator._optimizers[0], adapter_only)
         dcp.save_rank_states(self.accelerator, directory)
 
     def load_state(self, path, model, adapter_only: bool) -> None:
-        from trainloop import dcp
+        from trainloop.parallel import dcp
 
         dcp.load(path, model, self.accelerator._optimizers[0], adapter_only)
         dcp.load_rank_states(self.accelerator, path)
@@ -85,7 +101,7 @@ class FSDP2(Strategy):
     def describe(self, model) -> str:
         import torch.distributed as dist
 
-        from trainloop.fsdp import describe_sharding
+        from trainloop.parallel.sharding import describe_sharding
 
         acc = self.accelerator
         if running(acc, model) != "fsdp2":
@@ -116,7 +132,7 @@ class FSDP2(Strategy):
         """
         import math
 
-        from trainloop.optim import planned_state_bytes, planned_step_temporaries
+        from trainloop.optim.optimizers import planned_state_bytes, planned_step_temporaries
         from trainloop.parallel.memory import Line
 
         opt, n = cfg.optimizer, world_size
@@ -196,7 +212,7 @@ class FSDP2(Strategy):
     @staticmethod
     def problems(cfg) -> list[str]:
         """Combinations FSDP2 cannot run, each with what to choose instead."""
-        from trainloop.optim import OPTIMIZERS
+        from trainloop.optim.optimizers import OPTIMIZERS
 
         if cfg.fsdp.name == "none":
             return []

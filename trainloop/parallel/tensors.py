@@ -2,7 +2,7 @@
 
 Under ZeRO-3 DeepSpeed replaces each parameter's data by an empty placeholder: the real shape is
 `ds_shape`, the element count `ds_numel`, this rank's flat partition `ds_tensor`; only this
-module reads them. Under FSDP2 (trainloop/fsdp.py) each parameter is a DTensor: its shape is the
+module reads them. Under FSDP2 (trainloop/parallel/sharding.py) each parameter is a DTensor: its shape is the
 full one and `to_local()` this rank's shard.
 """
 

@@ -1,5 +1,5 @@
 """FSDP2 x tensor parallelism (parallel.tp_size > 1, with fsdp=full_shard): the processes form a
-2-D mesh (dp_shard x tp); each block's matrices are split over tp (trainloop/tensor_parallel.py),
+2-D mesh (dp_shard x tp); each block's matrices are split over tp (trainloop/parallel/tensor_parallel.py),
 then FSDP2 shards everything over dp_shard, as torchtitan's parallelize_llama does.
 
 The ranks of one tp group compute one replica together: they read the same batch, hold the same
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from trainloop.errors import ConfigError
 from trainloop.parallel.fsdp2 import FSDP2
+from trainloop.parallel.tensor_parallel import NO_PLAN
 from trainloop.parallel.tensors import is_dtensor
-from trainloop.tensor_parallel import NO_PLAN
 
 
 def layout_problem(tp_size: int, processes: int) -> str | None:
@@ -43,12 +43,36 @@ def rank_shape(shape, tp: int):
                                largest_layer_params=shape.largest_layer_params - removed)
 
 
+SEQUENCE_PARALLEL = " + SP"  # a tp layout's name with parallel.sequence_parallel=true
+
+
 class FSDP2xTP(FSDP2):
     """FSDP2's answers on the dp_shard dimension (subclassed: every one of them holds there), with
     the tensor-parallel split before the sharding and the data-parallel questions answered per tp group."""
 
     name = "fsdp2_tp"
     saves_async = True
+    off = {"parallel.tp_size": 1, "parallel.sequence_parallel": "false"}
+
+    @staticmethod
+    def layouts(gpus_per_node: int) -> dict[str, dict]:
+        """FSDP2 x TP for each tp > 1 dividing a node's GPUs (tp groups stay on NVLink), without and with
+        sequence parallelism (the norms and the residual stream on 1/tp of the sequence)."""
+        found = {}
+        for n in (n for n in range(2, gpus_per_node + 1) if gpus_per_node % n == 0):
+            found[f"FSDP2 x TP{n}"] = {"fsdp": "full_shard", "parallel.tp_size": n}
+            found[f"FSDP2 x TP{n}{SEQUENCE_PARALLEL}"] = {**found[f"FSDP2 x TP{n}"], "parallel.sequence_parallel": "true"}
+        return found
+
+    @staticmethod
+    def tensor_parallel(cfg) -> tuple[int, bool]:
+        tp = cfg.parallel.tp_size
+        return tp, bool(cfg.parallel.sequence_parallel and tp > 1)
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        return {**FSDP2.settings(cfg), "parallel.tp_size": cfg.parallel.tp_size,
+                "parallel.sequence_parallel": cfg.parallel.sequence_parallel}
 
     def __init__(self, cfg, accelerator):
         super().__init__(cfg, accelerator)
@@ -80,12 +104,12 @@ class FSDP2xTP(FSDP2):
         return summed
 
     def shard(self, model):
-        from trainloop.fsdp import shard_model
+        from trainloop.parallel.sharding import shard_model
 
         return shard_model(self.cfg, model, self.device, self.mesh)
 
     def prepare_frozen(self, model):
-        from trainloop.fsdp import shard_model
+        from trainloop.parallel.sharding import shard_model
 
         return shard_model(self.cfg, model, self.device, self.mesh).eval()
 
@@ -110,8 +134,8 @@ class FSDP2xTP(FSDP2):
     def describe(self, model) -> str:
         import torch.distributed as dist
 
-        from trainloop.fsdp import describe_sharding
-        from trainloop.tensor_parallel import is_tp, planned_styles, sequence_parallel_norms
+        from trainloop.parallel.sharding import describe_sharding
+        from trainloop.parallel.tensor_parallel import is_tp, planned_styles, sequence_parallel_norms
 
         split = sum(1 for m in model.modules() if any(is_tp(p) for p in m.parameters(recurse=False)))
         if not split:
@@ -203,7 +227,7 @@ class FSDP2xTP(FSDP2):
     @staticmethod
     def problems(cfg) -> list[str]:
         """What parallel.tp_size > 1 cannot run, known from the config alone (a pretrained model's
-        heads and widths are checked when it is built: trainloop.tensor_parallel)."""
+        heads and widths are checked when it is built: trainloop.parallel.tensor_parallel)."""
         tp = cfg.parallel.tp_size
         if tp <= 1:
             return (["parallel.sequence_parallel=true needs parallel.tp_size > 1: it shards the sequence over the "

@@ -1,18 +1,59 @@
 """DeepSpeed ZeRO (deepspeed=zero1, zero2, zero3): optimizer state, then gradients, then parameters
-partitioned over the ranks; accelerate builds the engine from trainloop.deepspeed's config."""
+partitioned over the ranks; accelerate builds the engine from trainloop.parallel.deepspeed_config's config."""
 
 from __future__ import annotations
 
+import warnings
+
 from trainloop.parallel.base import Strategy, running
+from trainloop.parallel.process_group import single_process_group_env, world_size_from_env
 
 # DeepSpeed's stage3_max_reuse_distance, which trainloop leaves at DeepSpeed's default: a gathered
 # parameter used again within this many elements is kept (partitioned_param_coordinator.py)
 MAX_REUSE_DISTANCE = 1_000_000_000
+NO_STAGE = ("deepspeed.config_file={file} is set but DeepSpeed is off (deepspeed.stage=0): choose deepspeed=zero1, "
+            "zero2 or zero3 (or +preset=zero3)")
 
 
 class DeepSpeedZeRO(Strategy):
     name = "zero"
     autocast = False  # DeepSpeed holds the model in the training precision
+    off = {"deepspeed": "none", "deepspeed.offload_optimizer": "none", "deepspeed.offload_param": "none"}
+
+    @staticmethod
+    def layouts(gpus_per_node: int) -> dict[str, dict]:
+        stages = {f"ZeRO-{n}": {"deepspeed": f"zero{n}"} for n in (1, 2, 3)}
+        offload = {f"{name} + optimizer offload": {**layout, "deepspeed.offload_optimizer": "cpu"}
+                   for name, layout in stages.items()}
+        return {**stages, **offload, "ZeRO-3 + optimizer and parameter offload": {
+            "deepspeed": "zero3", "deepspeed.offload_optimizer": "cpu", "deepspeed.offload_param": "cpu"}}
+
+    @staticmethod
+    def settings(cfg) -> dict:
+        ds = cfg.deepspeed
+        return {"deepspeed.stage": ds.stage, "deepspeed.offload_optimizer": ds.offload_optimizer,
+                "deepspeed.offload_param": ds.offload_param, "deepspeed.nvme_path": ds.nvme_path}
+
+    @staticmethod
+    def accelerator_arguments(cfg, on_cuda: bool) -> tuple[dict, dict]:
+        from trainloop.parallel.deepspeed_config import build_deepspeed_plugin
+
+        single_process_group_env()  # DeepSpeed needs a process group, even of one
+        group = {}
+        if not on_cuda:
+            # without it accelerate computes world size 1 on CPU and DeepSpeed's batch check fails
+            group["backend"] = "gloo"
+            warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.c10d_logger")
+        return {"deepspeed_plugin": build_deepspeed_plugin(cfg, world_size_from_env(), on_cuda)}, group
+
+    @staticmethod
+    def accelerator_built(cfg) -> None:
+        if cfg.deepspeed.stage == 3 and not cfg.deepspeed.zero3_init:
+            # accelerate has told transformers that ZeRO-3 is on, so from_config would build the model
+            # partitioned under zero.Init, drawing a different random init than a run without ZeRO-3
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
 
     def optimizer_offloaded(self) -> bool:
         return self.cfg.deepspeed.offload_optimizer != "none"
@@ -43,7 +84,7 @@ class DeepSpeedZeRO(Strategy):
             self.accelerator.save_state(str(directory))
 
     def load_state(self, path, model, adapter_only: bool) -> None:
-        from trainloop.deepspeed import restore_cpu_adam_step_count
+        from trainloop.parallel.deepspeed_config import restore_cpu_adam_step_count
 
         if adapter_only:
             self.accelerator.load_state(str(path), load_module_strict=False)
@@ -98,7 +139,7 @@ class DeepSpeedZeRO(Strategy):
         checked against scripts/bench_parallel.py)."""
         import math
 
-        from trainloop.optim import planned_state_bytes, planned_step_temporaries
+        from trainloop.optim.optimizers import planned_state_bytes, planned_step_temporaries
         from trainloop.parallel.memory import Line
 
         add, opt, ds = plan.lines.append, cfg.optimizer, cfg.deepspeed
@@ -172,8 +213,13 @@ class DeepSpeedZeRO(Strategy):
                          note="this rank's partition, before each all-gather (forward and backward)"))
 
     @staticmethod
+    def keeps_world_size(cfg) -> str | None:
+        return (f"under DeepSpeed ZeRO (deepspeed.stage={cfg.deepspeed.stage}) each rank saves its own partition of "
+                "the optimizer state (and, at stage 3, of the parameters)")
+
+    @staticmethod
     def problems(cfg) -> list[str]:
-        from trainloop.optim import OPTIMIZERS
+        from trainloop.optim.optimizers import OPTIMIZERS
 
         ds, opt, problems = cfg.deepspeed, OPTIMIZERS.get(cfg.optimizer.name), []
         if opt and ds.stage == 3 and not opt.zero3:
@@ -188,6 +234,8 @@ class DeepSpeedZeRO(Strategy):
                 f"optimizer={cfg.optimizer.name} with deepspeed.offload_optimizer={ds.offload_optimizer}: "
                 "the offloaded optimizer is DeepSpeed's CPU Adam; use optimizer=adamw"
             )
+        if ds.config_file and not ds.stage:
+            problems.append(NO_STAGE.format(file=ds.config_file))
         if ds.zero3_init and ds.stage != 3:
             problems.append(f"deepspeed.zero3_init=true needs deepspeed stage 3 (deepspeed.stage is {ds.stage})")
         if ds.offload_param != "none" and ds.stage != 3:
@@ -205,6 +253,18 @@ class DeepSpeedZeRO(Strategy):
         if cfg.trainer.auto_batch_size and ds.stage:
             problems.append("trainer.auto_batch_size with DeepSpeed: ZeRO fixes the micro-batch in its engine; "
                             "set data.batch_size yourself, or deepspeed=none")
+        if ds.stage and cfg.model.quantization != "none":
+            problems.append(f"model.quantization={cfg.model.quantization} under DeepSpeed ZeRO-{ds.stage}: DeepSpeed "
+                            "cannot partition or flatten bitsandbytes' packed weights; use DDP (torchrun) or one "
+                            "process, or model.quantization=none")
+        if (ds.stage or ds.config_file) and cfg.precision.name == "fp8":
+            problems.append(f"precision=fp8 with deepspeed.stage={ds.stage}: DeepSpeed flattens the parameters and "
+                            "runs its own bf16, not torchao's Float8Linear; use deepspeed=none (DDP or "
+                            "fsdp=full_shard) or precision=bf16")
+        if ds.stage == 3 and ds.zero3_init and cfg.objective.name == "dpo" and cfg.adapter.name == "none":
+            problems.append("deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a "
+                            "copy of the model as built, and zero.Init builds it already partitioned; set "
+                            "deepspeed.zero3_init=false (the copy is then partitioned like the policy), or adapter=lora")
         if ds.stage and cfg.compile.backend != "none":
             problems.append(
                 "compile.backend with DeepSpeed is not supported by trainloop yet: "

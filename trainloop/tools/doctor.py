@@ -17,8 +17,9 @@ import os
 import platform
 import sys
 
-from trainloop.tools import hardware
-from trainloop.config import compose_config
+from trainloop.config.compose import compose_config
+from trainloop.observe import hardware
+from trainloop.parallel import chosen, row
 
 
 def _version(dist: str) -> str | None:
@@ -122,22 +123,22 @@ def examine(overrides: list[str]) -> dict:
         },
         "gpu": gpus.to_dict(),
         "host": hardware.host_facts({"run dir (cwd)": os.getcwd()}),
-        "config": {"deepspeed.stage": cfg.deepspeed.stage,
-                   "deepspeed.offload_optimizer": cfg.deepspeed.offload_optimizer,
-                   "deepspeed.offload_param": cfg.deepspeed.offload_param, "precision": cfg.precision.name},
+        # the chosen strategy's own keys (trainloop.parallel: Strategy.settings)
+        "config": {"strategy": chosen(cfg), **row(cfg).settings(cfg), "precision": cfg.precision.name},
     }
-    facts["async_io"] = async_io_facts(cfg.deepspeed.nvme_path, facts["versions"]["deepspeed"])
+    facts["async_io"] = async_io_facts(facts["config"].get("deepspeed.nvme_path"), facts["versions"]["deepspeed"])
     facts["warnings"] = warnings(facts, gpus, cfg)
     return facts
 
 
 def warnings(facts: dict, gpus: hardware.GpuReport, cfg) -> list[str]:
-    found = []
+    found, chose = [], facts["config"]
+    zero_stage = chose.get("deepspeed.stage", 0)
     for gpu in gpus.gpus:
         found += hardware.gpu_warnings(gpu)
     if gpus.topology is not None:
-        found += hardware.topology_warnings(gpus.topology, cfg.deepspeed.stage)
-    elif len(gpus.gpus) > 1 and cfg.deepspeed.stage:
+        found += hardware.topology_warnings(gpus.topology, zero_stage)
+    elif len(gpus.gpus) > 1 and zero_stage:
         found.append("the GPU interconnect could not be read (no nvidia-smi, no NVML): check "
                      "`nvidia-smi topo -m` before running ZeRO across these GPUs")
     if cfg.precision.name == "bf16" and gpus.gpus and any(g.bf16 is False for g in gpus.gpus):
@@ -148,7 +149,7 @@ def warnings(facts: dict, gpus: hardware.GpuReport, cfg) -> list[str]:
         found.append("precision=fp8 is chosen, but some GPU has no float8 matmuls (compute capability below "
                      "8.9): use precision=bf16, or precision.fp8_emulate=true for the numerics only")
     io = facts["async_io"]
-    if "nvme" in (cfg.deepspeed.offload_optimizer, cfg.deepspeed.offload_param):
+    if "nvme" in (chose.get("deepspeed.offload_optimizer"), chose.get("deepspeed.offload_param")):
         if io["deepspeed_async_io_op"] is False:
             found.append("offload to NVMe is chosen, but DeepSpeed's async_io op cannot build here: "
                          "install libaio (Debian/Ubuntu: apt-get install libaio-dev)")
@@ -243,9 +244,7 @@ def render(facts: dict) -> str:
         line += "; deepspeed.nvme_path is not set"
     lines.append(line)
     c = facts["config"]
-    lines += ["", f"checked against: deepspeed stage {c['deepspeed.stage']}, offload optimizer "
-                  f"{c['deepspeed.offload_optimizer']}, offload param {c['deepspeed.offload_param']}, "
-                  f"precision {c['precision']}"]
+    lines += ["", "checked against: " + ", ".join(f"{key} {value}" for key, value in c.items())]
     lines += ["", "warnings"] + ([f"  - {w}" for w in facts["warnings"]] or ["  none"])
     return "\n".join(lines)
 
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("overrides", nargs="*", help="the run's config overrides, e.g. +preset=zero3")
     args = parser.parse_args(argv)
-    from trainloop.config import ConfigError
+    from trainloop.config.compose import ConfigError
 
     try:
         facts = examine(args.overrides)

@@ -19,7 +19,7 @@ the bytes each process needs on the GPU, in CPU RAM and on NVMe:
   code, checked against saved-tensor measurements in tests/test_plan.py);
 - the loss: the full logits' two gradients at the start of the backward, or, with
   trainer.loss_chunk_tokens, one chunk's logits and the output layer's gradient made in the
-  forward (trainloop/chunked_loss.py); a note gives the loss's memory both ways;
+  forward (trainloop/objectives/chunked_loss.py); a note gives the loss's memory both ways;
 - the optimizer step's temporaries, DDP's gradient buckets, DeepSpeed's buffers (estimates).
 
 Then it compares them with this machine (trainloop.hardware, as the doctor reads it) for the
@@ -38,10 +38,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-from trainloop.config import CONFIG_DIR, ConfigError, compose_config
+from trainloop.config.compose import CONFIG_DIR, ConfigError, compose_config
+from trainloop.memory.proc import reset_peak_rss, status_bytes
 from trainloop.objectives import OBJECTIVES
-from trainloop.optim import hidden_matrices
-from trainloop.parallel import STRATEGIES, chosen
+from trainloop.optim.optimizers import hidden_matrices
+from trainloop.parallel import row
 from trainloop.parallel.memory import Line, MemoryPlan
 from trainloop.parallel.tp import layout_problem
 
@@ -74,11 +75,11 @@ class ModelShape:
     expert_params: int = 0  # in all blocks' experts (the routers not counted)
     hidden_matrix: list[bool] | None = None  # for each trainable shape: a hidden layer's matrix? (optim.hidden_matrices)
     # for each shape: the dimension tensor parallelism splits (0 column-wise, 1 row-wise), as the split
-    # itself answers it (trainloop.tensor_parallel.split_dimension), or None (whole on every tp rank)
+    # itself answers it (trainloop.parallel.tensor_parallel.split_dimension), or None (whole on every tp rank)
     tp_split: list[int | None] | None = None
     # the same for each trainable shape (an adapter's: lora_B beside a column-wise weight, lora_A beside a row-wise one)
     trainable_tp_split: list[int | None] | None = None
-    # why parallel.sequence_parallel cannot split these blocks (trainloop.tensor_parallel), or None
+    # why parallel.sequence_parallel cannot split these blocks (trainloop.parallel.tensor_parallel), or None
     sequence_parallel_problem: str | None = None
 
     @property
@@ -106,9 +107,9 @@ def model_shape(cfg) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainloop.data import build_tokenizer
-    from trainloop.model import build_model_config
-    from trainloop.tensor_parallel import sequence_parallel_problem
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.model.builder import build_model_config
+    from trainloop.parallel.tensor_parallel import sequence_parallel_problem
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     config = build_model_config(cfg.model, len(tokenizer))
@@ -143,8 +144,8 @@ def model_shape(cfg) -> ModelShape:
 
 def _tp_split(model, name: str) -> int | None:
     """The dimension of parameter `name` that tensor parallelism splits, or None: the split's own
-    answer (trainloop.tensor_parallel.split_dimension), so a mixture's routed experts stay whole here too."""
-    from trainloop.tensor_parallel import split_dimension
+    answer (trainloop.parallel.tensor_parallel.split_dimension), so a mixture's routed experts stay whole here too."""
+    from trainloop.parallel.tensor_parallel import split_dimension
 
     module, _, kind = name.rpartition(".")
     prefix = model.base_model_prefix + "."
@@ -153,10 +154,10 @@ def _tp_split(model, name: str) -> int | None:
 
 def _lora_tp_split(config, name: str) -> int | None:
     """The dimension of adapter parameter `name` (named inside the base model: "layers.0.self_attn.q_proj.
-    lora_B.default.weight") that tensor parallelism splits, as trainloop.tensor_parallel splits it:
+    lora_B.default.weight") that tensor parallelism splits, as trainloop.parallel.tensor_parallel splits it:
     lora_B's rows beside a column-wise weight, lora_A's columns beside a row-wise one; anything else
     (the other matrix, modules_to_save) whole."""
-    from trainloop.tensor_parallel import split_dimension
+    from trainloop.parallel.tensor_parallel import split_dimension
 
     module, lora, part = name.partition(".lora_")
     if not lora or not part.endswith("weight"):
@@ -173,7 +174,7 @@ def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int 
 
     if cfg.adapter.name == "none":
         return None, None, 0
-    from trainloop.adapter import wrap_lora
+    from trainloop.model.adapter import wrap_lora
 
     head = model.get_output_embeddings()
     quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
@@ -198,7 +199,7 @@ def _is_experts(module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Model states: parameters, gradients, optimizer states (their sizes: trainloop/optim.py's table)
+# Model states: parameters, gradients, optimizer states (their sizes: trainloop/optim/optimizers.py's table)
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
@@ -284,7 +285,7 @@ def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: boo
     activations are all still held (estimates, fp32 cross-entropy):
     - the full logits (trainer.loss_chunk_tokens=0): the gradient of the log-softmax output and
       the logits' own gradient, 4 B x vocabulary per token each;
-    - chunked (trainloop/chunked_loss.py): the output layer's fp32 gradient, made in the forward and
+    - chunked (trainloop/objectives/chunked_loss.py): the output layer's fp32 gradient, made in the forward and
       held until the backward (when the output layer trains), the hidden states' gradient, and
       one chunk's fp32 logits twice (the logits and the log-sum-exp's temporary), with the 16-bit
       copy of the output weight under autocast.
@@ -321,17 +322,16 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if shape.trainable is not None:
         plan.notes.append(f"adapter={cfg.adapter.name}: {t / 1e6:,.2f}M parameters train, "
                           f"{(n - t) / 1e6:,.1f}M are frozen (no gradients, no optimizer state)")
-    row = STRATEGIES[chosen(cfg)]
-    row.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
-    row.traffic_lines(plan, cfg, shape, world_size, half)  # what each process sends per step: not memory
+    strategy = row(cfg)
+    strategy.memory_lines(plan, cfg, shape, world_size, dev, half)  # parameters, gradients, optimizer states, buffers
+    strategy.traffic_lines(plan, cfg, shape, world_size, half)  # what each process sends per step: not memory
     objective = OBJECTIVES[cfg.objective.name]
     objective.memory_lines(plan, cfg)  # what the objective holds itself: DPO's reference copy
     batch = cfg.data.batch_size * objective.sequences  # a forward's sequences: a preference pair is two
 
-    autocast = half and row.autocast  # the others compute on 16-bit copies of the parameters
+    autocast = half and strategy.autocast  # the others compute on 16-bit copies of the parameters
     fp8 = cfg.precision.name == "fp8"
-    tp = cfg.parallel.tp_size
-    sp = cfg.parallel.sequence_parallel and tp > 1
+    tp, sp = strategy.tensor_parallel(cfg)
 
     def activations(checkpointing: bool) -> tuple[int, int]:  # this run's, with or without checkpointing
         return activation_bytes(shape, batch, cfg.data.seq_len, half, autocast=autocast, checkpointing=checkpointing,
@@ -389,12 +389,13 @@ RUNTIME_RAM = 1 * GIB  # python, torch and the data of one process: what the lin
 
 def read_machine(cfg, device: str = "auto", gpu_memory_gib: float | None = None,
                  cpu_memory_gib: float | None = None) -> Machine:
-    from trainloop.tools import hardware
+    from trainloop.observe import hardware
 
     report = hardware.read_gpus(with_topology=False) if gpu_memory_gib is None and device != "cpu" else None
     gpus = report.gpus if report else []
     host = hardware.host_facts()
-    nvme = hardware.disk_facts(cfg.deepspeed.nvme_path)["free"] if cfg.deepspeed.nvme_path else None
+    nvme_path = row(cfg).settings(cfg).get("deepspeed.nvme_path")
+    nvme = hardware.disk_facts(nvme_path)["free"] if nvme_path else None
     if device == "auto":
         device = "cuda" if gpus or gpu_memory_gib else "cpu"
     if gpu_memory_gib is not None:
@@ -443,17 +444,6 @@ def verdict(plan: MemoryPlan, machine: Machine) -> tuple[bool | None, list[str]]
 
 # ---------------------------------------------------------------------------------------------
 # Measuring a real run here, to check the prediction
-
-
-def _status(field: str) -> int:
-    """A byte count of /proc/self/status, which the measurement needs: VmRSS (resident now), VmHWM
-    (its peak), RssFile (of it, the pages of mapped files: the libraries' code and data)."""
-    from trainloop.batch_size import proc_status_bytes
-
-    found = proc_status_bytes(field)
-    if found is None:
-        raise RuntimeError(f"no {field} in /proc/self/status")
-    return found
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -538,10 +528,10 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
 
     import torch
 
-    from trainloop.accelerator import build_accelerator
     from trainloop.build import build
-    from trainloop.offload import ActivationOffload
+    from trainloop.memory.offload import ActivationOffload
     from trainloop.parallel import build_strategy, local_shard
+    from trainloop.parallel.accelerator import build_accelerator
     from trainloop.run import end_distributed
     from trainloop.step import every_update, train_step
 
@@ -553,9 +543,9 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     def start_measuring() -> None:  # after the data is built, before the model is
         gc.collect()
         marks["live"] = track_live_memory(True)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak RSS now starts from here
-        marks["before"], marks["files_before"] = _status("VmRSS"), _status("RssFile")
+        if not reset_peak_rss():  # the peak RSS now starts from here
+            raise RuntimeError("plan --measure needs /proc/self/clear_refs (Linux) to reset the peak resident set")
+        marks["before"], marks["files_before"] = status_bytes("VmRSS"), status_bytes("RssFile")
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
             marks["gpu_before"] = torch.cuda.memory_allocated()
@@ -570,7 +560,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
         first call maps depends on the page cache (the kernel maps the neighbours of a faulted page
         that are cached): 29 MiB apart between two venvs of the same packages, seen here. On a GPU,
         torch's peak allocated bytes beside it."""
-        used = {"training_bytes": _status("VmHWM") - before - (_status("RssFile") - marks["files_before"])}
+        used = {"training_bytes": status_bytes("VmHWM") - before - (status_bytes("RssFile") - marks["files_before"])}
         if on_cuda:
             used["gpu_training_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
         return used
@@ -606,7 +596,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     shards["parameters"] = _storage_bytes(local_shard(p) for p in model.parameters())
     shards["optimizer states"] = _storage_bytes(local_shard(v) for state in optimizer.state.values()
                                                 for v in state.values() if isinstance(v, torch.Tensor))
-    result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": _status("VmHWM"),
+    result = {"steps": steps, "rank": accelerator.process_index, "rss_before": before, "peak_rss": status_bytes("VmHWM"),
               "cpu_training_bytes": result.pop("training_bytes"), **result, "glibc_live_tracking": live,
               "shard_bytes": shards, "saved_activation_bytes": saved and saved.bytes, "step_seconds": seconds[steps:],
               "tokens_per_step": accumulation * built.batch_size * cfg.data.seq_len * strategy.dp_size}
@@ -656,8 +646,9 @@ def build_report(overrides: list[str], world_size: int, procs_per_node: int | No
         return cache[key]
 
     def one(c, label: str) -> dict:
-        if layout_problem(c.parallel.tp_size, world_size):  # a mesh these processes cannot form
-            raise ConfigError(layout_problem(c.parallel.tp_size, world_size))
+        tp = row(c).tensor_parallel(c)[0]
+        if layout_problem(tp, world_size):  # a mesh these processes cannot form
+            raise ConfigError(layout_problem(tp, world_size))
         plan = plan_memory(c, shape_of(c), world_size, machine.device, procs_per_node, label)
         fits, lines = verdict(plan, machine)
         return {"plan": plan, "fits": fits, "verdict": lines, "shape": shape_of(c)}

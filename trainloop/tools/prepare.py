@@ -3,7 +3,7 @@
 The overrides are a run's (data=files data.path=X, model=..., data.tokenizer=..., trainer.seed=...):
 the rows are loaded, tokenized and labelled exactly as that run would, the validation documents
 are held out as it would hold them out, and the result is written to OUT_DIR (see
-trainloop/shards.py, the writer, for the layout). Train from it with `data=prepared data.path=OUT_DIR`.
+trainloop/data/shards.py, the writer, for the layout). Train from it with `data=prepared data.path=OUT_DIR`.
 An interrupted prepare is continued by running the same command again.
 """
 
@@ -14,14 +14,14 @@ import logging
 import os
 import sys
 
-from trainloop.config import ConfigError, compose_config
+from trainloop.config.compose import ConfigError, compose_config
 
 
 def keys_read() -> set[str]:
     """What shapes the tokens and the split: the tokenizer, the seed and the keys of the data formats
-    that tokenize (trainloop.formats; one source at a time, so no data.sources). Every other key is
+    that tokenize (trainloop.data.formats; one source at a time, so no data.sources). Every other key is
     chosen when training from the shards."""
-    from trainloop.formats import FORMATS
+    from trainloop.data.formats import FORMATS
 
     return {"model.name_or_path", "trainer.seed", "data.tokenizer",
             *(key for fmt in FORMATS.values() if fmt.loads_rows for key in fmt.reads() if key != "data.sources")}
@@ -38,7 +38,7 @@ def check_keys_read(overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainloop.shards import SHARD_DOCUMENTS
+    from trainloop.data.shards import SHARD_DOCUMENTS
 
     parser = argparse.ArgumentParser(prog="python -m trainloop.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="the folder to write the shards into (new, or one this command began)")
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        from trainloop.data.shards import prepare
         from trainloop.lifetime import register_forked_children
-        from trainloop.shards import prepare
 
         register_forked_children()  # datasets.map's pool (data.num_proc) ends with this command
 

@@ -7,14 +7,14 @@ gradient checkpointing, at every micro-batch x accumulation that keeps the globa
 planned by the planner itself (plan_memory on the composed config, verdict against the GPUs:
 GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimated step time:
 
-    compute  FLOPs per token (trainloop/flops.py: 6 N + attention) x the step's tokens / (GPUs x
+    compute  FLOPs per token (trainloop/observe/flops.py: 6 N + attention) x the step's tokens / (GPUs x
              peak x MFU); x 4/3 with gradient checkpointing (the forward runs twice); under tensor
              parallelism every tp rank also runs the whole output head (trainloop does not split it)
     + links  each transfer the plan counts (plan.traffic: the strategy's collectives and PCIe
              copies) / its link's bandwidth, NOT overlapped with compute: an upper bound
     + CPU    an offloaded optimizer's step (plan.cpu_stepped_params) at an assumed rate
 
-Where the configured optimizer has a row in trainloop.optim.OPTIMIZERS that stands in for it with
+Where the configured optimizer has a row in trainloop.optim.optimizers.OPTIMIZERS that stands in for it with
 less state (8-bit and paged 8-bit AdamW for AdamW), every layout that accepts it is planned with it
 too. Methods that train something else (LoRA, QLoRA: adapters on a frozen base) are planned apart
 and listed under "if you can change the method". Every line printed fits in WIDTH characters.
@@ -35,8 +35,10 @@ import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
 
-from trainloop.config import ConfigError, compose_config, validate
+from trainloop.config.compose import ConfigError, compose_config, validate
+from trainloop.parallel import OFF, layouts, row
 from trainloop.parallel.memory import MemoryPlan
+from trainloop.parallel.tp import SEQUENCE_PARALLEL
 from trainloop.tools import plan as planner
 from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, Machine, _gib, model_shape, plan_memory, verdict
 
@@ -51,7 +53,7 @@ class Assumption:
 
 # Each number the estimate assumes, its command-line flag and why it is what it is.
 ASSUMPTIONS = {
-    "gpu": Assumption("--gpu", "H100", "", "the GPU whose dense peak (trainloop.flops.PEAK_TFLOPS) sets the compute "
+    "gpu": Assumption("--gpu", "H100", "", "the GPU whose dense peak (trainloop.observe.flops.PEAK_TFLOPS) sets the compute "
                       "time; H100 is the SXM part, 989 TFLOPS bf16"),
     "peak_tflops": Assumption("--peak-tflops", "", "TFLOPS", "instead of the table's peak for --gpu"),
     "mfu": Assumption("--mfu", 0.40, "", "model FLOPs utilisation: a good dense-transformer run on H100s reaches "
@@ -69,29 +71,11 @@ ASSUMPTIONS = {
                                "--gpu-memory describes another machine (a DGX H100 has 2 TiB)"),
 }
 
-# What a layout sets; every layout sets all of these, so neither the user's overrides nor a preset
-# can leave a stale one (an offload target without its stage) behind.
-LAYOUT_DEFAULTS = {"deepspeed": "none", "deepspeed.offload_optimizer": "none", "deepspeed.offload_param": "none",
-                   "fsdp": "none", "fsdp.offload": "none", "parallel.tp_size": 1, "parallel.sequence_parallel": "false"}
-# Keys the suggestion chooses itself: the user's own are dropped (and said so).
-CHOSEN = (*LAYOUT_DEFAULTS, "model.gradient_checkpointing", "data.batch_size", "trainer.gradient_accumulation_steps")
-
-STRATEGIES: dict[str, dict] = {
-    "DDP": {},
-    "ZeRO-1": {"deepspeed": "zero1"},
-    "ZeRO-2": {"deepspeed": "zero2"},
-    "ZeRO-3": {"deepspeed": "zero3"},
-    "ZeRO-1 + optimizer offload": {"deepspeed": "zero1", "deepspeed.offload_optimizer": "cpu"},
-    "ZeRO-2 + optimizer offload": {"deepspeed": "zero2", "deepspeed.offload_optimizer": "cpu"},
-    "ZeRO-3 + optimizer offload": {"deepspeed": "zero3", "deepspeed.offload_optimizer": "cpu"},
-    "ZeRO-3 + optimizer and parameter offload": {"deepspeed": "zero3", "deepspeed.offload_optimizer": "cpu",
-                                                 "deepspeed.offload_param": "cpu"},
-    "FSDP2": {"fsdp": "full_shard"},
-    "FSDP2 + CPU offload": {"fsdp": "full_shard", "fsdp.offload": "cpu"},
-}
+# Keys the suggestion chooses itself: the user's own are dropped (and said so). A layout sets every
+# strategy's keys (trainloop.parallel.OFF), so none is left stale (an offload target without its stage).
+CHOSEN = (*OFF, "model.gradient_checkpointing", "data.batch_size", "trainer.gradient_accumulation_steps")
 
 
-SEQUENCE_PARALLEL = " + SP"  # a tp layout's name with parallel.sequence_parallel=true
 WIDTH = 100  # the longest line printed (a terminal's, with room)
 
 
@@ -109,16 +93,6 @@ METHODS = {
     "QLoRA": Method(("adapter=lora", "model.quantization=4bit"), "LoRA on a base stored in 4 bits (NF4), "
                     "loaded from pretrained weights (model=hf model.name_or_path=DIR)", pretrained=True),
 }
-
-
-def layouts(gpus_per_node: int) -> dict[str, dict]:
-    """The table, and FSDP2 x TP for each tp > 1 dividing a node's GPUs (tp groups stay on NVLink),
-    without and with sequence parallelism (the norms and the residual stream on 1/tp of the sequence)."""
-    tp = {}
-    for n in (n for n in divisors(gpus_per_node) if n > 1):
-        tp[f"FSDP2 x TP{n}"] = {"fsdp": "full_shard", "parallel.tp_size": n}
-        tp[f"FSDP2 x TP{n}{SEQUENCE_PARALLEL}"] = {**tp[f"FSDP2 x TP{n}"], "parallel.sequence_parallel": "true"}
-    return {**STRATEGIES, **tp}
 
 
 def divisors(n: int) -> list[int]:
@@ -231,7 +205,7 @@ def is_chosen(override: str) -> bool:
 def stand_ins(cfg, kept: list[str]) -> dict:
     """The optimizers that stand in for the configured one with less state (OPTIMIZERS' stands_in_for),
     each composed with the user's optimizer.* values: name -> its optimizer config."""
-    from trainloop.optim import OPTIMIZERS
+    from trainloop.optim.optimizers import OPTIMIZERS
 
     own = [o for o in kept if key_of(o) != "optimizer"]
     return {name: compose_config(own + [f"optimizer={name}"], check=False).optimizer
@@ -239,13 +213,13 @@ def stand_ins(cfg, kept: list[str]) -> dict:
 
 
 def layout_overrides(layout: dict) -> list[str]:
-    return [f"{k}={v}" for k, v in {**LAYOUT_DEFAULTS, **layout}.items()]
+    return [f"{k}={v}" for k, v in {**OFF, **layout}.items()]
 
 
 def peak_tflops(values: dict, precision) -> float:
-    """The assumed GPU's dense peak for what the matmuls run in (fp8 against bf16's, as trainloop.flops does),
-    looked up as a run looks up its own GPU's (trainloop.flops.table_peak)."""
-    from trainloop.flops import PEAK_TFLOPS, table_peak
+    """The assumed GPU's dense peak for what the matmuls run in (fp8 against bf16's, as trainloop.observe.flops does),
+    looked up as a run looks up its own GPU's (trainloop.observe.flops.table_peak)."""
+    from trainloop.observe.flops import PEAK_TFLOPS, table_peak
 
     if values["peak_tflops"]:
         return float(values["peak_tflops"])
@@ -258,10 +232,10 @@ def peak_tflops(values: dict, precision) -> float:
 
 
 def model_flops(cfg, shape) -> tuple[float, float]:
-    """(training FLOPs per token, those of the output head alone), from trainloop.flops."""
-    from trainloop.data import build_tokenizer
-    from trainloop.flops import flops_per_token
-    from trainloop.model import build_model_config
+    """(training FLOPs per token, those of the output head alone), from trainloop.observe.flops."""
+    from trainloop.data.loaders import build_tokenizer
+    from trainloop.model.builder import build_model_config
+    from trainloop.observe.flops import flops_per_token
 
     config = build_model_config(cfg.model, len(build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)))
     trained = None if shape.trainable is None else sum(math.prod(s) for s in shape.trainable if len(s) >= 2)
@@ -285,7 +259,7 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
     """Every layout planned for this cluster; the ones that fit timed. Raises ConfigError for a
     config that does not compose or a global batch the cluster cannot split."""
     user = cfg = compose_config(overrides)  # the user's own config: its model and its global batch
-    tp = cfg.parallel.tp_size
+    tp = row(cfg).tensor_parallel(cfg)[0]
     if cluster.gpus % tp:
         raise ConfigError(f"parallel.tp_size={tp} does not divide --gpus {cluster.gpus}: the default global batch "
                           "is data.batch_size x accumulation x (GPUs / tp_size); give --global-batch N or another tp_size")
@@ -378,10 +352,10 @@ def add_options(s: Suggestion, layout: str, cfg, shape, shown: list[str], dp: in
 def assumption_lines(s: Suggestion) -> list[str]:
     v, c = s.values, s.cluster
     gpu = f"{s.peak_tflops:g} TFLOPS peak (" + (f"{ASSUMPTIONS['peak_tflops'].flag})" if v["peak_tflops"] else
-                                                 f"{v['gpu']}'s in trainloop/flops.py, {ASSUMPTIONS['gpu'].flag}; "
+                                                 f"{v['gpu']}'s in trainloop/observe/flops.py, {ASSUMPTIONS['gpu'].flag}; "
                                                  f"or {ASSUMPTIONS['peak_tflops'].flag})")
     out = [f"compute: {s.flops_per_token / 1e9:,.4g} GFLOP per token (6 x matmul weights + attention at "
-           f"{s.seq_len:,} tokens, trainloop/flops.py), x 4/3 with gradient checkpointing, at MFU {v['mfu']:g} "
+           f"{s.seq_len:,} tokens, trainloop/observe/flops.py), x 4/3 with gradient checkpointing, at MFU {v['mfu']:g} "
            f"({ASSUMPTIONS['mfu'].flag}) of {gpu}; under tensor parallelism each tp rank also runs the whole "
            "output head",
            "communication: the plan's bytes per step (ring collectives, trainloop/parallel/*.traffic_lines), NOT "
@@ -425,14 +399,14 @@ def render(s: Suggestion, top: int) -> str:
         out += [f"  {name}: {m.trains}" for name, m in METHODS.items() if any(o.method == name for o in methods)]
         out += table(s, methods, top)
     refused: dict[tuple, list[str]] = {}  # the layouts -> the stand-ins they refuse
-    for name, layouts in s.stand_ins.items():
-        if layouts:
-            refused.setdefault(tuple(layouts), []).append(f"optimizer={name}")
+    for name, refusing in s.stand_ins.items():
+        if refusing:
+            refused.setdefault(tuple(refusing), []).append(f"optimizer={name}")
     if s.not_applied or refused:
         out += ["", "does not apply to this config:"]
         out += [f"  {name}: {why}" for name, why in s.not_applied.items()]
-        out += [f"  {' or '.join(names)} with {', '.join(layouts)}: refused by its row in trainloop/optim.py"
-                for layouts, names in refused.items()]
+        out += [f"  {' or '.join(names)} with {', '.join(refusing)}: refused by its row in trainloop/optim/optimizers.py"
+                for refusing, names in refused.items()]
     out += ["", "assumptions:"] + [f"  {line}" for line in assumption_lines(s)]
     return "\n".join(wrap(line) for line in out)
 
@@ -524,11 +498,11 @@ def problem(args) -> str | None:
 
 
 def describe_cluster(args) -> Cluster:
-    """The GPUs planned for: --gpu-memory describes them, else this machine's are read (trainloop.tools.hardware)."""
+    """The GPUs planned for: --gpu-memory describes them, else this machine's are read (trainloop.observe.hardware)."""
     device = "cpu" if args.device == "cpu" else "cuda"
     ram_default = ASSUMPTIONS["host_ram_gib"].default
     if device == "cpu":
-        from trainloop.tools import hardware
+        from trainloop.observe import hardware
 
         ram = int(args.cpu_memory * GIB) if args.cpu_memory else hardware.host_facts()["ram_available"]
         return Cluster(args.gpus, args.nodes, "cpu", None, "CPU", ram, "--cpu-memory" if args.cpu_memory else "this machine")
@@ -536,7 +510,7 @@ def describe_cluster(args) -> Cluster:
         ram = int((args.cpu_memory or ram_default) * GIB)
         return Cluster(args.gpus, args.nodes, "cuda", int(args.gpu_memory * GIB), f"GPUs of {args.gpu_memory:g} GiB", ram,
                        "--cpu-memory" if args.cpu_memory else f"assumed: {ASSUMPTIONS['host_ram_gib'].flag}")
-    from trainloop.tools import hardware
+    from trainloop.observe import hardware
 
     gpus = hardware.read_gpus(with_topology=False).gpus
     if not gpus or not all(g.memory_total for g in gpus):

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args, user = parse(sys.argv[1:] if argv is None else argv)
     if args.check:
         return check_checkpoints(args.check)
-    from trainloop.config import ConfigError
+    from trainloop.config.compose import ConfigError
 
     n, half = args.steps, args.steps // 2
     dropped = [o for o in user if key_of(o) in FORCED]
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_checkpoints(path: Path) -> int:
     """Every complete checkpoint under `path`, a line each: 0 when all are whole, 1 when one is damaged."""
-    from trainloop.checkpoint import COMPLETE, why_unloadable
+    from trainloop.checkpoint.integrity import COMPLETE, why_unloadable
 
     found = sorted({marker.parent for marker in Path(path).rglob(COMPLETE)})
     if not found:
@@ -226,7 +226,7 @@ def check_checkpoints(path: Path) -> int:
 
 def check_config(overrides: list[str]) -> None:
     """Compose the config the runs will see and check it, so a bad override fails here, once."""
-    from trainloop.config import compose_config
+    from trainloop.config.compose import compose_config
 
     compose_config(overrides)
 

@@ -1,0 +1,426 @@
+"""Token documents into training blocks, the same way for data tokenized by the run and for shards;
+and TrainingSet, what a run asks of every training set.
+
+A corpus is a sequence of documents (rows), stored end to end in one or more parts: token ids, the
+offsets where each document starts, and, for chat and prompt/completion data, which tokens are
+targets. Whole documents are held out for validation; each document is fitted to data.seq_len
+(data.overlong); the pieces are planned into blocks (data.packing). The plan is computed from the
+document lengths (and, for masked data, where the targets are), never from a copy of the tokens:
+O(documents) memory. A block's tokens are read from the parts when it is asked for.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import mmap
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from trainloop.data.tokenizer import IGNORE
+
+log = logging.getLogger("trainloop")
+
+
+
+class TrainingSet(Dataset):
+    """What a run asks of a training set, answered here as a plain one answers: a set of blocks the
+    run shuffles itself (PackedBlocks, PlannedBlocks). A set with an order of its own (a mixture's
+    schedule, trainloop.data.mixture) overrides them. The run and the loop call these directly.
+
+    - orders_itself: True if its items come in its own order, to be read in order (no shuffle).
+    - whole_batches(global_batch): trim an epoch to whole global batches, before the order is made.
+    - set_epoch(epoch): called at the start of each epoch, before its items are read.
+    """
+
+    orders_itself = False
+
+    def whole_batches(self, global_batch: int) -> None:
+        """A plain set keeps every block: the order (trainloop.data.order) drops the tail of an epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """A plain set is the same every epoch: the order reshuffles it."""
+
+
+class PackedBlocks(TrainingSet):
+    """Training blocks: rows of [num_blocks, seq_len] tensors, one dict of them per block.
+
+    labels are the input ids with IGNORE where no loss is taken; position_ids restart at 0 at
+    each packed row (the model then keeps attention inside the row); attention_mask only for
+    data.packing=none, where rows are padded on the right.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
+        if labels is None:
+            labels = input_ids
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        self.tensors = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if attention_mask is not None:
+            self.tensors["attention_mask"] = attention_mask
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["input_ids"]
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {key: tensor[i] for key, tensor in self.tensors.items()}
+
+
+class PairBlocks(PackedBlocks):
+    """data=preference's pairs (trainloop.data.formats.preference) as [pairs, seq_len] tensors: chosen_input_ids, chosen_labels,
+    rejected_input_ids, rejected_labels; padded on the right, so causal attention needs no mask."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["chosen_input_ids"]
+
+
+class PromptRows(PackedBlocks):
+    """Prompts as [prompts, seq_len] tensors, padded on the left: prompt_ids, prompt_mask (1 on the
+    prompt's tokens), and row_digest (each row's hash, so the data fingerprint sees its other
+    columns); each item also carries `row`, the whole row as JSON, for the reward functions."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], rows: list[str]):
+        self.tensors, self.rows = tensors, rows
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.tensors["prompt_ids"]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
+        return {"prompt_ids": self.tensors["prompt_ids"][i], "prompt_mask": self.tensors["prompt_mask"][i],
+                "row": self.rows[i]}
+
+
+def materialize(blocks) -> PackedBlocks:
+    """Planned blocks gathered into tensors: data the run tokenized itself fits in memory."""
+    items = [blocks[b] for b in range(len(blocks))]
+    return PackedBlocks(**{key: torch.stack([item[key] for item in items]) for key in items[0]})
+
+
+def memory_map(path: Path) -> tuple[np.ndarray, mmap.mmap]:
+    """A .npy file as a read-only array over a memory map of it, and the map."""
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return np.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=f.tell()), mapping
+
+
+class Part:
+    """One stretch of documents: ids, offsets (documents + 1, from 0) and the target mask or None.
+
+    A part read from a shard folder opens its files as memory maps on first use, and again in
+    each DataLoader worker: pickling it sends the folder's path, never the tokens.
+    """
+
+    def __init__(self, ids=None, offsets=None, mask=None, folder: str | None = None, masked: bool = False):
+        self.folder, self.masked = folder, masked if folder else mask is not None
+        self._arrays = None if folder else (ids, offsets, mask)
+        self._maps: list[mmap.mmap] = []
+
+    @property
+    def arrays(self):
+        if self._arrays is None:
+            names = ["ids.npy", "offsets.npy"] + (["mask.npy"] if self.masked else [])
+            arrays, self._maps = zip(*(memory_map(Path(self.folder) / name) for name in names))
+            self._arrays = (*arrays, None) if not self.masked else arrays
+        return self._arrays
+
+    def release(self) -> None:
+        """Unmap the pages reads have mapped (they stay in the page cache): the kernel maps a read's
+        neighbourhood too, which over random block reads grew the resident set ~0.5 MB a block."""
+        for mapping in self._maps:
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_arrays": None, "_maps": []} if self.folder else self.__dict__
+
+
+class Documents:
+    """The documents of a corpus, numbered 0.. across its parts."""
+
+    def __init__(self, parts: list[Part]):
+        self.parts = parts
+        self.lengths = np.concatenate([np.diff(np.asarray(p.arrays[1], dtype=np.int64)) for p in parts])
+        self.first = np.cumsum([0] + [len(p.arrays[1]) - 1 for p in parts])  # first document of each part
+        for part in parts:
+            part.release()
+        self.masked = parts[0].masked
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def read(self, doc: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens [start, end) of a document: ids (int64) and which are targets (None: all)."""
+        p = int(np.searchsorted(self.first, doc, side="right")) - 1
+        ids, offsets, mask = self.parts[p].arrays
+        at = int(offsets[doc - self.first[p]])
+        piece = (np.array(ids[at + start:at + end], dtype=np.int64),
+                 None if mask is None else np.array(mask[at + start:at + end], dtype=bool))
+        self.parts[p].release()
+        return piece
+
+    def has_target(self, doc: int, start: int, end: int) -> bool:
+        if not self.masked:
+            return end > start
+        return bool(self.read(doc, start, end)[1].any())
+
+
+def token_batches(tokens, batch_size: int = 10_000):
+    """A tokenized `datasets.Dataset` (input_ids, labels if some tokens are not targets) in batches:
+    (ids, lengths, target mask or None), read from its Arrow columns without a Python list."""
+    for table in tokens.with_format("arrow").iter(batch_size=batch_size):
+        ids = table["input_ids"].combine_chunks()
+        lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+        labels = table["labels"].combine_chunks().flatten().to_numpy() if "labels" in table.column_names else None
+        yield ids.flatten().to_numpy(), lengths, None if labels is None else labels != IGNORE
+
+
+def part_from_batches(batches, masked: bool, dtype=np.int64) -> Part:
+    """One in-memory part from token_batches: what the run tokenized, or one shard being written."""
+    batches = list(batches)
+    ids = np.concatenate([b[0] for b in batches]).astype(dtype) if batches else np.zeros(0, dtype)
+    lengths = np.concatenate([b[1] for b in batches]) if batches else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    mask = (np.concatenate([b[2] for b in batches]) if batches else np.zeros(0, bool)) if masked else None
+    return Part(ids, offsets, mask)
+
+
+def split_documents(count: int, fraction: float, seed: int) -> np.ndarray:
+    """The documents held out for validation: ceil(count x fraction) of them (at least 1, at most
+    count - 1), drawn from the seed alone; sorted. Whole documents, so no text is in both splits."""
+    from trainloop.errors import ConfigError
+
+    if count < 2:
+        raise ConfigError(f"the data holds {count} document(s): too little to train and validate; add data")
+    held_out = min(max(math.ceil(count * fraction), 1), count - 1)
+    return np.sort(np.random.default_rng(seed).permutation(count)[:held_out])
+
+
+def fit_pieces(cfg, documents: Documents) -> tuple[np.ndarray, np.ndarray]:
+    """Each document made to fit data.seq_len as data.overlong says: (full, pieces).
+
+    full: rows (document, count) of documents whose first `count` seq_len-token pieces fill a block
+    each (overlong=split of text data: kept as a count, so the plan stays O(documents) however long
+    the documents are); pieces: the other pieces, rows (document, start, end). A piece's first
+    label is never a target (in a packed block the token before it is another piece's), so a piece
+    whose other tokens are no targets is dropped. Counted in the log.
+    """
+    from trainloop.errors import ConfigError
+
+    seq_len, lengths = cfg.seq_len, documents.lengths
+    docs = np.arange(len(lengths))
+    overlong = lengths > seq_len
+    counts = {"truncated": 0, "split": 0, "dropped as overlong": 0, "dropped with no target token": 0}
+    full = np.zeros((0, 2), np.int64)
+    if cfg.overlong == "split" and not documents.masked and seq_len > 1:
+        whole = lengths // seq_len
+        full = np.stack([docs, whole], axis=1)[whole > 0]
+        doc = docs[lengths % seq_len > 0]
+        start, end = whole[doc] * seq_len, lengths[doc]
+        counts["split"] = int(overlong.sum())
+    elif cfg.overlong == "split":
+        per_doc = -(-lengths // seq_len)
+        doc = np.repeat(docs, per_doc)
+        start = (np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)) * seq_len
+        end = np.minimum(start + seq_len, lengths[doc])
+        counts["split"] = int(overlong.sum())
+    elif cfg.overlong == "truncate":
+        doc, start, end = docs, np.zeros_like(docs), np.minimum(lengths, seq_len)
+        counts["truncated"] = int(overlong.sum())
+    else:
+        doc = docs[~overlong]
+        start, end = np.zeros_like(doc), lengths[doc]
+        counts["dropped as overlong"] = int(overlong.sum())
+    if documents.masked:
+        keep = np.array([documents.has_target(int(d), int(s) + 1, int(e)) for d, s, e in zip(doc, start, end)],
+                        dtype=bool)
+    else:
+        keep = end - start > 1
+    counts["dropped with no target token"] = int((~keep).sum())
+    pieces = np.stack([doc, start, end], axis=1)[keep] if len(doc) else np.zeros((0, 3), np.int64)
+    said = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+    if said:
+        log.info("data: of %d rows (data.seq_len=%d, data.overlong=%s): %s", len(lengths), seq_len, cfg.overlong, said)
+    if not len(pieces) and not len(full):
+        key = "data.overlong" if counts["dropped as overlong"] else "data.train_on"
+        raise ConfigError(f"{key}={getattr(cfg, key.split('.')[1])}: every one of the {len(lengths)} rows was "
+                          f"dropped ({said}); raise data.seq_len, or set data.overlong=truncate or split")
+    return full, pieces
+
+
+class FreeSpace:
+    """Open blocks by their free tokens: the tightest fit for a length (the fewest free tokens that
+    hold it, then the lowest block) in O(log seq_len), so planning stays fast for millions of pieces."""
+
+    def __init__(self, seq_len: int):
+        self.size = 1 << seq_len.bit_length()  # leaves: free tokens 0..seq_len
+        self.count = [0] * (2 * self.size)  # open blocks under each node of a binary tree over the leaves
+        self.blocks: dict[int, list[int]] = {}  # free tokens -> heap of blocks
+
+    def add(self, free: int, block: int) -> None:
+        heapq.heappush(self.blocks.setdefault(free, []), block)
+        self._count(free, 1)
+
+    def take(self, length: int) -> tuple[int, int] | None:
+        free = self._first_at_least(length)
+        if free is None:
+            return None
+        self._count(free, -1)
+        return free, heapq.heappop(self.blocks[free])
+
+    def _count(self, free: int, change: int) -> None:
+        i = free + self.size
+        while i:
+            self.count[i] += change
+            i >>= 1
+
+    def _first_at_least(self, low: int) -> int | None:
+        i = low + self.size
+        if self.count[i]:
+            return low
+        while i > 1:  # up, until a right sibling holds an open block
+            if not i & 1 and self.count[i + 1]:
+                i += 1
+                break
+            i >>= 1
+        else:
+            return None
+        while i < self.size:  # down, to its leftmost open leaf
+            i = 2 * i if self.count[2 * i] else 2 * i + 1
+        return i - self.size
+
+
+def best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces into blocks of seq_len, best fit, longest first (deterministic, ties in order):
+    the pieces grouped by block (in the order they were placed) and each block's first entry."""
+    order = np.argsort(-lengths, kind="stable")
+    block_of = np.empty(len(lengths), dtype=np.int64)
+    spaces, blocks = FreeSpace(seq_len), 0
+    for i in order.tolist():
+        length = int(lengths[i])
+        fit = spaces.take(length)
+        if fit is None:
+            fit, blocks = (seq_len, blocks), blocks + 1
+        free, b = fit
+        block_of[i] = b
+        if free - length:
+            spaces.add(free - length, b)
+    placed = np.empty(len(lengths), dtype=np.int64)
+    placed[order] = np.arange(len(lengths))
+    members = np.lexsort((placed, block_of))
+    return members, np.searchsorted(block_of[members], np.arange(blocks + 1))
+
+
+class PlannedBlocks(TrainingSet):
+    """Training blocks planned over documents, gathered when asked for: the same dict items as
+    PackedBlocks (input_ids, labels, position_ids, and attention_mask for packing=none).
+
+    documents/none: first one block per full piece (`full` rows (document, count): that document's
+    tokens [j L, (j + 1) L) for j < count), then blocks of `pieces` rows (document, start, end),
+    block F + b holding pieces[members[first[b]:first[b + 1]]]. stream: the documents `docs` end to
+    end, block b their tokens [b L, (b + 1) L).
+    """
+
+    def __init__(self, documents: Documents, seq_len: int, pad: int, packing: str, pieces=None, docs=None,
+                 full=None):
+        self.documents, self.seq_len, self.pad, self.packing = documents, seq_len, pad, packing
+        if packing == "stream":
+            self.docs = docs
+            self.ends = np.cumsum(documents.lengths[docs])  # where each document ends in the stream
+            self.count = int(self.ends[-1]) // seq_len if len(docs) else 0
+        else:
+            self.pieces, self.full_docs, self.full_ends = pieces, full[:, 0], np.cumsum(full[:, 1])
+            self.full_blocks = int(self.full_ends[-1]) if len(full) else 0
+            if packing == "documents":  # full pieces leave no room: best fit places the others alone
+                self.members, self.first = best_fit(pieces[:, 2] - pieces[:, 1], seq_len)
+            else:
+                self.members, self.first = np.arange(len(pieces)), np.arange(len(pieces) + 1)
+            self.count = self.full_blocks + len(self.first) - 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, b: int) -> dict[str, torch.Tensor]:
+        if not 0 <= b < self.count:
+            raise IndexError(b)
+        if self.packing == "stream":
+            return self._stream_block(b)
+        L = self.seq_len
+        ids, labels = np.full(L, self.pad, dtype=np.int64), np.full(L, IGNORE, dtype=np.int64)
+        positions, at = np.zeros(L, dtype=np.int64), 0
+        if b < self.full_blocks:
+            k = int(np.searchsorted(self.full_ends, b, side="right"))
+            j = b - (int(self.full_ends[k - 1]) if k else 0)
+            members = [(int(self.full_docs[k]), j * L, (j + 1) * L)]
+        else:
+            b -= self.full_blocks
+            members = self.pieces[self.members[self.first[b]:self.first[b + 1]]].tolist()
+        for d, s, e in members:
+            piece, targets = self.documents.read(d, s, e)
+            n = len(piece)
+            ids[at:at + n] = piece
+            labels[at:at + n] = piece if targets is None else np.where(targets, piece, IGNORE)
+            labels[at] = IGNORE
+            positions[at:at + n] = np.arange(n)
+            at += n
+        item = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+        if self.packing == "none":
+            item["position_ids"] = torch.arange(L)
+            item["attention_mask"] = torch.from_numpy((np.arange(L) < at).astype(np.int64))
+        else:
+            positions[at:] = np.arange(L - at)  # the padding, a row of its own
+            item["position_ids"] = torch.from_numpy(positions)
+        return item
+
+    def _stream_block(self, b: int) -> dict[str, torch.Tensor]:
+        L, start = self.seq_len, b * self.seq_len
+        ids, labels, at = np.empty(L, dtype=np.int64), np.empty(L, dtype=np.int64), 0
+        k = int(np.searchsorted(self.ends, start, side="right"))
+        while at < L:
+            doc_start = int(self.ends[k - 1]) if k else 0
+            s = start + at - doc_start
+            e = min(int(self.ends[k]) - doc_start, s + L - at)
+            piece, targets = self.documents.read(int(self.docs[k]), s, e)
+            ids[at:at + len(piece)] = piece
+            labels[at:at + len(piece)] = piece if targets is None else np.where(targets, piece, IGNORE)
+            at, k = at + len(piece), k + 1
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "position_ids": torch.arange(L)}
+
+
+def plan_blocks(cfg, documents: Documents, held_out: np.ndarray, pad: int) -> tuple[PlannedBlocks, PlannedBlocks]:
+    """Train and validation blocks: the held-out documents' pieces are validation's, the rest train's."""
+    from trainloop.errors import ConfigError
+
+    valid_doc = np.zeros(len(documents), dtype=bool)
+    valid_doc[held_out] = True
+    if cfg.packing == "stream":
+        parts = [PlannedBlocks(documents, cfg.seq_len, pad, "stream", docs=np.flatnonzero(side))
+                 for side in (~valid_doc, valid_doc)]
+    else:
+        full, pieces = fit_pieces(cfg, documents)
+        full_valid, pieces_valid = valid_doc[full[:, 0]], valid_doc[pieces[:, 0]]
+        parts = [PlannedBlocks(documents, cfg.seq_len, pad, cfg.packing, pieces=pieces[side], full=full[full_side])
+                 for side, full_side in ((~pieces_valid, ~full_valid), (pieces_valid, full_valid))]
+    for part in parts:
+        part.overlong = cfg.overlong
+    if not len(parts[0]) or not len(parts[1]):
+        raise ConfigError(f"the data holds {len(parts[0])} training and {len(parts[1])} validation block(s) of "
+                          f"data.seq_len={cfg.seq_len} tokens: too little to train and validate; "
+                          "add data or lower data.seq_len")
+    return parts[0], parts[1]

@@ -1,0 +1,56 @@
+"""torch.compile from the `compile` group: the whole model, or each transformer block.
+
+`nn.Module.compile()` compiles a module's forward in place instead of wrapping it in an
+OptimizedModule, so parameter names, checkpoints and the exported model never carry the
+`_orig_mod.` prefix a `torch.compile(model)` wrapper would add.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trainloop.config.schema import CompileConfig
+from trainloop.errors import ConfigError
+
+log = logging.getLogger("trainloop")
+
+
+def transformer_blocks(model: torch.nn.Module, setting: str = "compile.regional=true",
+                       instead: str = "compile.regional=false") -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model (the classes it names in _no_split_modules);
+    `setting` needs them, `instead` is what to choose when the model declares none."""
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        raise ConfigError(f"{setting}: no transformer blocks found in {type(model).__name__} "
+                          f"(it declares no _no_split_modules); set {instead}")
+    return blocks
+
+
+def compile_options(cfg: CompileConfig) -> dict:
+    """The keyword arguments of torch.compile for this config."""
+    kwargs = {"backend": cfg.backend, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
+    if cfg.mode != "default":  # only inductor takes a mode (validate() checks)
+        kwargs["mode"] = cfg.mode
+    return kwargs
+
+
+def compile_model(cfg: CompileConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """Compile `model` in place as `cfg` says (a no-op for backend none); returns it."""
+    if cfg.backend == "none":
+        return model
+    kwargs = compile_options(cfg)
+    if cfg.regional:
+        # Identical blocks share one compiled graph: compile time is that of a single block.
+        blocks = transformer_blocks(model)
+        for block in blocks:
+            block.compile(**kwargs)
+        log.info("torch.compile: %d %s blocks, backend %s, mode %s", len(blocks),
+                 type(blocks[0]).__name__, cfg.backend, cfg.mode)
+    else:
+        model.compile(**kwargs)
+        log.info("torch.compile: whole model, backend %s, mode %s (compiles on the first steps)",
+                 cfg.backend, cfg.mode)
+    return model

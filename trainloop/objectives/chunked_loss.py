@@ -1,0 +1,254 @@
+"""The next-token loss without the full logits (trainer.loss_chunk_tokens=N; 0: the full logits).
+
+At 128,256 tokens of vocabulary the logits of one 2,048-token sequence are 1 GiB in fp32, more
+than a small model's weights, and cross-entropy adds as much again for its gradient. Here the
+model's final hidden states go through the output layer N tokens at a time: the tokens without a
+target (label IGNORE) are dropped first, each chunk's logits live only while the chunk is
+computed, and the sums are kept in fp32.
+
+How the hidden states are reached: for the length of one call, the output layer's forward is
+replaced by one that computes the loss from its input (the final hidden states) and its weight,
+and returns that loss where the model would return its logits. The model's own forward still
+runs through every wrapper, so each strategy gathers the output weight as it does for the full
+logits (DeepSpeed ZeRO-3 in the layer's pre-forward hook, FSDP2 in the root's forward, which
+keeps the root gathered until its backward) and the gradient reaches the weight, or its shard,
+the usual way. Nothing stays replaced after the call: the exported model is the trained one.
+TRL's chunked SFT loss and Liger replace the whole model forward instead; this keeps one
+model-agnostic seam, a plain Linear output layer.
+
+Two autograd functions, for two kinds of caller:
+- SummedNLL (causal_lm's summed loss): the gradient of the sum is known up to one scalar, so the
+  forward computes it chunk by chunk (as Liger's fused linear cross-entropy does) and the
+  backward only scales it. The output layer's three matmuls, as with the full logits: a
+  recomputing backward would add a fourth, about a third more work at a large vocabulary.
+- TokenLogps (per-token log-probabilities, DPO's): their upstream gradients differ token by
+  token, so the backward recomputes each chunk's logits from the saved hidden states and the
+  log-sum-exp (four matmuls).
+Both hold one chunk's fp32 logits and one temporary as large at a time. torch.utils.checkpoint
+per chunk would hold the recomputed chunk's log-softmax and its gradients too, and is slower:
+the output layer and loss of 2,048 tokens at vocabulary 128,256 and width 256 took, in CPU-seconds
+of one thread, 5.1 with the full logits, 4.7 SummedNLL, 6.4 TokenLogps, 8.3 checkpoint per chunk
+of 256 (measured 2026-11-25 on the shared 2-core Xeon).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from trainloop.data.tokenizer import IGNORE
+from trainloop.errors import ConfigError
+
+KEY = "trainer.loss_chunk_tokens"
+
+# model config attributes that change the logits after the output layer (Gemma's soft-capping,
+# Cohere's scale, Granite's divisor): a loss taken from the output layer's input would miss them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int):
+    """(cross-entropy summed over the target tokens, fp32; the model's output) for one forward of
+    `model(**inputs)`: position t predicts labels[:, t + 1]. chunk 0: through the full logits."""
+    if not chunk:
+        output = model(**inputs)
+        summed = F.cross_entropy(output.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                 ignore_index=IGNORE, reduction="sum")
+        return summed, output
+
+    def loss(hidden, weight, bias):
+        h, targets, _ = _targets(hidden, labels)
+        return SummedNLL.apply(h, weight, bias, targets, chunk, *_wanted(h, weight, bias))
+
+    output = _through_output_layer(model, inputs, loss)
+    return output.logits, output
+
+
+def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Each position's log-probability of the next target token, (batch, seq - 1) in fp32, 0 where
+    labels[:, t + 1] is IGNORE, from one forward of `model(**inputs)`. chunk 0: the full logits."""
+    if not chunk:
+        logits = model(**inputs).logits
+        return -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                ignore_index=IGNORE, reduction="none").view(labels.shape[0], -1)
+
+    def logps(hidden, weight, bias):
+        h, targets, keep = _targets(hidden, labels)
+        per_target = TokenLogps.apply(h, weight, bias, targets, chunk)
+        return torch.zeros(keep.shape, dtype=torch.float32, device=h.device).masked_scatter(keep, per_target)
+
+    return _through_output_layer(model, inputs, logps).logits
+
+
+def output_layer(model) -> torch.nn.Linear:
+    """The model's output layer through its wrappers (DDP's and DeepSpeed's .module; peft forwards
+    get_output_embeddings to the model it adapts), refused unless a plain Linear with nothing
+    applied to its logits afterwards."""
+    inner = model
+    while not hasattr(inner, "get_output_embeddings") and hasattr(inner, "module"):
+        inner = inner.module
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:  # a LoRA-wrapped, quantized or custom head computes otherwise
+        raise ConfigError(f"{KEY} needs the model's output layer to be a plain torch.nn.Linear, and it is "
+                          f"{type(head).__name__} (an adapter's target or modules_to_save, or quantized?): "
+                          f"leave the output layer out of adapter.target_modules/modules_to_save, or set {KEY}=0")
+    config = getattr(inner, "config", None)
+    changed = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1.0)]
+    if changed:
+        raise ConfigError(f"{KEY}: this model changes its logits after the output layer ({', '.join(changed)}), "
+                          f"which the chunked loss does not apply: set {KEY}=0")
+    return head
+
+
+@contextmanager
+def computing_in_output_layer(head: torch.nn.Linear, compute: Callable):
+    """For the length of the block, head(hidden) returns compute(hidden, its weight, its bias): the
+    weight the strategy gathered for this call. The instance attribute shadows the class's forward
+    and is deleted after, whatever happens."""
+    head.forward = lambda hidden: compute(hidden, head.weight, head.bias)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _through_output_layer(model, inputs: dict, compute: Callable):
+    with computing_in_output_layer(output_layer(model), compute):
+        return model(**inputs)
+
+
+def _targets(hidden: torch.Tensor, labels: torch.Tensor):
+    """The hidden states of the positions that predict a target token, (n, hidden), their targets
+    (n,), and where they are in (batch, seq - 1)."""
+    keep = labels[:, 1:] != IGNORE
+    return hidden[:, :-1][keep], labels[:, 1:][keep], keep
+
+
+def _wanted(hidden, weight, bias) -> tuple[bool, bool, bool]:
+    """Which gradients the forward must prepare (none under no_grad, none for a frozen weight)."""
+    on = torch.is_grad_enabled()
+    return on and hidden.requires_grad, on and weight.requires_grad, on and bias is not None and bias.requires_grad
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """What the output layer's matmul would compute in: autocast's dtype, else the weight's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _chunk_logits(h, weight, bias, dtype) -> torch.Tensor:
+    logits = torch.mm(h.to(dtype), weight.t())
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    return logits.float()
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total (fp32) += a @ b, computed in a's dtype."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_(torch.mm(a, b))
+
+
+class SummedNLL(torch.autograd.Function):
+    """sum over n tokens of -log softmax(h W^T + b)[target]; the gradients made in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, need_hidden, need_weight, need_bias):
+        device = hidden.device
+        dtype = _compute_dtype(hidden, weight)
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(dtype)  # one 16-bit copy under autocast, as the full logits' matmul makes
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            grad_hidden = torch.empty_like(hidden) if need_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
+            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+            for start in range(0, hidden.shape[0], chunk):
+                h, y = hidden[start:start + chunk].to(dtype), targets[start:start + chunk, None]
+                logits = _chunk_logits(h, w, bias, dtype)
+                lse = torch.logsumexp(logits, dim=1, keepdim=True)
+                total += (lse - logits.gather(1, y)).sum()
+                if not (need_hidden or need_weight or need_bias):
+                    continue
+                grad = logits.sub_(lse).exp_().scatter_add_(1, y, torch.full_like(y, -1, dtype=logits.dtype))
+                del logits  # d(sum)/d(logits) = softmax - one-hot, in the logits' place
+                if need_bias:
+                    grad_bias += grad.sum(0)
+                grad = grad.to(dtype)
+                if need_hidden:
+                    grad_hidden[start:start + chunk] = torch.mm(grad, w)
+                if need_weight:
+                    _accumulate(grad_weight, grad.t(), h)
+                del grad  # before the next chunk's logits: two chunks' logits are never held at once
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight, grad_bias = ctx.grads
+        ctx.grads = None  # scaled in place below: a second backward through this graph would be wrong
+        weight_dtype, bias_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total).to(weight_dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.mul_(grad_total).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+class TokenLogps(torch.autograd.Function):
+    """log softmax(h W^T + b)[target] for each of n tokens; the backward recomputes the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk):
+        device = hidden.device
+        dtype = _compute_dtype(hidden, weight)
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=device)
+        lse = torch.empty(n, dtype=torch.float32, device=device)
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(dtype)
+            for start in range(0, n, chunk):
+                logits = _chunk_logits(hidden[start:start + chunk], w, bias, dtype)
+                lse[start:start + chunk] = torch.logsumexp(logits, dim=1)
+                out[start:start + chunk] = logits.gather(1, targets[start:start + chunk, None])[:, 0]
+        out -= lse
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        chunk, dtype = ctx.chunk, ctx.dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        device = hidden.device
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                end = start + chunk
+                h, y, g = hidden[start:end].to(dtype), targets[start:end, None], grad_out[start:end, None].float()
+                logits = _chunk_logits(h, w, bias, dtype)
+                # d(g * logp[y])/d(logits) = g * (one-hot - softmax), in the logits' place
+                grad = logits.sub_(lse[start:end, None]).exp_().mul_(-g).scatter_add_(1, y, g)
+                if need_bias:
+                    grad_bias += grad.sum(0)
+                grad = grad.to(dtype)
+                if need_hidden:
+                    grad_hidden[start:end] = torch.mm(grad, w)
+                if need_weight:
+                    _accumulate(grad_weight, grad.t(), h)
+                del grad, logits  # before the next chunk's logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
