@@ -482,6 +482,32 @@ def test_a_nan_reward_or_a_step_that_nothing_scored_stops_the_run_before_it_logs
         assert not [r for r in read_metrics(run_dir) if "loss" in r]
 
 
+# Scores the completions of its first call (step 1's) and no completion after it (the evaluation's).
+FIRST_CALL_ONLY = '''
+calls = []
+
+
+def first_call_only(prompts, completions, **columns):
+    calls.append(1)
+    return [1.0 if len(calls) == 1 else None for _ in completions]
+'''
+
+
+def test_an_evaluation_that_nothing_scored_stops_the_run_in_one_line(tmp_path):
+    """Issue 33: the mean reward of no scored completion is not a reward of 0.0. An evaluation whose
+    greedy completions no function scored stops the run naming the functions, and logs no eval line."""
+    rewards = tmp_path / "first_call.py"
+    rewards.write_text(FIRST_CALL_ONLY)
+    with pytest.raises(ConfigError, match=r"^no reward function scored any of the greedy completions of the "
+                                          rf"validation prompts: {re.escape(str(rewards))}:first_call_only returned "
+                                          "None for each"):
+        train(tmp_path / "run", *CHEAP, f"objective.rewards=[{rewards}:first_call_only]", "trainer.max_steps=1",
+              "trainer.eval_every=1", "trainer.log_every=1")
+    metrics = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in metrics if "loss" in r] == [1]  # step 1 trained on its scored completions
+    assert not [r for r in metrics if "eval_loss" in r or "eval_reward" in r]
+
+
 # Returns None (does not apply) for every other completion, and on its third call, step 3's, sends
 # this process SIGTERM as a scheduler would: a preemption at a known step, in process.
 PREEMPTING = '''
