@@ -124,6 +124,8 @@ class Checkpointer:
     def wait(self, step: int) -> list[dict]:
         """Every rank, at the end of training (and at a preemption's stop, after its save): wait
         for the save in flight, commit it, and agree that it is committed."""
+        if self.async_saves is not None:
+            self.async_saves.steps_done = step  # what its record says training had reached
         self._settle()
         return self.poll(step)
 
