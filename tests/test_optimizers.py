@@ -76,7 +76,7 @@ def test_the_schedules_are_transformers_own(name, theirs):
     run ~2 s of peft and bitsandbytes imports); they are get_scheduler's, value for value."""
     from transformers import get_scheduler
 
-    from trainloop.config.schema import SchedulerConfig
+    from trainloop.config.sections import SchedulerConfig
     from trainloop.optim.optimizers import build_scheduler
 
     for warmup, total in ((0, 1), (0, 50), (7, 50), (10, 500)):

@@ -16,12 +16,20 @@ from typing import Any, Sequence
 
 from hydra.core.config_store import ConfigStore
 
-from trainloop.config.schema import OptimizerConfig, TrainConfig
+from trainloop.config.schema import OPTION_SCHEMAS, TrainConfig
+from trainloop.config.sections import OptimizerConfig
 from trainloop.errors import ConfigError  # noqa: F401 - raised here, and imported from here by users
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="trainloop_schema", node=TrainConfig)
+    """The schema conf/train.yaml extends, and the one each option of OPTION_SCHEMAS extends
+    (conf/objective/dpo.yaml: `defaults: [/objective_dpo_schema@_here_]`), stored outside any group
+    so that `--help` lists only the options a user chooses."""
+    store = ConfigStore.instance()
+    store.store(name="trainloop_schema", node=TrainConfig)
+    for group, options in OPTION_SCHEMAS.items():
+        for option, node in options.items():
+            store.store(name=f"{group}_{option}_schema", node=node)
 
 
 def compose_config(overrides: Sequence[str] = (), check: bool = True, return_hydra_config: bool = False):

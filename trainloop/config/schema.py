@@ -1,237 +1,90 @@
-"""The config's schema: a dataclass per section, with each key's type, default and meaning.
+"""The config's tree, composed from the keys each part declares beside its code.
 
 Hydra merges conf/train.yaml and the chosen group options onto `TrainConfig`, so an unknown key
-or a value of the wrong type fails while the config is composed (trainloop.config.compose). Only plain
-values live here, and this module imports nothing from trainloop: every module may read its types.
+or a value of the wrong type fails while the config is composed (trainloop.config.compose). The
+sections no row owns are in trainloop/config/sections.py. Each strategy declares its own section
+(deepspeed, fsdp, parallel). Each objective and each data format declares a dataclass of the keys
+it reads (its row's `keys`); their group's section holds the keys of every row, so that a key
+another row reads is refused by name ("has no effect unless objective=grpo") rather than unknown,
+and each objective's dataclass is registered as its option's schema (conf/objective/NAME.yaml
+extends it), so its defaults are its own. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
 
 from omegaconf import MISSING
 
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"  # tiny: built from the shape below; hf: loaded from name_or_path
-    arch: str = "llama"  # tiny only: llama, gpt2 or mixtral (a Llama whose MLPs are routed experts)
-    name_or_path: Optional[str] = None  # hf only: a local directory, or a hub id when online
-    num_layers: int = 4  # tiny only: transformer blocks
-    hidden_size: int = 256  # tiny only: width of the residual stream
-    num_heads: int = 4  # tiny only: attention heads; must divide hidden_size
-    num_kv_heads: Optional[int] = None  # tiny llama/mixtral only: key/value heads (grouped-query attention), dividing num_heads; None: num_heads
-    intermediate_size: Optional[int] = None  # None: 4 x hidden_size
-    max_position_embeddings: int = 1024  # tiny only: the longest sequence the model accepts
-    vocab_multiple: int = 64  # pad the embedding to a multiple of this (tensor-core friendly)
-    tie_embeddings: bool = True  # tiny only: the output head shares the input embedding's weight (false: its own, as Llama 3 8B)
-    dropout: float = 0.0  # tiny only: in [0, 1); 0 lets runs on 1 and N processes agree
-    num_experts: int = 8  # arch=mixtral only: expert MLPs per block
-    experts_per_token: int = 2  # arch=mixtral only: experts the router sends each token to
-    router_aux_loss_coef: float = 0.001  # arch=mixtral only: weight of the router's load-balancing loss
-    attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
-    quantization: str = "none"  # hf with adapter=lora only: none, 4bit (NF4, QLoRA), 8bit; frozen base weights
+from trainloop.config import sections
+from trainloop.config.sections import (
+    AdapterConfig, CheckpointConfig, CompileConfig, EvalConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+    PrecisionConfig, SchedulerConfig, TrainerConfig)
+from trainloop.data.formats import FORMATS
+from trainloop.objectives import OBJECTIVES
+from trainloop.parallel.deepspeed_config import DeepSpeedConfig
+from trainloop.parallel.fsdp2 import FsdpConfig
+from trainloop.parallel.tp import ParallelConfig
 
 
-@dataclass
-class AdapterConfig:
-    name: str = "none"  # none: train every weight; lora: train low-rank adapters, the base frozen (peft)
-    r: int = 8  # lora only: rank of each adapter's two matrices
-    alpha: float = 16.0  # lora only: the adapter's output is scaled by alpha / r
-    dropout: float = 0.0  # lora only: dropout on the adapter's input, in [0, 1)
-    target_modules: Optional[list[str]] = None  # lora only: module names to adapt; None: every linear layer but the output head
-    modules_to_save: Optional[list[str]] = None  # lora only: modules trained in full and saved with the adapter
+def _field(declared: dataclasses.Field, default=MISSING):
+    """A copy of a declared field for another dataclass, with `default` in place of its own if given."""
+    if default is not MISSING:
+        return field(default=default)
+    if declared.default_factory is not dataclasses.MISSING:
+        return field(default_factory=declared.default_factory)
+    return field(default=declared.default)
 
 
-@dataclass
-class SourceConfig:
-    """One source of a mixture (data.sources): read as the data option reads data.path."""
+def union(name: str, base: type, rows: dict[str, type | None]) -> type:
+    """`base`'s section with every row's keys after its own, in the table's order. A key that several
+    rows declare is one key: the same type in each, the first row's default. `declared_by` says who
+    declares each key: {key: [(row, dataclass), ...]} (the generated reference reads their comments)."""
+    declared_by = {f.name: [("", base)] for f in dataclasses.fields(base)}
+    keys, types = [], {}
+    for row, declaring in rows.items():
+        if declaring is None:
+            continue
+        hints = typing.get_type_hints(declaring)
+        for f in dataclasses.fields(declaring):
+            if f.name in declared_by and declared_by[f.name][0][0] == "":
+                raise TypeError(f"{declaring.__name__}.{f.name}: {base.__name__} declares it for every row")
+            if f.name in types and types[f.name] != hints[f.name]:
+                raise TypeError(f"{declaring.__name__}.{f.name} is {hints[f.name]}, and another row's is {types[f.name]}")
+            if f.name not in types:
+                types[f.name] = hints[f.name]
+                keys.append((f.name, hints[f.name], _field(f)))
+            declared_by.setdefault(f.name, []).append((row, declaring))
+    section = dataclasses.make_dataclass(name, keys, bases=(base,))
+    section.__module__, section.__doc__ = __name__, base.__doc__
+    section.declared_by = declared_by
+    return section
 
-    path: str = MISSING  # what data.path would be for this source alone
-    weight: float = 1.0  # its share of the training blocks: weight / the sum of the weights
-    name: Optional[str] = None  # its key in metrics.jsonl's tokens_per_source; None: its file or folder stem
 
-
-@dataclass
-class DataConfig:
-    name: str = "pydoc"  # pydoc: Python's bundled documentation; files, chat, prompt_completion, preference, prompts, prepared: data.path
-    path: Optional[str] = None  # a file, a directory or a glob of text/json/jsonl/csv/parquet; prepared: the shards' folder
-    # a mixture instead of data.path: [{path: P, weight: W, name: N}, ...]; each path read as data.path
-    # would be; blocks interleaved in proportion W / sum of weights (default 1); N (default: P's stem) keys
-    # tokens_per_source in metrics.jsonl (trainloop/data/mixture.py)
-    sources: Optional[list[SourceConfig]] = None
-    text_field: str = "text"  # the column that holds the text (data=files)
-    messages_field: str = "messages"  # data=chat: the column holding a list of {role, content} messages
-    chat_template: Optional[str] = None  # data=chat, preference and prompts: a Jinja template file; None: the tokenizer's, else built-in
-    prompt_field: str = "prompt"  # data=prompt_completion, preference and prompts: the column holding the prompt
-    completion_field: str = "completion"  # data=prompt_completion: the column holding the completion
-    chosen_field: str = "chosen"  # data=preference: the column holding the preferred completion (text or messages)
-    rejected_field: str = "rejected"  # data=preference: the column holding the other completion (text or messages)
-    train_on: str = "all"  # tokens with a loss: all; assistant (chat's default); completion (prompt_completion's)
-    # documents: rows packed into seq_len blocks, attention and position ids kept inside each row;
-    # stream: rows end to end, cut every seq_len tokens; none: one padded row per block
-    packing: str = "documents"
-    # a row longer than seq_len (packing documents or none): truncate (chat, prompt_completion),
-    # drop, or split into seq_len pieces packed as rows of their own (pydoc, files: nothing lost)
-    overlong: str = "split"
-    tokenizer: Optional[str] = None  # a local tokenizer directory; None: model's own or bytes
-    seq_len: int = 128  # tokens per training block; rows are packed into blocks as data.packing says
-    batch_size: int = 8  # per device, per micro-step
-    validation_fraction: float = 0.05  # share of the documents (whole ones, drawn from trainer.seed) held out for evaluation
-    num_proc: Optional[int] = None  # processes for datasets.map
-    num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
-    pin_memory: bool = True  # only takes effect when a CUDA device is used
-    persistent_workers: bool = False  # keep the workers between epochs (needs num_workers > 0)
-    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (needs num_workers > 0)
-    multiprocessing_context: str = "forkserver"  # how workers start: forkserver, spawn or fork
+def with_defaults(section: type, row: str, declaring: type | None) -> type:
+    """`section` with the defaults of one row's keys and its name: the schema of its option."""
+    own = {f.name: f for f in dataclasses.fields(declaring)} if declaring else {}
+    keys = [(f.name, f.type, _field(own.get(f.name, f), row if f.name == "name" else MISSING))
+            for f in dataclasses.fields(section)]
+    option = dataclasses.make_dataclass(section.__name__, keys, bases=(section,))
+    option.__module__ = __name__
+    return option
 
 
 @dataclass
-class OptimizerConfig:
-    name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd, muon
-    lr: float = 1e-3  # peak learning rate, reached after scheduler.warmup_steps
-    weight_decay: float = 0.1  # on matrices and embeddings; never on biases and norm weights
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
-    eps: float = 1e-8  # Adam's denominator term
-    momentum: float = 0.9  # sgd and muon (its hidden matrices' momentum) only
-    impl: str = "auto"  # adamw (and muon's AdamW part) only: auto, fused, foreach, for_loop
+class ObjectiveKeys:
+    """What a step optimises: a row of trainloop/objectives, each declaring the objective.* keys it reads."""
 
-
-@dataclass
-class SchedulerConfig:
-    name: str = "cosine"  # cosine, linear, constant
-    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to optimizer.lr
-
-
-@dataclass
-class PrecisionConfig:
-    name: str = "fp32"  # fp32, bf16, fp16, fp8
-    tf32: bool = False  # TF32 matmuls and convolutions on Ampere and newer GPUs
-    fp8_emulate: bool = False  # fp8 only: emulate the float8 matmuls on a GPU (needed below compute capability 8.9; a CPU always emulates)
-    fp8_skip_small: bool = False  # fp8 only: leave in bf16 the layers torchao's thresholds call too small to gain
-
-
-@dataclass
-class TrainerConfig:
-    max_steps: int = 500  # optimizer steps
-    seed: int = 1234  # model init, data order and dropout
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    max_grad_norm: Optional[float] = 1.0  # None: no clipping
-    log_every: int = 10  # optimizer steps between train lines in metrics.jsonl
-    eval_every: int = 100  # optimizer steps between evaluations; the last step always evaluates
-    eval_batches: Optional[int] = None  # global batches evaluated (data.batch_size x accumulation x processes items each); None: all
-    on_nonfinite: str = "stop"  # skip or stop, when the loss or gradient norm is NaN/Inf
-    stop_at_step: Optional[int] = None  # save and stop after this step; the schedule still runs to max_steps
-    auto_batch_size: bool = False  # find the largest per-device batch that fits; keep the effective batch
-    auto_batch_size_budget_mb: Optional[float] = None  # memory a step may add to the loaded model; None: all free
-    collective_timeout_s: float = 1800  # how long a collective (all-reduce, barrier) may wait for a rank before failing
-    # the output layer and cross-entropy N tokens at a time, never the full logits (less memory at a
-    # large vocabulary); 0: the full logits. Objectives that score tokens read it (trainloop/objectives/chunked_loss.py)
-    loss_chunk_tokens: int = 0
-    activation_offload: bool = False  # CUDA: what the forward saves for the backward kept in pinned host memory
-
-
-@dataclass
-class CheckpointConfig:
-    every_steps: Optional[int] = None  # None: only at the end
-    keep_last: int = 2  # complete checkpoints kept; older ones are removed after a save
-    resume: Optional[str] = "auto"  # auto: the latest in the run dir, if any; a checkpoint dir; None: never
-    save_final_model: bool = True  # write RUN_DIR/final in Hugging Face format
-    async_save: bool = False  # fsdp=full_shard only: write checkpoints in the background while training goes on
-
-
-@dataclass
-class LoggingConfig:
-    progress_bar: bool = True  # a tqdm bar on the main process; false: a log line every log_every steps, and no library bars
-    telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
-    profile_steps: Optional[list[int]] = None  # [START, END]: torch.profiler trace of these optimizer steps (1-based, inclusive) in RUN_DIR/profile/
-    profile_ranks: str = "main"  # main: profile the main process only; all: every rank
-    peak_tflops: Optional[float] = None  # the device's peak for mfu; None: the GPU table (trainloop/observe/flops.py), none on CPU
-    # accelerate's trackers that get every metrics.jsonl line (tensorboard, mlflow, wandb, ...); []: none
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
-
-
-@dataclass
-class EvalConfig:
-    prompts: list[str] = field(default_factory=list)  # at every evaluation, greedy completions of these into metrics.jsonl
-    max_new_tokens: int = 32  # tokens generated per prompt
-
-
-@dataclass
-class DeepSpeedConfig:
-    stage: int = 0  # 0: DeepSpeed off; 1, 2, 3: ZeRO stage
-    offload_optimizer: str = "none"  # none, cpu, nvme
-    offload_param: str = "none"  # none, cpu, nvme (stage 3 only)
-    nvme_path: Optional[str] = None  # the folder for nvme offload, on a fast local disk
-    overlap_comm: bool = True  # overlap the gradient reduction with the backward pass
-    contiguous_gradients: bool = True  # copy gradients into one buffer as they come: less fragmentation
-    reduce_bucket_size: int = 500_000_000  # elements reduced at once; smaller: less memory, more messages
-    allgather_bucket_size: int = 500_000_000  # elements gathered at once (stages 1 and 2)
-    stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: parameter elements fetched ahead of their use
-    stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller parameters stay whole on every rank
-    gather_16bit_weights_on_model_save: bool = True  # stage 3: accelerate's save_model may gather 16-bit weights
-    zero3_init: bool = False  # stage 3: build the model partitioned (zero.Init), never whole; changes a random init
-    config_file: Optional[str] = None  # a user's DeepSpeed JSON, checked against this config
-
-
-@dataclass
-class FsdpConfig:
-    name: str = "none"  # none; full_shard: PyTorch FSDP2 (fully_shard) on every transformer block, then the root
-    reshard_after_forward: bool = True  # full_shard only: free the gathered parameters after forward (less memory, one more all-gather)
-    offload: str = "none"  # full_shard only: none, cpu (parameters, gradients and optimizer state in CPU memory)
-    # full_shard with gradient accumulation: reduce-scatter every micro-batch's gradients into the shards
-    # (true: accelerate's sync_each_batch; FSDP's memory) or only the last one's (false: fewer collectives,
-    # but every block's unsharded fp32 gradients, 4 B x the whole model, held across the micro-batches)
-    sync_each_batch: bool = True
-
-
-@dataclass
-class ParallelConfig:
-    # processes that split each transformer block's matrices (tensor parallelism, on a 2-D mesh with
-    # fsdp=full_shard on the other dimension); 1: none. Must divide the process count; data-parallel
-    # ranks are processes / tp_size
-    tp_size: int = 1
-    # with tp_size > 1: the norms and the residual stream between the split matrices hold 1/tp_size of
-    # the sequence on each tp rank (less activation memory; an all-gather and a reduce-scatter per split pair)
-    sequence_parallel: bool = False
-
-
-@dataclass
-class CompileConfig:
-    backend: str = "none"  # none, inductor, aot_eager, eager, cudagraphs
-    mode: str = "default"  # default, reduce-overhead, max-autotune
-    fullgraph: bool = False  # fail at a graph break instead of splitting the graph there
-    dynamic: Optional[bool] = None  # None: torch decides; true/false: compile for dynamic/static shapes
-    regional: bool = False  # compile each transformer block instead of the whole model
-
-
-@dataclass
-class ObjectiveConfig:
     name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo; grpo)
-    # dpo: how far the policy may move from the reference (the rewards are beta x log-ratios); simpo: the
-    # rewards are beta x log-prob per token; grpo: the weight of the KL penalty to the reference (0: none, and no
-    # reference is built)
-    beta: float = 0.1
-    # dpo: sigmoid (the DPO paper's), ipo, hinge or robust; grpo: dapo, grpo or dr_grpo; as TRL 1.16 defines them
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0  # dpo with loss_type=robust, and simpo: the assumed share of flipped labels, in [0, 0.5)
-    gamma: float = 1.0  # simpo only: the target reward margin, in the rewards' units (SimPO's gamma, TRL's simpo_gamma)
-    # dpo only: the reference's log-probabilities of every pair computed in one pass before training (kept in
-    # RUN_DIR/reference_logps.pt for a resume), and a full fine-tune's frozen reference copy freed after it
-    precompute_reference: bool = False
-    # grpo only: the reward functions, module:function or path/to/file.py:function (trainloop/objectives/rewards.py)
-    rewards: list[str] = field(default_factory=list)
-    reward_weights: Optional[list[float]] = None  # grpo only: one weight per reward function; null: each 1.0
-    num_generations: int = 8  # grpo only: completions sampled per prompt (a group)
-    temperature: float = 1.0  # grpo only: sampling temperature (the log-probabilities are taken at it too)
-    top_p: float = 1.0  # grpo only: nucleus sampling's probability mass, in (0, 1]
-    max_new_tokens: int = 128  # grpo only: the longest completion; a longer one is cut (truncated)
-    scale_rewards: str = "group"  # grpo only: divide the advantages by the std of the group's rewards, the batch's, or none
-    epsilon: float = 0.2  # grpo only: the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: Optional[float] = None  # grpo only: null: epsilon
-    num_iterations: int = 1  # grpo only: optimizer steps on each generated batch
+
+
+ObjectiveConfig = union("ObjectiveConfig", ObjectiveKeys, {name: row.keys for name, row in OBJECTIVES.items()})
+DataConfig = union("DataConfig", sections.DataConfig, {name: fmt.keys for name, fmt in FORMATS.items()})
+
+# group -> {option: the schema its conf/GROUP/OPTION.yaml extends}, registered by trainloop.config.compose
+OPTION_SCHEMAS = {"objective": {name: with_defaults(ObjectiveConfig, name, row.keys) for name, row in OBJECTIVES.items()}}
 
 
 @dataclass

@@ -9,7 +9,7 @@ from functools import partial
 
 from torch.utils.data import DataLoader, Dataset
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats import data_format
 from trainloop.data.formats.prepared import prepared_fingerprint
 from trainloop.data.order import ValidationOrder

@@ -8,7 +8,7 @@ alone (trainloop/export.py).
 
 from __future__ import annotations
 
-from trainloop.config.schema import AdapterConfig, ModelConfig
+from trainloop.config.sections import AdapterConfig, ModelConfig
 from trainloop.errors import ConfigError
 
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head

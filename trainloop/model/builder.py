@@ -6,7 +6,7 @@ import ast
 import logging
 import re
 
-from trainloop.config.schema import ModelConfig
+from trainloop.config.sections import ModelConfig
 from trainloop.errors import ConfigError
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from trainloop.config.schema import CompileConfig
+from trainloop.config.sections import CompileConfig
 from trainloop.errors import ConfigError
 
 log = logging.getLogger("trainloop")

@@ -33,15 +33,15 @@ def keys_read(cfg) -> tuple[str, ...]:
     """objective.name and the objective.* keys its row reads in this config (less one it reads only in
     settings this config lacks): what a checkpoint's fingerprint records of the objective."""
     row = OBJECTIVES[cfg.objective.name]
-    return ("objective.name", *(key for key in row.reads if row.read_when.get(key, (lambda c: True,))[0](cfg)))
+    return ("objective.name", *(key for key in row.reads() if row.read_when.get(key, (lambda c: True,))[0](cfg)))
 
 
 def read_only_by() -> dict[str, tuple]:
     """config.read_only_by's rows for the objective.* keys: KEY -> (does this config read it?, who reads it)."""
     always = (lambda c: True, "")
     table = {}
-    for key in dict.fromkeys(key for objective in OBJECTIVES.values() for key in objective.reads):
-        readers = {name: row.read_when.get(key, always) for name, row in OBJECTIVES.items() if key in row.reads}
+    for key in dict.fromkeys(key for objective in OBJECTIVES.values() for key in objective.reads()):
+        readers = {name: row.read_when.get(key, always) for name, row in OBJECTIVES.items() if key in row.reads()}
         table[key] = (lambda c, readers=readers: c.objective.name in readers and readers[c.objective.name][0](c),
                       "objective=" + " or ".join(name + (f" with {when[1]}" if when[1] else "")
                                                  for name, when in readers.items()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the table is read by config checks, which must not load torch: it is imported where used
@@ -45,12 +45,19 @@ class Objective:
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     prompts = False  # trains on completions it generates for prompts (a data format whose row says prompts)
-    reads: tuple[str, ...] = ()  # the objective.* keys (beyond name) it reads; others given are refused
-    # KEY of reads -> (does this config read it?, what makes it read): a key it reads only in some settings
+    # the dataclass of the objective.* keys it reads (beyond name), declared beside it with their defaults for
+    # objective=NAME; trainloop/config/schema.py composes them. A key it does not declare is refused when given
+    keys: type | None = None
+    # KEY of reads() -> (does this config read it?, what makes it read): a key it reads only in some settings
     read_when: dict = {}
     chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.objectives.chunked_loss
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
     headline: tuple[str, ...] = ()  # window() keys the progress bar and the log line show beside loss and lr
+
+    @classmethod
+    def reads(cls) -> tuple[str, ...]:
+        """The objective.* keys it reads (beyond name): its keys'."""
+        return tuple(f"objective.{key.name}" for key in fields(cls.keys)) if cls.keys else ()
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -17,6 +17,7 @@ is the mean over the pairs of the global batch.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
@@ -28,6 +29,16 @@ log = logging.getLogger("trainloop")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 PRECOMPUTED = "reference_logps"  # the data's column of precomputed reference log-probs: [pairs, 2] (chosen, rejected)
 CACHE = "reference_logps.pt"  # in the run dir
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1  # how far the policy may move from the reference: the rewards are beta x log-ratios
+    loss_type: str = "sigmoid"  # sigmoid (the DPO paper's), ipo, hinge, or robust (reads label_smoothing), as TRL 1.16 defines them
+    label_smoothing: float = 0.0  # with loss_type=robust: the assumed share of flipped labels, in [0, 0.5)
+    # the reference's log-probabilities of every pair computed in one pass before training (kept in
+    # RUN_DIR/reference_logps.pt for a resume), and a full fine-tune's frozen reference copy freed after it
+    precompute_reference: bool = False
 
 def reference_model(model):
     """The peft model under a data-parallel wrapper (DDP's .module), whose adapters can be disabled."""
@@ -64,7 +75,7 @@ def held(frozen) -> str:
 
 class DPO(PairObjective):
     name = "dpo"
-    reads = ("objective.beta", "objective.loss_type", "objective.label_smoothing", "objective.precompute_reference")
+    keys = DPOConfig
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)

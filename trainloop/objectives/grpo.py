@@ -25,7 +25,8 @@ import json
 import logging
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.dpo import reference_model
@@ -38,6 +39,25 @@ log = logging.getLogger("trainloop")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALES = ("group", "batch", "none")
 SHOWN = 2  # completions (with their rewards) in each log interval's event=samples record
+
+
+@dataclass
+class GRPOConfig:
+    # required: the reward functions, [module:function, ...] or [path/to/file.py:function, ...] (trainloop/objectives/rewards.py)
+    rewards: list[str] = field(default_factory=list)
+    reward_weights: Optional[list[float]] = None  # one weight per reward function; null: each 1.0
+    num_generations: int = 8  # completions sampled per prompt (a group)
+    temperature: float = 1.0  # sampling temperature (the log-probabilities are taken at it too)
+    top_p: float = 1.0  # nucleus sampling's probability mass, in (0, 1]
+    max_new_tokens: int = 128  # the longest completion; a longer one is cut (truncated)
+    scale_rewards: str = "group"  # divide the advantages by the std of the group's rewards, the batch's, or none
+    loss_type: str = "dapo"  # dapo (TRL 1.16's default), grpo or dr_grpo, as TRL defines them
+    epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # null: epsilon
+    # the weight of the KL penalty to the reference (adapter=lora: the model with its adapters disabled); 0: none,
+    # and no reference is built
+    beta: float = 0.0
+    num_iterations: int = 1  # optimizer steps on each generated batch
 
 
 def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
@@ -145,9 +165,7 @@ class GRPO(Objective):
     name = "grpo"
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")
-    reads = ("objective.beta", "objective.loss_type", "objective.rewards", "objective.reward_weights",
-             "objective.num_generations", "objective.temperature", "objective.top_p", "objective.max_new_tokens",
-             "objective.scale_rewards", "objective.epsilon", "objective.epsilon_high", "objective.num_iterations")
+    keys = GRPOConfig
     # the ratio to the policy that generated is 1 on the one update of a generated batch: nothing to clip
     read_when = {key: (lambda c: c.objective.num_iterations > 1, "objective.num_iterations > 1")
                  for key in ("objective.epsilon", "objective.epsilon_high")}

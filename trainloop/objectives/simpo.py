@@ -15,6 +15,7 @@ logs them for SimPO.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.data.tokenizer import IGNORE
@@ -22,6 +23,17 @@ from trainloop.objectives.pairs import PairObjective, completion_logps, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
+
+
+@dataclass
+class SimPOConfig:
+    """The defaults are the SimPO paper's Llama-3-Base setting (beta 2.0, gamma / beta 0.5; its other models
+    use beta 2.0 to 2.5 and gamma / beta 0.1 to 0.8), whose learning rates are small too (3e-7 to 1e-6 for
+    7-8B models)."""
+
+    beta: float = 2.0  # the rewards are beta x log-prob per completion token
+    gamma: float = 1.0  # the target reward margin, in the rewards' units (SimPO's gamma, TRL's simpo_gamma)
+    label_smoothing: float = 0.0  # the assumed share of flipped labels, in [0, 0.5): TRL's conservative form; the paper uses none
 
 
 def mean_completion_logps(model, batch: dict, chunk: int = 0) -> torch.Tensor:
@@ -36,7 +48,7 @@ def mean_completion_logps(model, batch: dict, chunk: int = 0) -> torch.Tensor:
 
 class SimPO(PairObjective):
     name = "simpo"
-    reads = ("objective.beta", "objective.gamma", "objective.label_smoothing")
+    keys = SimPOConfig
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Callable
 
-from trainloop.config.schema import OptimizerConfig, SchedulerConfig
+from trainloop.config.sections import OptimizerConfig, SchedulerConfig
 from trainloop.errors import ConfigError
 
 Shape = tuple[int, ...]

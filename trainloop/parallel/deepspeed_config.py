@@ -11,12 +11,33 @@ import copy
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from trainloop.config.schema import DeepSpeedConfig
 from trainloop.errors import ConfigError
 
 log = logging.getLogger("trainloop")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """The deepspeed.* keys (the ZeRO row, trainloop/parallel/zero.py), turned into DeepSpeed's JSON below."""
+
+    stage: int = 0  # 0: DeepSpeed off; 1, 2, 3: ZeRO stage
+    offload_optimizer: str = "none"  # none, cpu, nvme
+    offload_param: str = "none"  # none, cpu, nvme (stage 3 only)
+    nvme_path: Optional[str] = None  # the folder for nvme offload, on a fast local disk
+    overlap_comm: bool = True  # overlap the gradient reduction with the backward pass
+    contiguous_gradients: bool = True  # copy gradients into one buffer as they come: less fragmentation
+    reduce_bucket_size: int = 500_000_000  # elements reduced at once; smaller: less memory, more messages
+    allgather_bucket_size: int = 500_000_000  # elements gathered at once (stages 1 and 2)
+    stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: parameter elements fetched ahead of their use
+    stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller parameters stay whole on every rank
+    gather_16bit_weights_on_model_save: bool = True  # stage 3: accelerate's save_model may gather 16-bit weights
+    zero3_init: bool = False  # stage 3: build the model partitioned (zero.Init), never whole; changes a random init
+    config_file: Optional[str] = None  # a user's DeepSpeed JSON, checked against this config
+
 
 AUTO = "auto"
 DEFAULTS = DeepSpeedConfig()

@@ -4,10 +4,24 @@ and optimizer state are DTensors sharded over the ranks; checkpoints in DCP form
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.process_group import single_process_group_env
 from trainloop.parallel.tensors import is_dtensor
+
+
+@dataclass
+class FsdpConfig:
+    """The fsdp.* keys: this row's (and FSDP2 x TP's)."""
+
+    name: str = "none"  # none; full_shard: PyTorch FSDP2 (fully_shard) on every transformer block, then the root
+    reshard_after_forward: bool = True  # full_shard only: free the gathered parameters after forward (less memory, one more all-gather)
+    offload: str = "none"  # full_shard only: none, cpu (parameters, gradients and optimizer state in CPU memory)
+    # full_shard with gradient accumulation: reduce-scatter every micro-batch's gradients into the shards
+    # (true: accelerate's sync_each_batch; FSDP's memory) or only the last one's (false: fewer collectives,
+    # but every block's unsharded fp32 gradients, 4 B x the whole model, held across the micro-batches)
+    sync_each_batch: bool = True
 
 
 class FSDP2(Strategy):

@@ -12,10 +12,25 @@ meshes: tp-split ones on the 2-D mesh, the others on dp_shard alone).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trainloop.errors import ConfigError
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.tensor_parallel import NO_PLAN
 from trainloop.parallel.tensors import is_dtensor
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel.* keys: the mesh's tensor-parallel dimension, this row's."""
+
+    # processes that split each transformer block's matrices (tensor parallelism, on a 2-D mesh with
+    # fsdp=full_shard on the other dimension); 1: none. Must divide the process count; data-parallel
+    # ranks are processes / tp_size
+    tp_size: int = 1
+    # with tp_size > 1: the norms and the residual stream between the split matrices hold 1/tp_size of
+    # the sequence on each tp rank (less activation memory; an all-gather and a reduce-scatter per split pair)
+    sequence_parallel: bool = False
 
 
 def layout_problem(tp_size: int, processes: int) -> str | None:

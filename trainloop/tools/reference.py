@@ -1,10 +1,12 @@
 """`python -m trainloop.reference [--write [PATH] | --check]`: the config reference, generated.
 
-Every key comes from the structured configs in trainloop/config/schema.py: its type from the
-annotation, its description from the comment on the field's line (or the comment lines right
-above it), its allowed values from config.choices() / config.POSITIVE, and its default from the
-config `python -m trainloop` composes with no arguments. The options of each group and the
-presets come from conf/<group>/*.yaml and their leading comments. docs/config-reference.md is
+Every key comes from the structured configs trainloop/config/schema.py composes: its type from
+the annotation, its description from the comment on the field's line (or the comment lines right
+above it) in the module that declares it (a row's keys beside the row's code, each said with the
+option that reads it), its allowed values from config.choices() / config.POSITIVE, and its default
+from the config `python -m trainloop` composes with no arguments. The options of each group and the
+presets come from conf/<group>/*.yaml and their leading comments; an option whose row declares its
+keys (objective) sets those keys' defaults. docs/config-reference.md is
 this output; tests/test_reference.py fails when it is stale.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
+import inspect
 import io
 import re
 import sys
@@ -23,6 +27,7 @@ from omegaconf import OmegaConf
 
 from trainloop.config import compose as config_module, schema
 from trainloop.config.compose import CONFIG_DIR, POSITIVE, TrainConfig, choices
+from trainloop.config.schema import OPTION_SCHEMAS
 
 DOCS_FILE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 
@@ -48,6 +53,52 @@ def field_docs(source: str) -> dict[tuple[str, str], tuple[str, str]]:
                 text = " ".join(comments[n] for n in range(above + 1, node.lineno))
             docs[cls.name, node.target.id] = (ast.unparse(node.annotation), text)
     return docs
+
+
+@functools.cache
+def module_docs(path: str) -> dict[tuple[str, str], tuple[str, str]]:
+    return field_docs(Path(path).read_text())
+
+
+def class_docs(cls: type) -> dict[str, tuple[str, str]]:
+    """A dataclass's field -> (annotation as written, description), read in the module of the class
+    (itself or a base) that declares each field."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        own = vars(klass).get("__annotations__", {})
+        if own and dataclasses.is_dataclass(klass):
+            found = module_docs(inspect.getsourcefile(klass))
+            docs.update({name: found[klass.__name__, name] for name in own})
+    return docs
+
+
+def either(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def key_docs(group: str, section: type) -> dict[str, tuple[str, str]]:
+    """What key_docs says of each key of a section; a key rows declare (schema.union) is said with the
+    option of each row that reads it: `objective=dpo: ...; objective=simpo: ...`."""
+    declared_by = getattr(section, "declared_by", None)
+    if declared_by is None:
+        return class_docs(section)
+    docs = {}
+    for key, rows in declared_by.items():
+        said: dict[str, list[str]] = {}
+        for row, declaring in rows:
+            annotation, text = class_docs(declaring)[key]
+            said.setdefault(text, []).append(row)
+        docs[key] = (annotation, "; ".join(text if readers == [""] else f"{group}={either(readers)}: {text}"
+                                           for text, readers in said.items()))
+    return docs
+
+
+def option_keys(group: str, section: type, option: str) -> str:
+    """What an option whose row declares its keys sets: its default of each of them."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(OPTION_SCHEMAS[group][option]))
+    declaring = next((cls for rows in section.declared_by.values() for row, cls in rows if row == option), None)
+    keys = [f.name for f in dataclasses.fields(declaring)] if declaring else []
+    return ", ".join(f"`{group}.{key}={yaml_value(defaults[key])}`" for key in keys) or "(no key of its own)"
 
 
 def type_name(annotation: str) -> str:
@@ -142,7 +193,6 @@ def optimizer_table(defaults) -> list[str]:
 
 
 def render() -> str:
-    docs = field_docs(Path(schema.__file__).read_text())
     cfg, choices = default_config()
     groups = [f for f in dataclasses.fields(TrainConfig)]
     out = [
@@ -168,14 +218,16 @@ def render() -> str:
                     f"the default is `{choices.get(group.name)}`.", "",
                     "| option | what it is | sets |", "| --- | --- | --- |"]
             for path in sorted(folder.glob("*.yaml")):
-                out.append(f"| `{path.stem}` | {cell(leading_comment(path))} | {cell(settings(path))} |")
+                sets = option_keys(group.name, cls, path.stem) if group.name in OPTION_SCHEMAS else settings(path)
+                out.append(f"| `{path.stem}` | {cell(leading_comment(path))} | {cell(sets)} |")
             out.append("")
             if group.name == "optimizer":
                 out += optimizer_table(cfg.optimizer)
         out += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
+        docs = key_docs(group.name, cls)
         for f in dataclasses.fields(cls):
             key = f"{group.name}.{f.name}"
-            annotation, text = docs[cls.__name__, f.name]
+            annotation, text = docs[f.name]
             default = yaml_value(OmegaConf.to_container(cfg[group.name])[f.name])
             out.append(f"| `{key}` | {cell(type_name(annotation))} | `{cell(default)}` | "
                        f"{allowed(key)} | {cell(describe(text))} |")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import chain
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.rows import read_rows, row_place
 
 # The keys that shape the tokens and the validation split of a format that reads rows; a format
@@ -17,9 +18,11 @@ class DataFormat:
 
     What config checks, the prepare command and the shards read without building anything:
     - name: its data.name.
-    - fields: {config key: "text" or "json"}, the columns it reads from each row (data.text_field...),
-      a "json" one holding any JSON value (a conversation); nothing else of a row is read.
-    - options: the other data.* keys only it (and formats like it) reads (data.chat_template).
+    - keys: the dataclass of the data.* keys it reads beyond those every format reads (trainloop/config/
+      sections.py's DataConfig), declared beside it; trainloop/config/schema.py composes them.
+    - fields: {config key: "text" or "json"}, those of its keys that name the columns it reads from
+      each row (data.text_field...), a "json" one holding any JSON value (a conversation); nothing
+      else of a row is read.
     - train_on: the data.train_on values it serves; the first is its default (its YAML sets it).
     - masked: whether its labels hide some tokens, so its tokens carry a target mask (and shards a mask.npy).
     - loads_rows: whether it reads rows and tokenizes them itself (data=prepared reads tokens).
@@ -34,8 +37,8 @@ class DataFormat:
     """
 
     name = ""
+    keys: type | None = None
     fields: dict[str, str] = {}
-    options: tuple[str, ...] = ()
     train_on: tuple[str, ...] = ("all",)
     masked = False
     loads_rows = True
@@ -45,8 +48,8 @@ class DataFormat:
 
     def reads(self) -> tuple[str, ...]:
         """The data.* keys it reads of those that not every format reads (config.read_only_by)."""
-        return (*(("data.path", "data.sources") if self.path else ()), *self.fields, *self.options,
-                *(TOKENIZING if self.loads_rows else ()))
+        own = tuple(f"data.{key.name}" for key in dataclasses.fields(self.keys)) if self.keys else ()
+        return (*(("data.path", "data.sources") if self.path else ()), *own, *(TOKENIZING if self.loads_rows else ()))
 
     def unread_hint(self, key: str) -> str:
         """Where a key it does not read goes instead, said when the key is refused ("" : nowhere)."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 import re
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.base import DataFormat, ragged_table
 from trainloop.data.formats.rows import json_kind, root_cause, row_place
 from trainloop.data.tokenizer import IGNORE
@@ -19,6 +21,18 @@ from trainloop.errors import ConfigError
 log = logging.getLogger("trainloop")
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class TemplateConfig:
+    """The key of every format that renders messages (data=chat, preference, prompts)."""
+
+    chat_template: Optional[str] = None  # a Jinja template file; None: the tokenizer's, else the built-in one
+
+
+@dataclass
+class ChatConfig(TemplateConfig):
+    messages_field: str = "messages"  # the column holding a list of {role, content} messages
 
 # For tokenizers without a chat template (the built-in byte-level one included): each message
 # is a role line, its content and the end-of-text token, so a reply ends where the model learns to stop.
@@ -195,8 +209,8 @@ def marked_chat_tokens(messages: list[dict], tokenizer, template: str, train_on:
 
 class Chat(DataFormat):
     name = "chat"
+    keys = ChatConfig
     fields = {"data.messages_field": "json"}
-    options = ("data.chat_template",)
     train_on = ("assistant", "all")
     masked = True
 

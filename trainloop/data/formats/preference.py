@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.base import DataFormat, ragged_table
-from trainloop.data.formats.chat import chat_template, message_problem, template_of
+from trainloop.data.formats.chat import TemplateConfig, chat_template, message_problem, template_of
+from trainloop.data.formats.prompt_completion import PromptConfig
 from trainloop.data.formats.rows import json_kind, read_rows
 from trainloop.data.tokenizer import IGNORE
 from trainloop.errors import ConfigError
@@ -50,10 +52,16 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass
+class PreferenceConfig(PromptConfig, TemplateConfig):
+    chosen_field: str = "chosen"  # the column holding the preferred completion (text or messages)
+    rejected_field: str = "rejected"  # the column holding the other completion (text or messages)
+
+
 class Preference(DataFormat):
     name = "preference"
+    keys = PreferenceConfig
     fields = {"data.prompt_field": "json", "data.chosen_field": "json", "data.rejected_field": "json"}
-    options = ("data.chat_template",)
     train_on = ("completion",)
     masked = True
     pairs = True

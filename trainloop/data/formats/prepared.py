@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.base import TOKENIZING, DataFormat
 from trainloop.data.tokenizer import pad_id, tokenizer_record
 from trainloop.errors import ConfigError

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from trainloop.config.schema import DataConfig
+from dataclasses import dataclass
+
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.base import DataFormat, ragged_table
 from trainloop.data.tokenizer import IGNORE
 from trainloop.errors import ConfigError
 
 
+@dataclass
+class PromptConfig:
+    """The key of every format whose rows hold a prompt (data=prompt_completion, preference, prompts)."""
+
+    prompt_field: str = "prompt"  # the column holding the prompt
+
+
+@dataclass
+class PromptCompletionConfig(PromptConfig):
+    completion_field: str = "completion"  # the column holding the completion
+
+
 class PromptCompletion(DataFormat):
     name = "prompt_completion"
+    keys = PromptCompletionConfig
     fields = {"data.prompt_field": "text", "data.completion_field": "text"}
     train_on = ("completion", "all")
     masked = True

@@ -19,10 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.base import DataFormat
-from trainloop.data.formats.chat import chat_template, message_problem, template_of
+from trainloop.data.formats.chat import TemplateConfig, chat_template, message_problem, template_of
+from trainloop.data.formats.prompt_completion import PromptConfig
 from trainloop.data.formats.rows import data_files, json_kind, json_records, root_cause
 from trainloop.errors import ConfigError
 
@@ -71,10 +73,15 @@ def prompt_problem(cfg: DataConfig, prompt) -> str | None:
     return None
 
 
+@dataclass
+class PromptsConfig(PromptConfig, TemplateConfig):
+    """A prompt column, its conversations rendered with a chat template."""
+
+
 class Prompts(DataFormat):
     name = "prompts"
+    keys = PromptsConfig
     fields = {"data.prompt_field": "json"}
-    options = ("data.chat_template",)
     train_on = ("completion",)
     masked = True
     prompts = True

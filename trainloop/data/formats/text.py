@@ -4,8 +4,9 @@ Python's bundled documentation topics (pydoc_data, ~465k characters, no download
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
-from trainloop.config.schema import DataConfig
+from trainloop.config.sections import DataConfig
 from trainloop.data.formats.base import TOKENIZING, DataFormat, ragged_table
 from trainloop.errors import ConfigError
 
@@ -26,10 +27,16 @@ def drop_rows_without_text(texts, field: str, num_proc: int | None):
     return kept
 
 
+@dataclass
+class FilesConfig:
+    text_field: str = "text"  # the column that holds the text
+
+
 class Files(DataFormat):
     """Your own local data: text, json, jsonl, csv or parquet, one document per row."""
 
     name = "files"
+    keys = FilesConfig
     fields = {"data.text_field": "text"}
 
     def load(self, cfg: DataConfig, tokenizer=None):
