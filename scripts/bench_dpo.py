@@ -200,7 +200,7 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     model, optimizer, scheduler, objective = built.model, built.optimizer, built.scheduler, built.objective
     labels = torch.cat([built.train_set.tensors["chosen_labels"], built.train_set.tensors["rejected_labels"]])
     last_target = (labels != IGNORE).int().cumsum(1).argmax(1)  # the first position of the highest count
-    state, guard = TrainState(), StepGuard(cfg, strategy, None, Preemption())
+    state, guard = TrainState(), StepGuard(cfg, strategy, None, Preemption(), optimizer, scheduler)
     batches = batches_forever(accelerator, built.train_loader, state)
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)  # the run's forward context
     model.train()
@@ -209,11 +209,11 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     for _ in range(warmup + steps):
         group = step_batches(batches, accelerator.gradient_accumulation_steps)  # fetched: not timed
         meter.begin_step()
-        # the run's step (trainloop.step): units, scale, clip, the guard's finite check (one sync), update
+        # the run's step (trainloop.step): units, scale, clip, the guard's finite check, update
         stepped = train_step(strategy, objective, model, optimizer, group, max_grad_norm=cfg.trainer.max_grad_norm,
                              forward_context=offload, check=guard.check, state=state)
-        if stepped.updated:
-            scheduler.step()
+        guard.stepped(state, stepped.updated)  # the scheduler steps after an applied update
+        guard.settle(state)  # a verdict read one step late (trainloop.guard) is read now
         state.step += 1
         losses.append(stepped.loss.item())  # the loop's loss, on the host: waits for the device
         meter.end_step()

@@ -95,8 +95,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
             tokens += tokens_per_batch * len(group)
             state.tokens_seen += tokens_per_batch * len(group)
 
-            if result.updated:
-                scheduler.step()
+            guard.stepped(state, result.updated)  # the scheduler steps after an applied update
             loss_sum += result.loss
             state.step += 1
             metrics.advance()
@@ -106,6 +105,9 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                 telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
             last = state.step == tc.max_steps
             stop = result.verdict.stop or state.step == tc.stop_at_step
+            evaluating = state.step % tc.eval_every == 0 or last
+            if stop or evaluating or checkpointer.due(state.step) or state.step % tc.log_every == 0:
+                stop = guard.settle(state) or stop  # this step's verdict, read now: the schedule needs it
             saving = checkpointer.due(state.step) or last or stop
             # a stop (a signal, trainer.stop_at_step) writes the window so far: the resumed run logs the steps after it
             log_due = state.step % tc.log_every == 0 or last or stop
@@ -127,7 +129,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                     metrics.samples(state.step, examples)
                 loss_sum.zero_()
                 t_log, steps, wait, tokens = time.perf_counter(), 0, 0.0, 0
-            if state.step % tc.eval_every == 0 or last:
+            if evaluating:
                 evaluation = objective.evaluate(strategy, model, valid_loader, tc.eval_batches)
                 eval_loss = evaluation["eval_loss"]
                 metrics.eval(state.step, **evaluation)

@@ -87,7 +87,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
                       if accelerator.is_main_process else None, trackers=trackers, headline=built.objective.headline)
     if built.batch_search is not None:
         metrics.write(built.batch_search.record(strategy.dp_size))
-    guard = StepGuard(cfg, strategy, checkpointer, Preemption())
+    guard = StepGuard(cfg, strategy, checkpointer, Preemption(), built.optimizer, built.scheduler)
     try:
         with guard.preemption:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, raise Preempted
             eval_loss = train(cfg, strategy, built.objective, model, built.optimizer, built.scheduler,

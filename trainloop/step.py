@@ -4,7 +4,8 @@ The run's loop, the batch-size trials, the planner's measurement and the benchma
 take this step, so what they measure is the step the run takes: the units over the ranks, the
 loss scale, the objective's loss and penalty, backward under the strategy's gradient sync,
 clipping, the guard, the optimizer step. Its input is the step's micro-batches, whole, as a
-pipeline schedule would take them. Everything it returns stays on the device: no host sync.
+pipeline schedule would take them. Everything it returns stays on the device, and where the
+optimizer skips a non-finite update on the device (trainloop.guard), the step reads nothing on the host.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from trainloop.guard import Verdict
+from trainloop.guard import Verdict, skipped_when
 
 
 @dataclass
@@ -26,7 +27,9 @@ class StepResult:
     loss: torch.Tensor  # this rank's share of the step's mean loss: summed over the ranks, the step's loss
     grad_norm: torch.Tensor | None  # before clipping, over every rank (None: DeepSpeed before its first step)
     verdict: Verdict  # the guard's: was the update applied, do the ranks stop after this step
-    updated: bool  # the optimizer applied the update: the guard let it and the fp16 loss scaler did not skip it
+    # the optimizer applied the update: the guard let it and the fp16 loss scaler did not skip it; None: the
+    # device decided (the guard's verdict.skip), and the guard reads which later
+    updated: bool | None
     units: torch.Tensor  # the step's units over every rank (objective.count), what the loss is divided by
     source_tokens: torch.Tensor  # data.sources: the tokens each source gave over every rank (empty without)
 
@@ -71,8 +74,8 @@ def train_step(strategy, objective, model, optimizer, group: list[dict], *, max_
     max_grad_norm: trainer.max_grad_norm (None or 0: the norm is measured, not clipped).
     forward_context: the context each training forward runs in (activation offload; the batch-size
     trials add autocast to a model accelerate has not wrapped). check(state, step_loss, grad_norm):
-    after clipping, whether the update is applied and whether to stop (a run's StepGuard.check, one
-    sync). sources: data.sources' count, to count each source's tokens. alone: this process steps
+    after clipping, whether the update is applied and whether to stop (a run's StepGuard.check: read
+    at once, or skipped on the device and read a step later). sources: data.sources' count, to count each source's tokens. alone: this process steps
     by itself, before the model is spread over the ranks (the batch-size trials): no collective.
     """
     accelerator = strategy.accelerator
@@ -98,7 +101,8 @@ def train_step(strategy, objective, model, optimizer, group: list[dict], *, max_
                 grad_norm = strategy.clip_grad_norm(model, max_norm)
                 verdict = check(state, step_loss, grad_norm)  # a run's guard: ranks agree, update? stop? (1 sync)
                 if verdict.update:
-                    optimizer.step()
+                    with skipped_when(optimizer, verdict.skip):
+                        optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    updated = verdict.update and not accelerator.optimizer_step_was_skipped
+    updated = None if verdict.skip is not None else verdict.update and not accelerator.optimizer_step_was_skipped
     return StepResult(step_loss, grad_norm, verdict, updated, units, source_tokens)
