@@ -1,12 +1,13 @@
 """Does trainloop cost anything over a raw PyTorch loop, and how does it compare with the HF Trainer?
 
-Trains the same model on the same data with the same hyperparameters three ways, each run in a
-fresh process of its own:
-  raw        a minimal hand-written PyTorch loop (no accelerate, no Hydra)
-  trainloop  `python -m trainloop` itself
-  hf         transformers.Trainer
-All three log the loss every step (one host sync per step each), so the comparison is fair, and
-append one line per optimizer step, flushed, with its wall-clock time.
+Trains the same model on the same data with the same hyperparameters and batch three ways, each
+run in a fresh process of its own, and each eager and compiled (--compile):
+  raw        a minimal hand-written PyTorch loop (no accelerate, no Hydra); +compile: torch.compile(model)
+  trainloop  `python -m trainloop` itself; +compile: compile=inductor
+  hf         transformers.Trainer; +compile: TrainingArguments(torch_compile=True)
+All log the loss every step (one host sync per step each), so the comparison is fair, and append
+one line per optimizer step, flushed, with its wall-clock time. The first lines printed are the
+ratios trainloop/raw (eager, and compiled), the question the script answers; then tokens/s and MFU.
 
 The machine's own speed drifts by +-10% over 5-20 s windows, more than the differences to be
 measured, so the three processes of a round share the machine in turns of a few seconds instead
@@ -27,8 +28,8 @@ of one round share its minutes, per round ("paired") with their median.
 Peak memory: CPU, the process's peak RSS; GPU, torch.cuda.max_memory_allocated. On a GPU the
 stopped process's queued kernels still run; the boundary steps that are left out cover that.
 
-    python scripts/bench.py                          # CPU size: 3 rounds x 80 steps, about 5 minutes on 2 cores
-    python scripts/bench.py --size gpt2 --rounds 5   # GPT-2 124M shape on a GPU, bf16
+    python scripts/bench.py                          # CPU size, eager: 3 rounds x 80 steps, about 5 minutes on 2 cores
+    python scripts/bench.py --size gpt2 --rounds 5   # +preset=gpt2_124m on a GPU (bf16), eager and compiled
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ SIZES = {
     # model/data/optimizer overrides shared by all three variants (trainloop syntax)
     "cpu": ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "data.seq_len=128",
             "data.batch_size=8"],
-    "gpt2": ["model.arch=gpt2", "model.num_layers=12", "model.hidden_size=768", "model.num_heads=12",
-             "data.seq_len=1024", "data.batch_size=16", "precision=bf16", "optimizer.impl=fused"],
+    # +preset=gpt2_124m at its largest micro-batch, the same for all: no batch search, compile per variant
+    "gpt2": ["+preset=gpt2_124m", "trainer.auto_batch_size=false", "compile=none"],
 }
 COMMON = ["optimizer=adamw", "optimizer.lr=1e-3", "scheduler=cosine", "trainer.max_grad_norm=1.0",
           "trainer.seed=0", "data.num_workers=0"]
 STEPS_FILE = {"raw": "steps.jsonl", "hf": "steps.jsonl", "trainloop": "trainloop/metrics.jsonl"}
+COMPILED = "+compile"  # a variant's suffix: the same loop, its model compiled (inductor)
 STEPS_PER_TURN = 6  # a turn stretches past --turn to hold this many of the process's steps (2 are lost per turn)
 MAX_TURN_S = 60.0
 
@@ -107,7 +109,7 @@ class StepLog:
         self.file.close()
 
 
-def worker_raw(cfg, steps: int, out: Path) -> None:
+def worker_raw(cfg, steps: int, out: Path, compiled: bool = False) -> None:
     import torch
     from transformers import get_scheduler
 
@@ -116,6 +118,7 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_set, model = build_common(cfg)
     model.to(device).train()
+    forward = torch.compile(model) if compiled else model
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(parameter_groups(model, opt.weight_decay), lr=opt.lr, betas=tuple(opt.betas),
                                   eps=opt.eps, fused=device == "cuda")
@@ -128,7 +131,7 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     for _ in range(steps):
         ids = next(batches).to(device, non_blocking=True)
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
         optimizer.step()
@@ -138,7 +141,7 @@ def worker_raw(cfg, steps: int, out: Path) -> None:
     log.close()
 
 
-def worker_hf(cfg, steps: int, out: Path) -> None:
+def worker_hf(cfg, steps: int, out: Path, compiled: bool = False) -> None:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -165,7 +168,7 @@ def worker_hf(cfg, steps: int, out: Path) -> None:
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=cfg.trainer.seed,
         dataloader_num_workers=0, bf16=cfg.precision.name == "bf16",
         optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
-        use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True,
+        use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, torch_compile=compiled,
     )
     Trainer(model=model, args=args, train_dataset=AsDict(), callbacks=[StepTimes()]).train()
     log.close()
@@ -215,17 +218,20 @@ class Run:
         import psutil
 
         self.variant, self.steps, self.workdir = variant, steps, workdir
-        self.steps_path = workdir / STEPS_FILE[variant]
+        loop, compiled = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
+        self.loop = loop
+        self.steps_path = workdir / STEPS_FILE[loop]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if variant == "trainloop":
+        if loop == "trainloop":
             # telemetry at the last step carries the GPU's peak allocation into metrics.jsonl
             cmd = [sys.executable, "-m", "trainloop", *SIZES[size], *COMMON, f"trainer.max_steps={steps}",
+                   f"compile={'inductor' if compiled else 'none'}",
                    "trainer.log_every=1", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
                    f"logging.telemetry_every={steps}", "checkpoint.save_final_model=false",
                    "logging.progress_bar=false", f"hydra.run.dir={self.steps_path.parent}"]
         else:
-            cmd = [sys.executable, __file__, "--worker", variant, "--size", size, "--steps", str(steps),
-                   "--out", str(self.steps_path)]
+            cmd = [sys.executable, __file__, "--worker", loop, "--size", size, "--steps", str(steps),
+                   "--out", str(self.steps_path), *(["--compiled"] if compiled else [])]
         with open(workdir / "stderr.txt", "w") as stderr:
             # its own process group: SIGSTOP/SIGCONT/SIGKILL reach any child it starts too
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
@@ -294,7 +300,7 @@ class Run:
 
     def step_times(self) -> list[float]:
         """Wall-clock end of each optimizer step; trainloop logs seconds since its process started."""
-        offset = self.create_time if self.variant == "trainloop" else 0.0
+        offset = self.create_time if self.loop == "trainloop" else 0.0
         return [r["time"] + offset for r in self.records() if "loss" in r]
 
     def result(self, tokens_per_step: int, warmup: int) -> dict:
@@ -360,23 +366,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of tokens/s")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the variants of a round take turns")
     parser.add_argument("--turn", type=float, default=2.5, help="seconds a process runs before the next one's turn")
-    parser.add_argument("--variants", default="raw,trainloop,hf")
+    parser.add_argument("--variants", default="raw,trainloop,hf", help="the loops, each run as --compile says")
+    parser.add_argument("--compile", choices=["off", "on", "both"],
+                        help="eager (off), compiled (on), or each both ways; default: off for --size cpu "
+                             "(inductor's compile takes minutes on 2 cores), both for --size gpt2")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", choices=["raw", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     cfg = compose([*SIZES[args.size], *COMMON])
     if args.worker:
-        {"raw": worker_raw, "hf": worker_hf}[args.worker](cfg, args.steps, args.out)
+        {"raw": worker_raw, "hf": worker_hf}[args.worker](cfg, args.steps, args.out, args.compiled)
         return
     if args.steps <= args.warmup + 1:
         parser.error("--steps must be larger than --warmup + 1")
     if args.turn <= 0:
         parser.error("--turn must be positive")
-    variants = args.variants.split(",")
-    if not variants or set(variants) - set(STEPS_FILE) or len(set(variants)) < len(variants):
+    loops = args.variants.split(",")
+    if not loops or set(loops) - set(STEPS_FILE) or len(set(loops)) < len(loops):
         parser.error(f"--variants: a comma-separated subset of {','.join(STEPS_FILE)}, each once")
+    mode = args.compile or ("off" if args.size == "cpu" else "both")
+    suffixes = {"off": [""], "on": [COMPILED], "both": ["", COMPILED]}[mode]
+    variants = [loop + suffix for suffix in suffixes for loop in loops]
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, exit_on_signal)
 
@@ -395,8 +408,20 @@ def main() -> None:
                 for v, r in rounds[-1].items()), file=sys.stderr)
 
     results = {v: summarize([r[v] for r in rounds]) for v in variants}
-    for r in results.values():  # the same model and tokens for all three: one FLOPs count
+    for r in results.values():  # the same model and tokens for all: one FLOPs count
         r["mfu"] = model_flops_utilisation(cfg, r["tokens_per_s"])
+    # first, what the script is for: what trainloop costs beside the raw loop, then beside the HF Trainer
+    paired = {}
+    for base in ("raw", "hf"):
+        for suffix in suffixes:
+            ours, theirs = "trainloop" + suffix, base + suffix
+            if ours not in results or theirs not in results:
+                continue
+            paired[f"{ours}/{theirs}"] = [r[ours]["tokens_per_s"] / r[theirs]["tokens_per_s"] for r in rounds]
+            print(f"{ours} / {theirs}: tokens/s x{results[ours]['tokens_per_s'] / results[theirs]['tokens_per_s']:.3f}, "
+                  f"peak memory x{results[ours]['peak_memory_gib'] / results[theirs]['peak_memory_gib']:.3f}; "
+                  f"paired per round {', '.join(f'x{x:.3f}' for x in paired[f'{ours}/{theirs}'])}, "
+                  f"median x{statistics.median(paired[f'{ours}/{theirs}']):.3f}")
     print(f"\n{args.size} size, {args.steps} steps x {args.rounds} rounds, turns of {args.turn:g} s, "
           f"{tokens_per_step} tokens/step; tokens/s over the steps that ran whole inside one turn, "
           f"after {args.warmup} warm-up steps and the first step of each turn (median over rounds)\n")
@@ -406,17 +431,6 @@ def main() -> None:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         print(f"| {v} | {r['tokens_per_s']:,.0f} | {mfu} | {r['all_tokens_per_s']} | {r['peak_memory_gib']:.2f} | "
               f"{r['first_step_s']:.1f} |")
-    paired = {}
-    if "trainloop" in results:
-        print()
-        for base in ("raw", "hf"):
-            if base not in results:
-                continue
-            paired[base] = [r["trainloop"]["tokens_per_s"] / r[base]["tokens_per_s"] for r in rounds]
-            print(f"trainloop / {base}: tokens/s x{results['trainloop']['tokens_per_s'] / results[base]['tokens_per_s']:.3f}, "
-                  f"peak memory x{results['trainloop']['peak_memory_gib'] / results[base]['peak_memory_gib']:.3f}; "
-                  f"paired per round {', '.join(f'x{x:.3f}' for x in paired[base])}, "
-                  f"median x{statistics.median(paired[base]):.3f}")
     # the running variant itself counts for about as many as its compute threads
     print(f"\n{time.time() - began:.0f} s in all; 1-minute load average at the end of each round: "
           f"{', '.join(f'{x:.1f}' for x in loads)} on {os.cpu_count()} CPUs")

@@ -2,7 +2,7 @@
 # Lent a GPU? One command runs every path only a GPU can show (bf16/fp16/tf32, fused and 8-bit
 # AdamW, QLoRA 4-bit, flash attention, compile, FSDP2 and ZeRO-3 offload on one device, fp8,
 # activation offload, the chunked loss's memory, bench.py --size gpt2's MFU, bench_methods.py) in
-# under 10 minutes, and writes one markdown report; its path is the last line printed. On a CPU
+# 8 minutes, and writes one markdown report; its path is the last line printed. On a CPU
 # it runs the tiny forms and names what it skipped and why. Options: scripts/gpu_check.py --help.
 #   bash scripts/gpu_check.sh                 # report: gpu_check/gpu_check_report.md
 #   bash scripts/gpu_check.sh --out /tmp/gc --only fp8 bf16
