@@ -212,7 +212,7 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
         # the run's step (trainloop.step): units, scale, clip, the guard's finite check, update
         stepped = train_step(strategy, objective, model, optimizer, group, max_grad_norm=cfg.trainer.max_grad_norm,
                              forward_context=offload, check=guard.check, state=state)
-        guard.stepped(state, stepped.updated)  # the scheduler steps after an applied update
+        guard.stepped(stepped.updated)  # the scheduler steps after an applied update
         guard.settle(state)  # a verdict read one step late (trainloop.guard) is read now
         state.step += 1
         losses.append(stepped.loss.item())  # the loop's loss, on the host: waits for the device

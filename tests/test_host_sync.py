@@ -137,6 +137,7 @@ def test_which_optimizers_skip_on_the_device(option):
 FUSED = ("optimizer=adamw", "optimizer.impl=fused")
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_read_a_step_late_is_skipped_as_one_read_at_once(tmp_path):
     """lr=1e6: every step after the first is non-finite. Read one step late (log every 4 steps) or at
     once (every step), the same steps are skipped, the schedule holds, and the weights end the same."""

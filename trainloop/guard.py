@@ -107,7 +107,7 @@ class StepGuard:
         self.pending = state.step + 1
         return Verdict(update=True, stop=stop, skip=(flags[0] + flags[1] > 0).float())
 
-    def stepped(self, state, updated: bool | None) -> None:
+    def stepped(self, updated: bool | None) -> None:
         """After the optimizer's step: the scheduler steps if the update was applied. None: the device
         decided (read one step late), and settle() steps it."""
         if updated and self.scheduler is not None:
@@ -136,7 +136,8 @@ class StepGuard:
             return Verdict(update=True, stop=stop)
         what = "loss" if bad_loss else "gradient norm"
         mean_loss, grad_norm = flags[3:5]
-        message = f"non-finite {what} at optimizer step {step} (mean loss {mean_loss:.4g}, gradient norm {grad_norm:.4g})"
+        message = (f"non-finite {what} at optimizer step {step} (mean loss {mean_loss:.4g}, "
+                   f"gradient norm {grad_norm:.4g})")
         if self.policy == "stop":
             raise NonFiniteError(f"{message}; stopped (trainer.on_nonfinite=stop). "
                                  f"{self.checkpointer.back_to_last_good()} (or with trainer.on_nonfinite=skip "

@@ -95,7 +95,7 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
             tokens += tokens_per_batch * len(group)
             state.tokens_seen += tokens_per_batch * len(group)
 
-            guard.stepped(state, result.updated)  # the scheduler steps after an applied update
+            guard.stepped(result.updated)  # the scheduler steps after an applied update
             loss_sum += result.loss
             state.step += 1
             metrics.advance()
@@ -105,10 +105,10 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                 telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
             last = state.step == tc.max_steps
             stop = result.verdict.stop or state.step == tc.stop_at_step
-            evaluating = state.step % tc.eval_every == 0 or last
-            if stop or evaluating or checkpointer.due(state.step) or state.step % tc.log_every == 0:
+            evaluating, save_due = state.step % tc.eval_every == 0 or last, checkpointer.due(state.step)
+            if stop or evaluating or save_due or state.step % tc.log_every == 0:
                 stop = guard.settle(state) or stop  # this step's verdict, read now: the schedule needs it
-            saving = checkpointer.due(state.step) or last or stop
+            saving = save_due or last or stop
             # a stop (a signal, trainer.stop_at_step) writes the window so far: the resumed run logs the steps after it
             log_due = state.step % tc.log_every == 0 or last or stop
             if names and (saving or log_due):  # on the host only when written: no sync per step

@@ -75,8 +75,9 @@ def train_step(strategy, objective, model, optimizer, group: list[dict], *, max_
     forward_context: the context each training forward runs in (activation offload; the batch-size
     trials add autocast to a model accelerate has not wrapped). check(state, step_loss, grad_norm):
     after clipping, whether the update is applied and whether to stop (a run's StepGuard.check: read
-    at once, or skipped on the device and read a step later). sources: data.sources' count, to count each source's tokens. alone: this process steps
-    by itself, before the model is spread over the ranks (the batch-size trials): no collective.
+    at once, or skipped on the device and read a step later). sources: data.sources' count, to
+    count each source's tokens. alone: this process steps by itself, before the model is spread
+    over the ranks (the batch-size trials): no collective.
     """
     accelerator = strategy.accelerator
     dp_size = 1 if alone else strategy.dp_size
