@@ -41,6 +41,10 @@ def test_plan_prints_the_presets_memory(capsys):
     out = capsys.readouterr().out
     assert "124.5M parameters" in out and "micro-batch 16 x 1024 tokens" in out
     assert "16384 tokens x 50,304" in out  # the logits of the padded vocabulary
+    plan_main(["--no-presets", "--device", "cuda", "--gpu-memory", "16", "+preset=gpt2_124m"])  # too small a GPU
+    out = capsys.readouterr().out
+    assert "the config: does NOT fit" in out
+    assert "trainer.auto_batch_size=true: the run tries micro-batch 16 (this plan) first and halves it" in out
 
 
 @pytest.mark.slow

@@ -651,6 +651,9 @@ def build_report(overrides: list[str], world_size: int, procs_per_node: int | No
             raise ConfigError(layout_problem(tp, world_size))
         plan = plan_memory(c, shape_of(c), world_size, machine.device, procs_per_node, label)
         fits, lines = verdict(plan, machine)
+        if c.trainer.auto_batch_size and fits is False:
+            lines = [*lines, f"trainer.auto_batch_size=true: the run tries micro-batch {c.data.batch_size} (this plan) "
+                             "first and halves it until a step fits, keeping the effective batch"]
         return {"plan": plan, "fits": fits, "verdict": lines, "shape": shape_of(c)}
 
     report = {"machine": machine, "world_size": world_size, "config": one(cfg, "the config"), "presets": {}}
