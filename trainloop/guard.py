@@ -68,9 +68,9 @@ class StepGuard:
         self.scheduler = scheduler  # stepped once a step's update is known to be applied
         self.preempted_by: str | None = None  # set once every rank agreed to stop
         device = strategy.device
-        # read one step late, where the optimizer skips on the device (and neither fp16's scaler nor DeepSpeed steps)
-        self.late = (optimizer is not None and skips_on_device(optimizer) and not self.scaler_owns_grads
-                     and cfg.deepspeed.stage == 0)
+        # read one step late, where the optimizer skips on the device and fp16's scaler does not decide (a
+        # DeepSpeed engine's optimizer never says it skips on the device: it steps inside backward)
+        self.late = optimizer is not None and skips_on_device(optimizer) and not self.scaler_owns_grads
         self.requested = torch.zeros((), device=device)  # the preemption flag, set on the device without a copy
         on_cuda = torch.device(device).type == "cuda"
         # the flags of the step not yet read: copied toward the host as soon as they are computed
