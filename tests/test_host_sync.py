@@ -72,22 +72,28 @@ class MethodReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def counted_run(tmp_path, monkeypatch, *overrides: str) -> tuple[HostReads, list, list]:
-    """A run in this process whose host reads are counted per iteration of the loop: iteration n
-    runs from step n's train_step to step n + 1's (its log line, evaluation and save included)."""
-    counter, guards = HostReads(), []
-    real_step, real_init = loop.train_step, guard_module.StepGuard.__init__
-
-    def step(*args, **kwargs):
-        counter.iteration += 1
-        return real_step(*args, **kwargs)
+def run_guards(monkeypatch) -> list:
+    """The StepGuards the runs of this test build, in order (the run builds its own)."""
+    guards, real_init = [], guard_module.StepGuard.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         guards.append(self)
 
-    monkeypatch.setattr(loop, "train_step", step)
     monkeypatch.setattr(guard_module.StepGuard, "__init__", init)
+    return guards
+
+
+def counted_run(tmp_path, monkeypatch, *overrides: str) -> tuple[HostReads, list, list]:
+    """A run in this process whose host reads are counted per iteration of the loop: iteration n
+    runs from step n's train_step to step n + 1's (its log line, evaluation and save included)."""
+    counter, guards, real_step = HostReads(), run_guards(monkeypatch), loop.train_step
+
+    def step(*args, **kwargs):
+        counter.iteration += 1
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step)
     with counter, MethodReads(counter, guards):
         run = train(tmp_path / "run", "trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=8",
                     "trainer.gradient_accumulation_steps=2", "checkpoint.save_final_model=false", *overrides)
@@ -167,21 +173,14 @@ def test_a_stop_requested_between_log_lines_stops_every_rank_one_step_later(tmp_
     """The preemption flag rides on the guard's flags: read one step late, the run stops after the next step."""
     from trainloop.errors import Preempted
 
-    real_step = loop.train_step
+    guards, real_step = run_guards(monkeypatch), loop.train_step
 
     def step(strategy, objective, model, optimizer, group, *, state, **kwargs):
         if state.step == 2:  # a signal arrives while step 3 is computed
             guards[0].preemption.requested = "SIGTERM"
         return real_step(strategy, objective, model, optimizer, group, state=state, **kwargs)
 
-    guards, real_init = [], guard_module.StepGuard.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        guards.append(self)
-
     monkeypatch.setattr(loop, "train_step", step)
-    monkeypatch.setattr(guard_module.StepGuard, "__init__", init)
     with pytest.raises(Preempted, match="after step 4"):
         train(tmp_path / "run", *FUSED, "trainer.max_steps=8", "trainer.log_every=8", "trainer.eval_every=8")
     assert guards[0].late

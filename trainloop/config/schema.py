@@ -52,7 +52,8 @@ def union(name: str, base: type, rows: dict[str, type | None]) -> type:
             if f.name in declared_by and declared_by[f.name][0][0] == "":
                 raise TypeError(f"{declaring.__name__}.{f.name}: {base.__name__} declares it for every row")
             if f.name in types and types[f.name] != hints[f.name]:
-                raise TypeError(f"{declaring.__name__}.{f.name} is {hints[f.name]}, and another row's is {types[f.name]}")
+                raise TypeError(f"{declaring.__name__}.{f.name} is {hints[f.name]}, "
+                                f"and another row's is {types[f.name]}")
             if f.name not in types:
                 types[f.name] = hints[f.name]
                 keys.append((f.name, hints[f.name], _field(f)))
@@ -84,7 +85,8 @@ ObjectiveConfig = union("ObjectiveConfig", ObjectiveKeys, {name: row.keys for na
 DataConfig = union("DataConfig", sections.DataConfig, {name: fmt.keys for name, fmt in FORMATS.items()})
 
 # group -> {option: the schema its conf/GROUP/OPTION.yaml extends}, registered by trainloop.config.compose
-OPTION_SCHEMAS = {"objective": {name: with_defaults(ObjectiveConfig, name, row.keys) for name, row in OBJECTIVES.items()}}
+OPTION_SCHEMAS = {"objective": {name: with_defaults(ObjectiveConfig, name, row.keys)
+                                for name, row in OBJECTIVES.items()}}
 
 
 @dataclass
