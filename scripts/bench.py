@@ -53,8 +53,9 @@ SIZES = {
     # +preset=gpt2_124m at its largest micro-batch, the same for all: no batch search, compile per variant
     "gpt2": ["+preset=gpt2_124m", "trainer.auto_batch_size=false", "compile=none"],
 }
+# data.packing=stream: the blocks a raw loop reads, one sequence a row, attended causally by all three
 COMMON = ["optimizer=adamw", "optimizer.lr=1e-3", "scheduler=cosine", "trainer.max_grad_norm=1.0",
-          "trainer.seed=0", "data.num_workers=0"]
+          "trainer.seed=0", "data.num_workers=0", "data.packing=stream"]
 STEPS_FILE = {"raw": "steps.jsonl", "hf": "steps.jsonl", "trainloop": "trainloop/metrics.jsonl"}
 COMPILED = "+compile"  # a variant's suffix: the same loop, its model compiled (inductor)
 STEPS_PER_TURN = 6  # a turn stretches past --turn to hold this many of the process's steps (2 are lost per turn)
@@ -73,16 +74,22 @@ def compose(overrides: list[str]):
 
 def build_common(cfg):
     """The tokenizer, packed data and model every variant trains: trainloop's builders, which
-    are thin wrappers over `datasets` and `transformers.AutoModelForCausalLM.from_config`."""
+    are thin wrappers over `datasets` and `transformers.AutoModelForCausalLM.from_config`, and the
+    attention trainloop's run gives the model (trainloop.model.attention): the three variants run
+    the same kernels, and the ratios measure the loops."""
     import torch
 
     from trainloop.data.loaders import build_datasets, build_tokenizer
+    from trainloop.model.attention import training_attention, use
     from trainloop.model.builder import build_model, build_model_config
 
     tokenizer = build_tokenizer(None, None)
     train_set, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    config = build_model_config(cfg.model, len(tokenizer))
+    model = build_model(cfg.model, config)
+    if (attention := training_attention(cfg, config)) is not None:
+        use(model, attention)
     return train_set, model
 
 

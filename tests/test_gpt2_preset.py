@@ -17,6 +17,7 @@ def test_the_preset_is_gpt2_smalls_shape_with_the_speed_settings():
     assert (cfg.precision.name, cfg.optimizer.name, cfg.optimizer.impl, cfg.compile.backend) == \
         ("bf16", "adamw", "fused", "inductor")
     assert cfg.trainer.auto_batch_size and cfg.data.batch_size == 16
+    assert cfg.data.packing == "stream"  # a stream of tokens, as nanoGPT and llm.c read it: causal, no mask
 
 
 @pytest.mark.parametrize("vocab", [257, 50257])  # trainloop's byte tokenizer; GPT-2's own

@@ -100,25 +100,36 @@ def counted_run(tmp_path, monkeypatch, *overrides: str) -> tuple[HostReads, list
     return counter, read_metrics(run), guards
 
 
-def test_the_steps_between_two_log_lines_read_nothing_on_the_host(tmp_path, monkeypatch):
-    """optimizer=adamw (fused: torch's kernel takes the guard's found_inf), accumulation 2, the guard on."""
-    counter, records, guards = counted_run(tmp_path, monkeypatch, "optimizer=adamw", "optimizer.impl=fused")
+FUSED = ("optimizer=adamw", "optimizer.impl=fused")
+QUIET = [1, 2, 3, 5, 6, 7]  # the iterations that neither log, evaluate nor save
+
+
+@pytest.mark.parametrize("packing", ["documents", "stream"])
+def test_the_steps_between_two_log_lines_read_nothing_on_the_host(tmp_path, monkeypatch, packing):
+    """optimizer=adamw (fused: torch's kernel takes the guard's found_inf), accumulation 2, the guard
+    on. transformers would read the position ids once per forward, looking for packed rows; the
+    training attention (trainloop/model/attention.py) leaves it no mask to build."""
+    counter, records, guards = counted_run(tmp_path, monkeypatch, *FUSED, f"data.packing={packing}")
     assert guards[0].late, "fused AdamW skips a non-finite update on the device: the guard reads one step late"
     assert [r["step"] for r in records if "loss" in r] == [4, 8]
-    quiet = [1, 2, 3, 5, 6, 7]  # the iterations that neither log, evaluate nor save
-    ours = {n: [w for w in counter.what.get(n, []) if MASKS not in w] for n in quiet}
-    assert ours == {n: [] for n in quiet}
-    # transformers infers packed documents from the position ids once per forward in eager mode (two
-    # micro-batches: two reads, each seen as __bool__ and its _local_scalar_dense); compiled, it does not
-    assert all(len(counter.what[n]) == 2 * 2 for n in quiet), counter.what
-    assert len([w for w in counter.what[4] if MASKS not in w]) > 0  # a log line reads: the count sees reads
+    assert {n: counter.what.get(n, []) for n in QUIET} == {n: [] for n in QUIET}
+    assert len(counter.what[4]) > 0  # a log line reads: the count sees reads
+
+
+def test_transformers_own_masks_read_the_position_ids_once_a_forward(tmp_path, monkeypatch):
+    """model.attn_implementation=eager keeps transformers' masks: its packed-rows search reads on the
+    host once per forward (seen as __bool__ and its _local_scalar_dense), two micro-batches a step;
+    trainloop itself reads nothing there either. The count sees what is there to see."""
+    counter, _, _ = counted_run(tmp_path, monkeypatch, *FUSED, "model.attn_implementation=eager")
+    assert {n: [w for w in counter.what.get(n, []) if MASKS not in w] for n in QUIET} == {n: [] for n in QUIET}
+    assert all(len(counter.what[n]) == 2 * 2 for n in QUIET), counter.what
 
 
 def test_an_optimizer_that_cannot_skip_on_the_device_reads_the_verdict_every_step(tmp_path, monkeypatch):
     """A for-loop AdamW needs the verdict on the host before its update: one read a step."""
     counter, records, guards = counted_run(tmp_path, monkeypatch, "optimizer=adamw", "optimizer.impl=for_loop")
     assert not guards[0].late
-    for n in (1, 2, 3, 5, 6, 7):
+    for n in QUIET:
         assert [w for w in counter.what[n] if MASKS not in w], n  # the verdict, read at once
 
 
@@ -138,9 +149,6 @@ def test_which_optimizers_skip_on_the_device(option):
     cfg = compose(f"optimizer={name}", *(f"optimizer.{i}" for i in impl)).optimizer
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     assert skips_on_device(build_optimizer(cfg, model, on_cuda=False)) is SKIPS_ON_DEVICE[option]
-
-
-FUSED = ("optimizer=adamw", "optimizer.impl=fused")
 
 
 @pytest.mark.slow

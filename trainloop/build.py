@@ -64,6 +64,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.memory.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.model import fp8
     from trainloop.model.adapter import apply_adapter, check_targets
+    from trainloop.model.attention import training_attention, use as use_attention
     from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
     from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective
@@ -96,6 +97,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     shapes_only = strategy.builds_on_meta()  # its weights come from the main process when sharded
     with torch.device("meta") if shapes_only else nullcontext():
         model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
+        if (attention := training_attention(cfg, model_config)) is not None:  # what the rows are
+            use_attention(model, attention)
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model)
         if fp8.enabled(cfg):  # before compile and sharding, as torchtitan converts

@@ -30,10 +30,13 @@ class CausalLM(Objective):
     chunks_loss = True
 
     def __init__(self, cfg, device):
+        from trainloop.model.compile import compile_loss
         from trainloop.model.router import RouterLoad
+        from trainloop.objectives.chunked_loss import summed_nll
 
         self.router = RouterLoad.for_model(cfg.model, device)
         self.chunk = cfg.trainer.loss_chunk_tokens
+        self.nll = compile_loss(cfg.compile, summed_nll)
 
     def count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()
@@ -41,7 +44,7 @@ class CausalLM(Objective):
     def batch_loss(self, model, batch: dict) -> BatchLoss:
         from trainloop.objectives.chunked_loss import next_token_nll
 
-        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)
+        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll)
         if self.router is None:
             return BatchLoss(summed)
         self.router.record(output, batch)
@@ -51,7 +54,8 @@ class CausalLM(Objective):
         from trainloop.objectives.chunked_loss import next_token_nll
 
         # no routing recorded: the train line's window is training's
-        return loss_sums(next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk)[0], self.count(batch))
+        summed, _ = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll)
+        return loss_sums(summed, self.count(batch))
 
     def window(self, strategy) -> dict:
         return self.router.window(strategy) if self.router is not None else {}

@@ -49,14 +49,20 @@ KEY = "trainer.loss_chunk_tokens"
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int):
+def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the target tokens, in fp32: position t predicts labels[:, t + 1].
+    The labels are shifted (an IGNORE appended), not the logits, whose slice would be a copy."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int, nll: Callable = summed_nll):
     """(cross-entropy summed over the target tokens, fp32; the model's output) for one forward of
-    `model(**inputs)`: position t predicts labels[:, t + 1]. chunk 0: through the full logits."""
+    `model(**inputs)`: position t predicts labels[:, t + 1]. chunk 0: through the full logits, and
+    `nll` (summed_nll, or it compiled with the model: trainloop.model.compile.compile_loss)."""
     if not chunk:
         output = model(**inputs)
-        summed = F.cross_entropy(output.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                 ignore_index=IGNORE, reduction="sum")
-        return summed, output
+        return nll(output.logits, labels), output
 
     def loss(hidden, weight, bias):
         h, targets, _ = _targets(hidden, labels)

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from trainloop.errors import ConfigError
+from trainloop.model.attention import generating
 
 
 class Samples:
@@ -47,7 +48,7 @@ class Samples:
         outputs = []
         module.eval()
         try:
-            with eager:
+            with eager, generating(module):
                 for ids in self.ids:
                     ids = ids.to(strategy.device)
                     outputs.append(module.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -1,0 +1,112 @@
+"""causal_lm's training attention builds no mask in transformers: sdpa's is_causal for streamed rows,
+the documents' block-causal mask for packed ones (trainloop/model/attention.py); and the loss compiles
+with a whole compiled model (trainloop/model/compile.py). Issue 35, items 1 and 4."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import compose, train
+from trainloop.data.tokenizer import IGNORE
+
+
+def tiny(arch: str, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    from trainloop.model.attention import register
+    from trainloop.model.builder import build_model_config
+
+    register()
+    torch.manual_seed(0)
+    config = build_model_config(compose("+preset=smoke", f"model.arch={arch}").model, vocab_size=320)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+def test_each_is_transformers_sdpa_on_the_rows_it_is_given_and_generation_is_sdpas_own(arch):
+    from trainloop.model.attention import SDPA_CAUSAL, SDPA_DOCUMENTS, generating
+
+    sdpa, causal, documents = tiny(arch, "sdpa"), tiny(arch, SDPA_CAUSAL), tiny(arch, SDPA_DOCUMENTS)
+    ids = torch.randint(3, 320, (2, 24))
+    # row 0: documents of 5, 12 and 7 tokens; row 1: one of 24 (positions as trainloop packs them)
+    positions = torch.stack([torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)]), torch.arange(24)])
+    with torch.no_grad():
+        whole = sdpa(input_ids=ids).logits
+        torch.testing.assert_close(causal(input_ids=ids).logits, whole, rtol=1e-5, atol=1e-5)
+        packed = sdpa(input_ids=ids, position_ids=positions).logits  # transformers' packed-rows mask
+        torch.testing.assert_close(documents(input_ids=ids, position_ids=positions).logits, packed,
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(packed[0, 5:], whole[0, 5:], atol=1e-3)  # the documents' mask took effect
+        # left-padded prompts and a cache: under `generating` the masks are sdpa's own
+        mask = torch.ones_like(ids)
+        mask[0, :9] = 0
+        kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+        want = sdpa.generate(**kwargs)
+        for model, name in ((causal, SDPA_CAUSAL), (documents, SDPA_DOCUMENTS)):
+            with generating(model):
+                assert model.config._attn_implementation == "sdpa"
+                assert torch.equal(model.generate(**kwargs), want)
+            assert model.config._attn_implementation == name
+            # outside it, a cached generation is refused at its first cached step (a generation
+            # without a cache cannot be told from training: trainloop generates under `generating`)
+            with pytest.raises(RuntimeError, match="generation runs under trainloop.model.attention.generating"):
+                model.generate(**kwargs, use_cache=True)
+
+
+def test_block_causal_starts_a_document_where_positions_do_not_count_on():
+    from trainloop.model.attention import block_causal
+
+    mask = block_causal(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0]
+    assert mask.shape == (6, 6)
+    assert mask[2, :3].all() and not mask[3, :3].any() and mask[4, 3:5].all() and not mask[5, :5].any()
+    assert not mask.triu(1).any()
+
+
+def test_which_runs_take_which():
+    from trainloop.model.attention import SDPA_CAUSAL, SDPA_DOCUMENTS, training_attention
+    from trainloop.model.builder import build_model_config
+
+    def takes(*overrides):
+        cfg = compose("+preset=smoke", *overrides)
+        return training_attention(cfg, build_model_config(cfg.model, vocab_size=320))
+
+    assert takes("data.packing=stream") == SDPA_CAUSAL
+    assert takes("data.packing=documents") == SDPA_DOCUMENTS
+    assert takes("data.packing=none") is None  # padded rows come with their attention mask
+    assert takes("data.packing=stream", "model.attn_implementation=eager") is None
+    assert takes("objective=dpo", "data=preference") is None
+
+
+@pytest.mark.parametrize("packing", ["stream", "documents"])
+def test_a_run_takes_it_and_exports_a_model_transformers_loads_as_sdpa(tmp_path, caplog, packing):
+    from transformers import AutoModelForCausalLM
+
+    caplog.set_level("INFO", logger="trainloop")
+    run = train(tmp_path / "run", f"data.packing={packing}", "trainer.max_steps=2", "checkpoint.save_final_model=true",
+                "eval.prompts=[hello]", "eval.max_new_tokens=3")  # samples generate at the eval
+    assert "attention: sdpa with " in caplog.text and f"(data.packing={packing})" in caplog.text
+    assert "sdpa_" not in json.dumps(json.loads((run / "final" / "config.json").read_text()))
+    assert AutoModelForCausalLM.from_pretrained(run / "final").config._attn_implementation == "sdpa"
+
+
+def test_the_summed_loss_shifts_the_labels_and_compiles_with_a_whole_compiled_model():
+    from trainloop.model.compile import compile_loss
+    from trainloop.objectives.chunked_loss import summed_nll
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 16, 50, dtype=torch.bfloat16)
+    labels = torch.randint(0, 50, (3, 16))
+    labels[1, :5] = IGNORE
+    sliced = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                             reduction="sum")  # position t predicts labels[:, t + 1]
+    torch.testing.assert_close(summed_nll(logits, labels), sliced, rtol=1e-6, atol=0)
+    whole = compose("compile=inductor", "compile.backend=aot_eager").compile
+    compiled = compile_loss(whole, summed_nll)
+    assert compiled is not summed_nll
+    torch.testing.assert_close(compiled(logits, labels), sliced, rtol=1e-6, atol=0)
+    assert compile_loss(compose("compile=inductor", "compile.regional=true").compile, summed_nll) is summed_nll
+    assert compile_loss(compose().compile, summed_nll) is summed_nll

@@ -1,0 +1,106 @@
+"""Training attention that needs no mask from transformers: sdpa, told what trainloop's rows are.
+
+Given no attention mask, transformers builds one for every forward of an sdpa model, looking for
+packed rows in the position ids: eager, that is a host read a forward (the step then waits for the
+device); compiled, it cannot look, so it always builds a (batch, 1, seq, seq) mask, and sdpa cannot
+take its flash kernel (GPT-2 124M compiled on one H200: 435,584 tokens/s with the mask, 504,300 with
+sdpa's is_causal; BENCHMARKS.md). trainloop knows what its causal_lm rows are:
+- a stream of tokens (data.packing=stream) is one unpadded sequence a row: "sdpa_causal", sdpa's
+  is_causal with no mask;
+- packed documents (data.packing=documents) restart their position ids at each document:
+  "sdpa_documents", sdpa with the block-causal mask built on the device from the position ids
+  every layer receives (a document starts where a position is not the previous one plus one, as
+  transformers reads them), no host read.
+Both are registered as attention functions only, so transformers builds no mask for them at all.
+Generation needs sdpa's own masks (left padding, a cache): `generating` hands the model back to
+sdpa for its length. model.attn_implementation=eager or flash_attention_2, padded rows
+(data.packing=none, which carry their attention mask), the other objectives and models with a
+sliding window keep transformers' own masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+
+log = logging.getLogger("trainloop")
+
+SDPA_CAUSAL, SDPA_DOCUMENTS = "sdpa_causal", "sdpa_documents"
+FOR_PACKING = {"stream": SDPA_CAUSAL, "documents": SDPA_DOCUMENTS}
+
+
+def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool, True where a query may attend: an earlier or the same position of
+    its own document."""
+    first = position_ids[:, :1] - 1
+    document = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    same = document[:, :, None] == document[:, None, :]
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+def _whole_rows(name: str, query, key) -> None:
+    if query.shape[2] != key.shape[2]:  # a cached step: generation, whose rows may be padded
+        raise RuntimeError(f"attention {name} attends whole rows in training; generation runs under "
+                           "trainloop.model.attention.generating, with sdpa's own masks")
+
+
+def _sdpa_causal(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _whole_rows(SDPA_CAUSAL, query, key)
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def _sdpa_documents(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _whole_rows(SDPA_DOCUMENTS, query, key)
+    if position_ids is None:
+        raise RuntimeError(f"attention {SDPA_DOCUMENTS}: {type(module).__name__} passes its attention no "
+                           "position_ids; set data.packing=stream or model.attn_implementation=eager")
+    return sdpa_attention_forward(module, query, key, value, block_causal(position_ids), **kwargs)
+
+
+def register() -> None:
+    """Makes both names attention implementations transformers models take (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SDPA_CAUSAL, _sdpa_causal)
+    AttentionInterface.register(SDPA_DOCUMENTS, _sdpa_documents)
+
+
+def training_attention(cfg, model_config) -> str | None:
+    """The attention a run's training forwards take instead of transformers' sdpa, or None."""
+    if cfg.objective.name != "causal_lm" or cfg.model.attn_implementation != "sdpa":
+        return None
+    if getattr(model_config, "sliding_window", None):  # its mask is not causal alone
+        return None
+    return FOR_PACKING.get(cfg.data.packing)
+
+
+def use(model, name: str) -> None:
+    """The model attends through `name` from its next forward (its exported config.json names no
+    implementation: transformers loads it with its default, sdpa)."""
+    register()
+    model.set_attn_implementation(name)
+    how = ("no mask" if name == SDPA_CAUSAL else "the documents' block-causal mask built from the position ids")
+    log.info("attention: sdpa with %s, none from transformers (data.packing=%s)", how,
+             next(p for p, n in FOR_PACKING.items() if n == name))
+
+
+@contextmanager
+def generating(module):
+    """sdpa's own attention and masks for the length of a generation (left padding, a cache)."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if name not in (SDPA_CAUSAL, SDPA_DOCUMENTS):
+        yield
+        return
+    module.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        module.set_attn_implementation(name)
