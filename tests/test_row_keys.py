@@ -31,8 +31,12 @@ def test_each_row_declares_its_keys_in_its_own_module():
                 continue
             assert Path(inspect.getsourcefile(row.keys)).is_relative_to(REPO / "trainloop" / package), (table, name)
     for section, module in ((schema.DeepSpeedConfig, "parallel/deepspeed_config.py"),
-                            (schema.FsdpConfig, "parallel/fsdp2.py"), (schema.ParallelConfig, "parallel/tp.py")):
+                            (schema.FsdpConfig, "parallel/fsdp2.py"), (schema.TensorParallelConfig, "parallel/tp.py"),
+                            (schema.PipelineConfig, "parallel/pipeline.py")):
         assert Path(inspect.getsourcefile(section)) == REPO / "trainloop" / module
+    # the parallel section is the mesh rows' keys, each declared beside its strategy
+    assert set(names(schema.ParallelConfig)) == set(names(schema.TensorParallelConfig)) | set(
+        names(schema.PipelineConfig))
 
 
 def test_a_tables_section_holds_its_shared_keys_and_every_rows_once():

@@ -12,8 +12,10 @@ from trainloop.config.compose import validate
 from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
 
 # A config that chooses each row (a new row adds its own).
-CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"], "fsdp2_tp": ["+preset=tp"]}
-ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp"})  # tensor parallelism needs tp_size processes
+CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"], "fsdp2_tp": ["+preset=tp"],
+          "pipeline": ["parallel.pp_size=2", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"]}
+# tensor parallelism needs tp_size processes, a pipeline pp_size (tests/test_pipeline.py)
+ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp", "pipeline"})
 
 
 def test_every_strategy_is_chosen_by_a_config():

@@ -11,7 +11,7 @@ optimizer skips a non-finite update on the device (trainloop.guard), the step re
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,17 +32,6 @@ class StepResult:
     updated: bool | None
     units: torch.Tensor  # the step's units over every rank (objective.count), what the loss is divided by
     source_tokens: torch.Tensor  # data.sources: the tokens each source gave over every rank (empty without)
-
-
-@contextmanager
-def micro_step(strategy, model, last: bool):
-    """accelerate's `accumulate`, with the step's last micro-batch named by the step: the loop reads
-    a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
-    Gradients are reduced over the ranks only on the last (the strategy's: DDP's no_sync, or
-    FSDP2's own switch)."""
-    strategy.accelerator.sync_gradients = last
-    with strategy.gradient_sync(model, enabled=last):
-        yield
 
 
 def step_units(strategy, objective, group: list[dict], sources: int = 0,
@@ -80,30 +69,16 @@ def train_step(strategy, objective, model, optimizer, group: list[dict], *, max_
     over the ranks (the batch-size trials): no collective.
     """
     accelerator = strategy.accelerator
-    dp_size = 1 if alone else strategy.dp_size
     max_norm = max_grad_norm or math.inf  # clipping at inf still measures the norm, for the guard
     units, source_tokens = step_units(strategy, objective, group, sources, alone)
-    # accelerate divides what backward gets by the accumulation steps, DDP averages over ranks:
-    # scaled by both, the gradient is the sum of the units' loss gradients / the step's units.
-    scale = accelerator.gradient_accumulation_steps * dp_size
-    step_loss = torch.zeros((), device=accelerator.device)
-    grad_norm, verdict = None, None
-    for i, batch in enumerate(group):
-        with micro_step(strategy, model, last=i == len(group) - 1):
-            with forward_context():
-                out = objective.batch_loss(model, batch)
-            loss = out.summed * (scale / units)
-            # divided by `scale` too: the step adds the mean penalty of its forwards
-            if out.penalty is not None:
-                loss = loss + out.penalty
-            accelerator.backward(loss)  # under DeepSpeed this also steps at the end
-            step_loss += out.summed.detach() / units  # this rank's share of the step's loss
-            if accelerator.sync_gradients:
-                grad_norm = strategy.clip_grad_norm(model, max_norm)
-                verdict = check(state, step_loss, grad_norm)  # a run's guard: ranks agree, update? stop? (1 sync)
-                if verdict.update:
-                    with skipped_when(optimizer, verdict.skip):
-                        optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    # the micro-batches' forwards and backwards, as the strategy runs them (one after another, or a
+    # pipeline schedule's order): the gradient is the sum of the units' loss gradients / the step's units
+    step_loss = strategy.forward_backward(objective, model, group, units, forward_context, alone)
+    grad_norm = strategy.clip_grad_norm(model, max_norm)
+    verdict = check(state, step_loss, grad_norm)  # a run's guard: ranks agree, update? stop? (1 sync)
+    if verdict.update:
+        with skipped_when(optimizer, verdict.skip):
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     updated = None if verdict.skip is not None else verdict.update and not accelerator.optimizer_step_was_skipped
     return StepResult(step_loss, grad_norm, verdict, updated, units, source_tokens)

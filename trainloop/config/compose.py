@@ -96,6 +96,7 @@ CHOICES = {
     "compile.backend": ("none", "inductor", "aot_eager", "eager", "cudagraphs"),
     "compile.mode": ("default", "reduce-overhead", "max-autotune"),
     "logging.profile_ranks": ("main", "all"),
+    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
 }
 
 POSITIVE = (
@@ -104,6 +105,7 @@ POSITIVE = (
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
     "model.num_experts", "model.experts_per_token", "eval.max_new_tokens", "parallel.tp_size",
+    "parallel.pp_size", "parallel.pp_stages_per_rank",
 )
 
 
@@ -154,6 +156,8 @@ _READ_ONLY_BY = {
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
     "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
     "eval.max_new_tokens": (lambda c: bool(c.eval.prompts), "eval.prompts=[...] (a list of prompts)"),
+    **{f"parallel.{key}": (lambda c: c.parallel.pp_size > 1, "parallel.pp_size > 1")
+       for key in ("pp_schedule", "pp_stages_per_rank")},
 }
 
 

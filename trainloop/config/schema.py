@@ -26,7 +26,8 @@ from trainloop.data.formats import FORMATS
 from trainloop.objectives import OBJECTIVES
 from trainloop.parallel.deepspeed_config import DeepSpeedConfig
 from trainloop.parallel.fsdp2 import FsdpConfig
-from trainloop.parallel.tp import ParallelConfig
+from trainloop.parallel.pipeline import PipelineConfig
+from trainloop.parallel.tp import TensorParallelConfig
 
 
 def _field(declared: dataclasses.Field, default=MISSING):
@@ -81,6 +82,12 @@ class ObjectiveKeys:
     name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo; grpo)
 
 
+@dataclass
+class ParallelKeys:
+    """The parallel.* keys: the mesh's dimensions beside data parallel, each declared by its strategy."""
+
+
+ParallelConfig = union("ParallelConfig", ParallelKeys, {"fsdp2_tp": TensorParallelConfig, "pipeline": PipelineConfig})
 ObjectiveConfig = union("ObjectiveConfig", ObjectiveKeys, {name: row.keys for name, row in OBJECTIVES.items()})
 DataConfig = union("DataConfig", sections.DataConfig, {name: fmt.keys for name, fmt in FORMATS.items()})
 

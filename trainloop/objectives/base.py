@@ -118,7 +118,8 @@ class Objective:
         model.eval()
         try:
             with torch.no_grad():
-                sums = torch.stack([self.eval_sums(model, send_to_device(b, device, strategy.accelerator.non_blocking))
+                non_blocking = strategy.accelerator.non_blocking
+                sums = torch.stack([strategy.eval_sums(self, model, send_to_device(b, device, non_blocking))
                                     for b in loader])
         finally:
             model.train()

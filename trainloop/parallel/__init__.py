@@ -1,6 +1,6 @@
 """Which parallelism runs, and every question that depends on it, answered by one Strategy.
 
-A row of STRATEGIES is chosen from the config (parallel.tp_size > 1, fsdp=full_shard, deepspeed=zero*,
+A row of STRATEGIES is chosen from the config (parallel.pp_size > 1, parallel.tp_size > 1, fsdp=full_shard, deepspeed=zero*,
 else data parallel, which is also the one-process case). Before anything is built its class answers
 the Accelerator's arguments, the checks of its keys, whether its checkpoints reshard, the planner's
 and `plan --suggest`'s terms (memory, traffic, layouts) and the doctor's view; once built, how the
@@ -17,6 +17,7 @@ from __future__ import annotations
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
 from trainloop.parallel.fsdp2 import FSDP2
+from trainloop.parallel.pipeline import Pipeline
 from trainloop.parallel.tensors import full_numel, full_shape, local_shard
 from trainloop.parallel.tp import FSDP2xTP
 from trainloop.parallel.zero import DeepSpeedZeRO
@@ -26,6 +27,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "zero": DeepSpeedZeRO,  # deepspeed=zero1, zero2, zero3
     "fsdp2": FSDP2,  # fsdp=full_shard
     "fsdp2_tp": FSDP2xTP,  # parallel.tp_size > 1 (with fsdp=full_shard): a dp_shard x tp mesh
+    "pipeline": Pipeline,  # parallel.pp_size > 1: a slice of the blocks on each process
 }
 
 __all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "chosen", "full_numel", "full_shape", "layouts",
@@ -34,6 +36,8 @@ __all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "chosen", "full_nu
 
 def chosen(cfg) -> str:
     """The row the config chooses."""
+    if cfg.parallel.pp_size > 1:
+        return "pipeline"
     if cfg.parallel.tp_size > 1:
         return "fsdp2_tp"
     if cfg.fsdp.name != "none":

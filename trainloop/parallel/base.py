@@ -102,6 +102,43 @@ class Strategy:
         return model.eval()
 
     # -- each step -------------------------------------------------------------------------------
+    def forward_backward(self, objective, model, group: list[dict], units, forward_context, alone: bool = False):
+        """The forwards and backwards of a step's micro-batches (`group`), one after another, the
+        gradients reduced over the ranks on the last; returns this rank's share of the step's loss.
+
+        accelerate divides what backward gets by the accumulation steps and DDP averages over the
+        ranks: scaled by both, the gradient is the sum of the units' loss gradients / the step's
+        `units`. forward_context: the context each forward runs in (trainloop.step.train_step)."""
+        import torch
+
+        accelerator = self.accelerator
+        scale = accelerator.gradient_accumulation_steps * (1 if alone else self.dp_size)
+        step_loss = torch.zeros((), device=accelerator.device)
+        for i, batch in enumerate(group):
+            with self.micro_step(model, last=i == len(group) - 1):
+                with forward_context():
+                    out = objective.batch_loss(model, batch)
+                loss = out.summed * (scale / units)
+                # divided by `scale` too: the step adds the mean penalty of its forwards
+                if out.penalty is not None:
+                    loss = loss + out.penalty
+                accelerator.backward(loss)  # under DeepSpeed this also steps at the end
+            step_loss += out.summed.detach() / units  # this rank's share of the step's loss
+        return step_loss
+
+    def eval_sums(self, objective, model, batch: dict):
+        """What an evaluation forward of `batch` adds up (the objective's eval_sums), on every rank."""
+        return objective.eval_sums(model, batch)
+
+    @contextmanager
+    def micro_step(self, model, last: bool):
+        """accelerate's `accumulate`, with the step's last micro-batch named by the step: the loop reads
+        a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
+        Gradients are reduced over the ranks only on the last (`gradient_sync`)."""
+        self.accelerator.sync_gradients = last
+        with self.gradient_sync(model, enabled=last):
+            yield
+
     def clip_grad_norm(self, model, max_norm: float):
         """Clip the gradients to `max_norm` (inf: only measure) and return their global L2 norm."""
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)

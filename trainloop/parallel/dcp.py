@@ -26,17 +26,20 @@ from pathlib import Path
 MODEL_DIR = "model_optimizer"  # DCP: __<rank>_0.distcp per rank and .metadata
 METADATA = ".metadata"
 
-def _options(adapter_only: bool):
+def _options(adapter_only: bool, flatten: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    # with an adapter the frozen base is rebuilt from its source at every start, as without FSDP
-    return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
+    # with an adapter the frozen base is rebuilt from its source at every start, as without FSDP.
+    # flatten: the optimizer's state and param groups keyed by parameter name, for ranks that hold
+    # different parameters (pipeline stages), whose param-group lists would otherwise collide
+    return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only,
+                            flatten_optimizer_state_dict=flatten)
 
 
-def _state(model, optimizer, adapter_only: bool) -> dict:
+def _state(model, optimizer, adapter_only: bool, flatten: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(adapter_only))
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(adapter_only, flatten))
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -82,23 +85,23 @@ def _writer(directory: Path):
     return HashingWriter(directory / MODEL_DIR)
 
 
-def save(directory: Path, model, optimizer, adapter_only: bool) -> None:
+def save(directory: Path, model, optimizer, adapter_only: bool, flatten: bool = False) -> None:
     """Every rank, together: the model and optimizer shards, written before this returns."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, _unwrap(optimizer), adapter_only), storage_writer=_writer(directory))
+    dcp.save(_state(model, _unwrap(optimizer), adapter_only, flatten), storage_writer=_writer(directory))
 
 
-def load(path: Path, model, optimizer, adapter_only: bool) -> None:
+def load(path: Path, model, optimizer, adapter_only: bool, flatten: bool = False) -> None:
     """Every rank, together: the shards this rank holds now, whatever world size saved them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     optimizer = _unwrap(optimizer)
-    state = _state(model, optimizer, adapter_only)  # the layout to fill (an empty optimizer's is made)
+    state = _state(model, optimizer, adapter_only, flatten)  # the layout to fill (an empty optimizer's is made)
     dcp.load(state, checkpoint_id=str(path / MODEL_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=_options(adapter_only))
+                   options=_options(adapter_only, flatten))
 
 
 def checkpoint_group(timeout_s: float):

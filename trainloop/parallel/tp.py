@@ -21,8 +21,8 @@ from trainloop.parallel.tensors import is_dtensor
 
 
 @dataclass
-class ParallelConfig:
-    """The parallel.* keys: the mesh's tensor-parallel dimension, this row's."""
+class TensorParallelConfig:
+    """The parallel.* keys of tensor parallelism: the mesh's tensor-parallel dimension."""
 
     # processes that split each transformer block's matrices (tensor parallelism, on a 2-D mesh with
     # fsdp=full_shard on the other dimension); 1: none. Must divide the process count; data-parallel
