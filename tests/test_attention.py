@@ -28,7 +28,7 @@ def tiny(arch: str, attn: str):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 def test_each_is_transformers_sdpa_on_the_rows_it_is_given_and_generation_is_sdpas_own(arch):
-    from trainloop.model.attention import SDPA_CAUSAL, SDPA_DOCUMENTS, generating
+    from trainloop.model.attention import SDPA_CAUSAL, SDPA_DOCUMENTS, generating, with_document_mask
 
     sdpa, causal, documents = tiny(arch, "sdpa"), tiny(arch, SDPA_CAUSAL), tiny(arch, SDPA_DOCUMENTS)
     ids = torch.randint(3, 320, (2, 24))
@@ -38,8 +38,11 @@ def test_each_is_transformers_sdpa_on_the_rows_it_is_given_and_generation_is_sdp
         whole = sdpa(input_ids=ids).logits
         torch.testing.assert_close(causal(input_ids=ids).logits, whole, rtol=1e-5, atol=1e-5)
         packed = sdpa(input_ids=ids, position_ids=positions).logits  # transformers' packed-rows mask
-        torch.testing.assert_close(documents(input_ids=ids, position_ids=positions).logits, packed,
-                                   rtol=1e-5, atol=1e-5)
+        inputs = with_document_mask(documents, {"input_ids": ids, "position_ids": positions})
+        assert inputs["document_mask"].shape == (2, 1, 24, 24)  # built once, for every layer
+        torch.testing.assert_close(documents(**inputs).logits, packed, rtol=1e-5, atol=1e-5)
+        # a batch without position ids (no row restarts them: trainloop.data.loaders.collate) is causal
+        torch.testing.assert_close(documents(input_ids=ids).logits, whole, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(packed[0, 5:], whole[0, 5:], atol=1e-3)  # the documents' mask took effect
         # left-padded prompts and a cache: under `generating` the masks are sdpa's own
         mask = torch.ones_like(ids)
@@ -64,6 +67,16 @@ def test_block_causal_starts_a_document_where_positions_do_not_count_on():
     assert mask.shape == (6, 6)
     assert mask[2, :3].all() and not mask[3, :3].any() and mask[4, 3:5].all() and not mask[5, :5].any()
     assert not mask.triu(1).any()
+
+
+def test_a_batch_carries_position_ids_only_where_a_row_restarts_them():
+    from trainloop.data.loaders import collate
+
+    one = {"input_ids": torch.arange(6), "labels": torch.arange(6), "position_ids": torch.arange(6)}
+    packed = {**one, "position_ids": torch.tensor([0, 1, 2, 0, 1, 2])}
+    assert "position_ids" not in collate([one, one])  # every row one sequence: the model counts them
+    assert torch.equal(collate([one, packed])["position_ids"][1], packed["position_ids"])
+    assert set(collate([one, one])) == {"input_ids", "labels"}
 
 
 def test_which_runs_take_which():

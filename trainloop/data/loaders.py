@@ -7,7 +7,8 @@ import hashlib
 import os
 from functools import partial
 
-from torch.utils.data import DataLoader, Dataset
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from trainloop.config.sections import DataConfig
 from trainloop.data.formats import data_format
@@ -110,6 +111,7 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
                    persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
     if cfg.num_workers:
         workers["multiprocessing_context"] = worker_context(cfg.multiprocessing_context)
+    workers["collate_fn"] = collate
     if order is None:
         train_loader = DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, **workers)
     else:
@@ -117,6 +119,18 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     layout = (1, 1, 0) if order is None else (order.accumulation, order.world_size, order.rank)
     valid_loader = DataLoader(valid, batch_sampler=ValidationOrder(len(valid), batch_size, *layout), **workers)
     return train_loader, valid_loader
+
+
+def collate(items: list[dict]) -> dict:
+    """torch's default collate, less the position ids of a batch whose every row counts 0..seq-1 (one
+    sequence a row, which the model counts itself): position ids reach the model only where a row
+    restarts them, as this CPU check decides, so the training attention builds the documents' mask
+    (trainloop.model.attention) only for batches that hold packed documents."""
+    batch = default_collate(items)
+    positions = batch.get("position_ids") if isinstance(batch, dict) else None
+    if positions is not None and torch.equal(positions, torch.arange(positions.shape[-1]).expand_as(positions)):
+        del batch["position_ids"]
+    return batch
 
 
 def check_batch_fits(cfg, dp_size: int, train_blocks: int) -> None:

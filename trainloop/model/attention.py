@@ -8,9 +8,11 @@ sdpa's is_causal; BENCHMARKS.md). trainloop knows what its causal_lm rows are:
 - a stream of tokens (data.packing=stream) is one unpadded sequence a row: "sdpa_causal", sdpa's
   is_causal with no mask;
 - packed documents (data.packing=documents) restart their position ids at each document:
-  "sdpa_documents", sdpa with the block-causal mask built on the device from the position ids
-  every layer receives (a document starts where a position is not the previous one plus one, as
-  transformers reads them), no host read.
+  "sdpa_documents", sdpa with the block-causal mask the caller builds on the device from the
+  position ids once per forward (`with_document_mask`; a document starts where a position is not
+  the previous one plus one, as transformers reads them), no host read. A batch whose every row is
+  one document carries no position ids (trainloop.data.loaders.collate decides on the CPU), and
+  sdpa runs is_causal, as transformers' eager sdpa does after its host read.
 Both are registered as attention functions only, so transformers builds no mask for them at all.
 Generation needs sdpa's own masks (left padding, a cache): `generating` hands the model back to
 sdpa for its length. model.attn_implementation=eager or flash_attention_2, padded rows
@@ -55,14 +57,22 @@ def _sdpa_causal(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
-def _sdpa_documents(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+def _sdpa_documents(module, query, key, value, attention_mask, document_mask=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     _whole_rows(SDPA_DOCUMENTS, query, key)
-    if position_ids is None:
-        raise RuntimeError(f"attention {SDPA_DOCUMENTS}: {type(module).__name__} passes its attention no "
-                           "position_ids; set data.packing=stream or model.attn_implementation=eager")
-    return sdpa_attention_forward(module, query, key, value, block_causal(position_ids), **kwargs)
+    return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
+
+
+def with_document_mask(model, inputs: dict) -> dict:
+    """`inputs` and, where `model` attends through sdpa_documents and `inputs` carry position ids,
+    their block-causal mask, built once for every layer (the model hands its keyword arguments to
+    each layer's attention). A batch carries position ids only where a row restarts them
+    (trainloop.data.loaders.collate); without them every row is one sequence, and sdpa runs is_causal."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    if getattr(config, "_attn_implementation", None) != SDPA_DOCUMENTS or "position_ids" not in inputs:
+        return inputs
+    return {**inputs, "document_mask": block_causal(inputs["position_ids"])}
 
 
 def register() -> None:

@@ -14,11 +14,13 @@ if TYPE_CHECKING:  # imported where used: config checks read the table without l
     import torch
 
 
-def model_inputs(batch: dict) -> dict:
-    """What the model reads. No attention mask with packed rows: the model builds a block-diagonal
-    one from the restarting position ids, and only without a mask and without a cache."""
+def model_inputs(model, batch: dict) -> dict:
+    """What the model reads. No attention mask with packed rows: the block-diagonal one comes from
+    the restarting position ids (trainloop.model.attention builds it once per forward)."""
+    from trainloop.model.attention import with_document_mask
+
     keys = ("input_ids", "position_ids", "attention_mask")
-    return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
+    return with_document_mask(model, {key: batch[key] for key in keys if key in batch} | {"use_cache": False})
 
 
 class CausalLM(Objective):
@@ -44,7 +46,7 @@ class CausalLM(Objective):
     def batch_loss(self, model, batch: dict) -> BatchLoss:
         from trainloop.objectives.chunked_loss import next_token_nll
 
-        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll)
+        summed, output = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll)
         if self.router is None:
             return BatchLoss(summed)
         self.router.record(output, batch)
@@ -54,7 +56,7 @@ class CausalLM(Objective):
         from trainloop.objectives.chunked_loss import next_token_nll
 
         # no routing recorded: the train line's window is training's
-        summed, _ = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll)
+        summed, _ = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll)
         return loss_sums(summed, self.count(batch))
 
     def window(self, strategy) -> dict:

@@ -72,14 +72,15 @@ def _stage_module(model, first: bool, last: bool, blocks: list[str]):
             super().__init__()
             self.model = model  # registered: the stage's parameters are the model's
 
-        def forward(self, hidden, position_ids):
+        def forward(self, hidden, position_ids, document_mask=None):
             inner = self.model.model
             if first:
                 hidden = inner.embed_tokens(hidden)
             position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
             for name in blocks:
                 hidden = inner.layers[name](hidden, attention_mask=None, position_ids=position_ids,
-                                            position_embeddings=position_embeddings, use_cache=False)
+                                            position_embeddings=position_embeddings, use_cache=False,
+                                            document_mask=document_mask)
             if last:
                 hidden = self.model.lm_head(inner.norm(hidden))
             return hidden
@@ -163,12 +164,12 @@ class Pipeline(Strategy):
 
         self._scale = 1.0 / units
         ids = torch.cat([b["input_ids"] for b in group])
-        positions = torch.cat([position_ids(b) for b in group])
         labels = torch.cat([b["labels"] for b in group])
+        inputs = stage_inputs(model, group)
         losses = []
         with forward_context(), self.accelerator.autocast():
             args = (ids,) if 0 in self.stage_ids else ()
-            self.schedule.step(*args, position_ids=positions, target=labels, losses=losses, return_outputs=False)
+            self.schedule.step(*args, **inputs, target=labels, losses=losses, return_outputs=False)
         step_loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
         dist.broadcast(step_loss, src=self.last_rank)
         return step_loss
@@ -182,7 +183,7 @@ class Pipeline(Strategy):
         from trainloop.objectives.base import loss_sums
         from trainloop.objectives.chunked_loss import summed_nll
 
-        positions = position_ids(batch)
+        inputs = stage_inputs(model, [batch])
         hidden = batch["input_ids"]
         rank = self.accelerator.process_index
         with self.accelerator.autocast():
@@ -192,7 +193,7 @@ class Pipeline(Strategy):
                     continue
                 if s > 0 and before != rank:
                     hidden = receive(batch["input_ids"].shape + (model.config.hidden_size,), before, self.device)
-                hidden = self.stages[self.stage_ids.index(s)].submod(hidden, positions)
+                hidden = self.stages[self.stage_ids.index(s)].submod(hidden, **inputs)
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
         if self.num_stages - 1 in self.stage_ids:
@@ -332,14 +333,19 @@ class Pipeline(Strategy):
         return found
 
 
-def position_ids(batch: dict):
-    """The batch's position ids, or the plain count a stream of tokens leaves implied."""
+def stage_inputs(model, group: list[dict]) -> dict:
+    """What every stage gets of the micro-batches (concatenated; the schedule splits them again):
+    their position ids, the plain count where a batch carries none (trainloop.data.loaders.collate),
+    and, where some row restarts them, the documents' mask (trainloop.model.attention)."""
     import torch
 
-    if "position_ids" in batch:
-        return batch["position_ids"]
-    ids = batch["input_ids"]
-    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    from trainloop.model.attention import with_document_mask
+
+    positions = [b["position_ids"] if "position_ids" in b else
+                 torch.arange(b["input_ids"].shape[1], device=b["input_ids"].device).expand_as(b["input_ids"])
+                 for b in group]
+    inputs = {"position_ids": torch.cat(positions)}
+    return with_document_mask(model, inputs) if any("position_ids" in b for b in group) else inputs
 
 
 DTYPES = ("float32", "bfloat16", "float16")
