@@ -1,7 +1,5 @@
 """`python -m trainloop.sweep`: the entry point of trainloop/tools/sweep.py."""
 
-import sys
-
 from trainloop.tools.sweep import main
 
 if __name__ == "__main__":
