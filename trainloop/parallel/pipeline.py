@@ -17,13 +17,10 @@ beside it come next.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from trainloop.errors import ConfigError
 from trainloop.parallel.base import Strategy
-
-log = logging.getLogger("trainloop")
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
