@@ -44,23 +44,15 @@ def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def _whole_rows(name: str, query, key) -> None:
-    if query.shape[2] != key.shape[2]:  # a cached step: generation, whose rows may be padded
-        raise RuntimeError(f"attention {name} attends whole rows in training; generation runs under "
-                           "trainloop.model.attention.generating, with sdpa's own masks")
-
-
-def _sdpa_causal(module, query, key, value, attention_mask, **kwargs):
+def _sdpa(module, query, key, value, attention_mask, document_mask=None, **kwargs):
+    """sdpa over whole rows: with the documents' mask where the caller gives one, else is_causal.
+    transformers built no mask (`attention_mask` is None): a cached step is generation, whose rows
+    may be padded, and is refused."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    _whole_rows(SDPA_CAUSAL, query, key)
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-
-
-def _sdpa_documents(module, query, key, value, attention_mask, document_mask=None, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    _whole_rows(SDPA_DOCUMENTS, query, key)
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError(f"attention {module.config._attn_implementation} attends whole rows in training; "
+                           "generation runs under trainloop.model.attention.generating, with sdpa's own masks")
     return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
 
 
@@ -79,8 +71,8 @@ def register() -> None:
     """Makes both names attention implementations transformers models take (idempotent)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(SDPA_CAUSAL, _sdpa_causal)
-    AttentionInterface.register(SDPA_DOCUMENTS, _sdpa_documents)
+    AttentionInterface.register(SDPA_CAUSAL, _sdpa)  # with_document_mask gives this one no mask
+    AttentionInterface.register(SDPA_DOCUMENTS, _sdpa)
 
 
 def training_attention(cfg, model_config) -> str | None:
