@@ -56,6 +56,23 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
                             "checkpoint.save_final_model=false")
         got, want = losses(resumed), losses(run)
         assert sorted(got) == list(range(11, STEPS + 1)) and all(got[s] == want[s] for s in got)
+        # and on one process: the stages' DCP shards load by name into the whole model
+        alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
+                      "checkpoint.save_final_model=false", small=False)
+        got, want = losses(alone), losses(reference)
+        assert sorted(got) == list(range(11, STEPS + 1))
+        assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_stages(tmp_path, reference):
+    """The other way: accelerate's whole-model files, each stage taking its blocks' weights and
+    optimizer state by name, and the run going on as the one process did."""
+    resumed = launch_pp(tmp_path / "resumed", f"checkpoint.resume={reference / 'checkpoints' / 'step_0000010'}",
+                        "checkpoint.save_final_model=false")
+    got, want = losses(resumed), losses(reference)
+    assert sorted(got) == list(range(11, STEPS + 1))
+    assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
 
 
 def test_the_blocks_are_balanced_over_the_stages():

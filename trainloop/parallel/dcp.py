@@ -99,7 +99,9 @@ def load(path: Path, model, optimizer, adapter_only: bool, flatten: bool = False
 
     optimizer = _unwrap(optimizer)
     state = _state(model, optimizer, adapter_only, flatten)  # the layout to fill (an empty optimizer's is made)
-    dcp.load(state, checkpoint_id=str(path / MODEL_DIR))
+    import torch.distributed as dist
+
+    dcp.load(state, checkpoint_id=str(path / MODEL_DIR), no_dist=not dist.is_initialized())  # one process too
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_options(adapter_only, flatten))
 

@@ -54,7 +54,13 @@ class DataParallel(Strategy):
             handle.remove()
 
     def load_state(self, path, model, adapter_only: bool) -> None:
+        from trainloop.parallel import dcp
+
         acc = self.accelerator
+        if (Path(path) / dcp.MODEL_DIR).is_dir():  # a pipeline's stages (parallel.pp_size): DCP, by name
+            dcp.load(Path(path), model, acc._optimizers[0], adapter_only, flatten=True)
+            dcp.load_rank_states(acc, Path(path))
+            return
         if not adapter_only:
             acc.load_state(str(path))
             return

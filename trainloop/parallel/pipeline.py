@@ -127,6 +127,7 @@ class Pipeline(Strategy):
             raise ConfigError("parallel.pp_size: the model ties its output layer to its input embedding, which "
                               "would live on two stages; set model.tie_embeddings=false (or parallel.pp_size=1)")
         self.blocks = stage_blocks(len(layers), self.num_stages)
+        self.whole_groups = optimizer_groups(self.cfg.optimizer, model)  # a whole model's checkpoint maps by them
         kept = sorted(i for s in self.stage_ids for i in self.blocks[s])
         inner.layers = torch.nn.ModuleDict({str(i): layers[i] for i in kept})  # the blocks keep their names
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
@@ -221,9 +222,16 @@ class Pipeline(Strategy):
         dcp.save_rank_states(self.accelerator, directory)
 
     def load_state(self, path, model, adapter_only: bool) -> None:
+        """A pipeline's checkpoint (DCP, by name) at any number of stages, or one process's (accelerate's
+        files, the whole model): each rank takes its stages' tensors."""
+        from pathlib import Path
+
         from trainloop.parallel import dcp
 
-        dcp.load(path, model, self.accelerator._optimizers[0], adapter_only, flatten=True)
+        if (Path(path) / dcp.MODEL_DIR).is_dir():
+            dcp.load(path, model, self.accelerator._optimizers[0], adapter_only, flatten=True)
+        else:
+            load_whole(Path(path), model, self.accelerator._optimizers[0], self.whole_groups, adapter_only)
         dcp.load_rank_states(self.accelerator, path)
 
     def full_state_dict(self, model) -> dict:
@@ -267,10 +275,6 @@ class Pipeline(Strategy):
         sent = 2 * boundary * cfg.trainer.gradient_accumulation_steps * p.pp_stages_per_rank
         plan.traffic.append(Transfer("activations and their gradients", sent, "pp",
                                      note="point to point, each micro-batch, forward and backward"))
-
-    @staticmethod
-    def keeps_world_size(cfg) -> str | None:
-        return "each rank's checkpoint files hold the optimizer state of its own stages"
 
     @staticmethod
     def settings(cfg) -> dict:
@@ -328,6 +332,54 @@ class Pipeline(Strategy):
         }
         found += [f"{key} with {message}" for on, message in unsupported.values() if on]
         return found
+
+
+def optimizer_groups(cfg, model) -> list[list[str]]:
+    """The names of the parameters in each group trainloop.optim builds its optimizer on, in order:
+    how a checkpoint of the whole model (accelerate's, keyed by position) names its optimizer state."""
+    from trainloop.optim.optimizers import optimizer_named
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = optimizer_named(cfg.name).groups(model, cfg.weight_decay)
+    return [[names[id(p)] for p in group["params"]] for group in groups]
+
+
+def load_whole(path, model, optimizer, whole_groups: list[list[str]], adapter_only: bool) -> None:
+    """A checkpoint of the whole model (one process, or DDP: accelerate's model.safetensors and
+    optimizer.bin) into this rank's stages: their weights by name, their optimizer state by the
+    position each name had in the whole model's groups (`whole_groups`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from trainloop.errors import CheckpointError
+
+    for file in ("model.safetensors", "optimizer.bin"):
+        if not (path / file).is_file():
+            raise CheckpointError(f"{path / file} is missing: {path} holds neither a pipeline's shards nor "
+                                  "a whole model's checkpoint; resume another checkpoint")
+    weights = load_file(path / "model.safetensors")
+    wanted = [n for n, p in model.named_parameters() if p.requires_grad] if adapter_only else list(model.state_dict())
+    missing = [name for name in wanted if name not in weights]
+    if missing:
+        raise CheckpointError(f"{path / 'model.safetensors'} lacks {missing[:3]} of this stage: it was saved "
+                              "with another model or adapter config; start a new run in a new hydra.run.dir")
+    model.load_state_dict({name: weights[name] for name in wanted}, strict=not adapter_only)
+
+    saved = torch.load(path / "optimizer.bin", map_location="cpu", weights_only=True)
+    position = {name: i for i, name in enumerate(n for group in whole_groups for n in group)}
+    group_of = {name: g for g, group in enumerate(whole_groups) for name in group}
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): name for name, p in model.named_parameters()}
+    state, groups, index = {}, [], 0
+    for group in optimizer.param_groups:
+        mine = [names[id(p)] for p in group["params"]]
+        hyper = {k: v for k, v in saved["param_groups"][group_of[mine[0]]].items() if k != "params"}
+        groups.append({**hyper, "params": list(range(index, index + len(mine)))})
+        for name in mine:
+            if position[name] in saved["state"]:
+                state[index] = saved["state"][position[name]]
+            index += 1
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def stage_inputs(model, group: list[dict]) -> dict:
