@@ -9,13 +9,16 @@ data, a loss counted on two stages, or an export of one stage's blocks is off by
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
 
 from helpers import (
-    assert_same_weights, compose, grad_norms, launch, losses, read_metrics, reset_accelerate, run_log, torchrun,
-    train,
+    assert_same_weights, compose, end_family, grad_norms, launch, losses, ranks_of, read_metrics, reset_accelerate,
+    run_log, start, torchrun, train, wait_for_step,
 )
 
 STEPS = 20
@@ -50,12 +53,27 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
     evals = [[r["eval_loss"] for r in read_metrics(d) if "eval_loss" in r] for d in (run, reference)]
     assert len(evals[0]) == 2 and max(abs(a - b) for a, b in zip(*evals)) < TOLERANCE
     assert_same_weights(run / "final", reference / "final")  # the stages gathered under the model's own names
-    if schedule == "1f1b":  # its step-10 checkpoint resumes bitwise at the same layout
-        resumed = launch_pp(tmp_path / "resumed", f"parallel.pp_schedule={schedule}",
-                            f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
-                            "checkpoint.save_final_model=false")
-        got, want = losses(resumed), losses(run)
-        assert sorted(got) == list(range(11, STEPS + 1)) and all(got[s] == want[s] for s in got)
+    if schedule == "1f1b":
+        # SIGTERM to one rank after step 10: every rank stops after the same step, saves and exits
+        # 75; the same command resumes and its losses are bitwise the uninterrupted run's
+        stopped = tmp_path / "stopped"
+        command = [*RUN, "parallel.pp_size=2", f"parallel.pp_schedule={schedule}", f"hydra.run.dir={stopped}",
+                   "checkpoint.save_final_model=false"]
+        proc = start([*torchrun(2), *command], tmp_path / "stopped.txt")
+        try:
+            wait_for_step(stopped, 10, proc)
+            os.kill(ranks_of(proc.pid)[1], signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            end_family(proc, stacks=False)
+        out = (tmp_path / "stopped.txt").read_text()
+        assert re.findall(r"exitcode\s+:\s*(-?\d+)", out) == ["75", "75"], out[-4000:]
+        at = {int(n) for n in re.findall(r"stopped by (?:SIGTERM|a signal to another rank) after step (\d+)", out)}
+        assert len(at) == 1 and 10 <= min(at) < STEPS, out[-4000:]
+        launch([*torchrun(2), *command], cwd=tmp_path)
+        assert f"resumed from {stopped / 'checkpoints' / f'step_{min(at):07d}'}" in run_log(stopped)
+        got, want = losses(stopped), losses(run)
+        assert sorted(got) == list(range(1, STEPS + 1)) and all(got[s] == want[s] for s in got), (got, want)
         # and on one process: the stages' DCP shards load by name into the whole model
         alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
                       "checkpoint.save_final_model=false", small=False)

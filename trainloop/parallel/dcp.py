@@ -99,9 +99,11 @@ def load(path: Path, model, optimizer, adapter_only: bool, flatten: bool = False
 
     optimizer = _unwrap(optimizer)
     state = _state(model, optimizer, adapter_only, flatten)  # the layout to fill (an empty optimizer's is made)
-    import torch.distributed as dist
+    import warnings
 
-    dcp.load(state, checkpoint_id=str(path / MODEL_DIR), no_dist=not dist.is_initialized())  # one process too
+    with warnings.catch_warnings():  # one process (a pipeline's checkpoint resumed alone): DCP says it loads alone
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(path / MODEL_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_options(adapter_only, flatten))
 
