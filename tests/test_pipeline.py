@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    assert_same_weights, compose, end_family, grad_norms, launch, losses, ranks_of, read_metrics, reset_accelerate,
-    run_log, start, torchrun, train, wait_for_step,
+    adapter_tensors, assert_same_weights, compose, end_family, grad_norms, launch, logits_agree, losses,
+    pretrained_llama, ranks_of, read_metrics, relative_difference, reset_accelerate, run_log, start, torchrun, train,
+    wait_for_step,
 )
 
 STEPS = 20
@@ -93,6 +94,27 @@ def test_one_process_checkpoint_resumes_on_two_stages(tmp_path, reference):
     assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
 
 
+@pytest.mark.slow
+def test_lora_on_two_stages_trains_as_one_process_and_exports_what_peft_loads(tmp_path):
+    """A pretrained model from a local folder, LoRA on every projection, cut into 2 stages: the
+    losses are one process's, the adapter and the merged export the same tensors, and they load
+    in peft (base + adapter) and transformers (merged) to the same logits."""
+    base = pretrained_llama(tmp_path / "base")
+    lora = [*(o for o in RUN if not o.startswith(("model.tie_embeddings", "model.num_layers"))), "model=hf", f"model.name_or_path={base}", "adapter=lora", "optimizer.lr=1e-2",
+            "trainer.max_steps=10", "trainer.eval_every=5", "checkpoint.every_steps=null"]
+    alone = train(tmp_path / "alone", *lora, small=False)
+    run = tmp_path / "run"
+    launch([*torchrun(2), *lora, "parallel.pp_size=2", f"hydra.run.dir={run}"], cwd=tmp_path)
+    got, want = losses(run), losses(alone)
+    assert sorted(got) == list(range(1, 11)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
+    assert abs(got[10] - got[1]) > 1e-3  # the adapter trained
+    pairs = [(adapter_tensors(run / "final"), adapter_tensors(alone / "final"))]
+    assert set(pairs[0][0]) == set(pairs[0][1]) and relative_difference(*pairs[0]) < 1e-4
+    assert_same_weights(run / "final", alone / "final")
+    kind, worst = logits_agree(run / "final", base)
+    assert kind == "LlamaForCausalLM" and worst < 1e-4, worst
+
+
 def test_the_blocks_are_balanced_over_the_stages():
     from trainloop.parallel.pipeline import stage_blocks
 
@@ -114,6 +136,7 @@ def test_the_blocks_are_balanced_over_the_stages():
     (["data.packing=none"], "needs data.packing=documents or stream"),
     (['eval.prompts=["Hi"]'], "set eval.prompts=[]"),
     (["trainer.loss_chunk_tokens=64"], "set trainer.loss_chunk_tokens=0"),
+    (["model=hf", "model.name_or_path=/some/model", "adapter=lora", "model.quantization=4bit"], "use model.quantization=none"),
 ])
 def test_what_the_pipeline_cannot_run_is_refused_naming_the_key(overrides, says):
     from trainloop.config.compose import validate

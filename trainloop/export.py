@@ -121,7 +121,7 @@ def export_model(strategy, model, tokenizer, directory: Path, cfg=None) -> None:
         try:
             # transformers' own "Writing model shards" bar would break the run's progress bar and log
             transformers_logging.disable_progress_bar()
-            unwrapped = accelerator.unwrap_model(model)
+            unwrapped = strategy.whole_model(model)
             if not state_dict:
                 raise RuntimeError("the gathered state dict of the final model is empty")
             if cfg is not None and cfg.adapter.name != "none":

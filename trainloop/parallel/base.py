@@ -164,6 +164,11 @@ class Strategy:
         """The full weights, on the main process ({} elsewhere). Every rank must call it."""
         return self.accelerator.get_state_dict(model)
 
+    def whole_model(self, model):
+        """The model the export writes the gathered state dict through (main process): its modules
+        and configs name what the files hold. Here the unwrapped model, which holds every module."""
+        return self.accelerator.unwrap_model(model)
+
     def describe(self, model) -> str:
         """What really runs, read back from accelerate (and the engine or the model), for the log."""
         raise NotImplementedError

@@ -46,16 +46,17 @@ def stage_blocks(num_blocks: int, stages: int) -> list[range]:
 
 
 def decoder_parts(model):
-    """(the decoder, its blocks) of a causal LM transformers lays out as `model.embed_tokens`,
-    `model.layers`, `model.rotary_emb`, `model.norm` and `lm_head` (Llama, Qwen, Mistral...), or a
-    ConfigError naming the class."""
+    """(the causal LM, its decoder, its blocks) of a model transformers lays out as
+    `model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm` and `lm_head` (Llama,
+    Qwen, Mistral...), under a peft wrapper or not, or a ConfigError naming the class."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: cut the model it wraps
     inner = getattr(model, "model", None)
     wanted = ("embed_tokens", "layers", "rotary_emb", "norm")
     if inner is None or not all(hasattr(inner, part) for part in wanted) or not hasattr(model, "lm_head"):
         raise ConfigError(f"parallel.pp_size: {type(model).__name__}'s blocks cannot be cut into stages here "
                           "(it is not laid out as model.embed_tokens / model.layers / model.rotary_emb / model.norm "
                           "/ lm_head, as Llama is); use model.arch=llama or parallel.pp_size=1")
-    return inner, inner.layers
+    return model, inner, inner.layers
 
 
 def _stage_module(model, first: bool, last: bool, blocks: list[str]):
@@ -119,7 +120,7 @@ class Pipeline(Strategy):
         import torch
         from torch.distributed import pipelining
 
-        inner, layers = decoder_parts(model)
+        causal, inner, layers = decoder_parts(model)
         if len(layers) < self.num_stages:
             raise ConfigError(f"parallel.pp_size={self.pp} x parallel.pp_stages_per_rank={self.per_rank}: "
                               f"{self.num_stages} stages but the model has {len(layers)} blocks; use fewer stages")
@@ -134,10 +135,10 @@ class Pipeline(Strategy):
         if not first:
             inner.embed_tokens = None
         if not last:
-            inner.norm, model.lm_head = None, None
+            inner.norm, causal.lm_head = None, None
         model.to(self.device)
         self.stages = [pipelining.PipelineStage(
-            _stage_module(model, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]]),
+            _stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]]),
             s, self.num_stages, self.device) for s in self.stage_ids]
         schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
         micro = self.cfg.trainer.gradient_accumulation_steps
@@ -243,6 +244,20 @@ class Pipeline(Strategy):
         dist.gather_object(mine, gathered, dst=0)
         return {k: v for part in gathered for k, v in part.items()} if gathered else {}
 
+    def whole_model(self, model):
+        """This rank holds its stages only: the whole model's modules, on the meta device (no memory),
+        with the live configs, for the export to name every stage's tensors (peft walks the modules)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from trainloop.model.adapter import wrap_lora
+
+        causal = decoder_parts(model)[0]
+        with torch.device("meta"):
+            whole = AutoModelForCausalLM.from_config(causal.config)
+        whole.config, whole.generation_config = causal.config, causal.generation_config
+        return wrap_lora(whole, self.cfg.adapter) if model is not causal else whole
+
     def describe(self, model) -> str:
         counts = "/".join(str(len(self.blocks[s])) for s in range(self.num_stages))
         return (f"pipeline: {self.num_stages} stages over {self.pp} processes ({self.cfg.parallel.pp_schedule}), "
@@ -325,8 +340,8 @@ class Pipeline(Strategy):
                      "process; set data.batch_size yourself"),
             "compile": (cfg.compile.backend != "none" and not cfg.compile.regional, "compile of the whole model: "
                         "stages call the blocks themselves; set compile.regional=true"),
-            "adapter": (cfg.adapter.name != "none", f"adapter={cfg.adapter.name}: not on the pipeline yet; "
-                        "use adapter=none"),
+            "quantized": (cfg.model.quantization != "none", f"model.quantization={cfg.model.quantization}: "
+                          "quantized base weights are not cut into stages yet; use model.quantization=none"),
             "tied": (cfg.model.name == "tiny" and cfg.model.tie_embeddings, "model.tie_embeddings=true: the output "
                      "layer and the input embedding would live on two stages; set model.tie_embeddings=false"),
         }
