@@ -100,7 +100,9 @@ def test_lora_on_two_stages_trains_as_one_process_and_exports_what_peft_loads(tm
     losses are one process's, the adapter and the merged export the same tensors, and they load
     in peft (base + adapter) and transformers (merged) to the same logits."""
     base = pretrained_llama(tmp_path / "base")
-    lora = [*(o for o in RUN if not o.startswith(("model.tie_embeddings", "model.num_layers"))), "model=hf", f"model.name_or_path={base}", "adapter=lora", "optimizer.lr=1e-2",
+    tiny_only = ("model.tie_embeddings", "model.num_layers")
+    lora = [*(o for o in RUN if not o.startswith(tiny_only)), "model=hf", f"model.name_or_path={base}", "adapter=lora",
+            "optimizer.lr=1e-2",
             "trainer.max_steps=10", "trainer.eval_every=5", "checkpoint.every_steps=null"]
     alone = train(tmp_path / "alone", *lora, small=False)
     run = tmp_path / "run"
@@ -136,7 +138,8 @@ def test_the_blocks_are_balanced_over_the_stages():
     (["data.packing=none"], "needs data.packing=documents or stream"),
     (['eval.prompts=["Hi"]'], "set eval.prompts=[]"),
     (["trainer.loss_chunk_tokens=64"], "set trainer.loss_chunk_tokens=0"),
-    (["model=hf", "model.name_or_path=/some/model", "adapter=lora", "model.quantization=4bit"], "use model.quantization=none"),
+    (["model=hf", "model.name_or_path=/some/model", "adapter=lora", "model.quantization=4bit"],
+     "use model.quantization=none"),
 ])
 def test_what_the_pipeline_cannot_run_is_refused_naming_the_key(overrides, says):
     from trainloop.config.compose import validate
