@@ -1,10 +1,10 @@
-"""DDP, ZeRO-3, FSDP2 and FSDP2 x TP on N processes, measured in one invocation on this machine.
+"""DDP, ZeRO-3, FSDP2, FSDP2 x TP and pipelines on N processes, measured in one invocation on this machine.
 
     python scripts/bench_parallel.py [--nproc 2] [--warmup 2] [--steps 3] [--only ddp fsdp]
                                      [--json OUT] [overrides ...]
 
 Each strategy (DDP, ZeRO-3 with DeepSpeed's default buckets and with 5M-element ones, FSDP2, FSDP2
-with tensor parallelism over 2 of the processes) is
+with tensor parallelism over 2 of the processes, a pipeline of N stages under 1F1B and GPipe) is
 one `torchrun --nproc_per_node N` launch of this script (gloo on CPU, NCCL on
 GPUs) training the same model (default: a 57M-parameter Llama, 6 blocks of 768, fp32 AdamW) on
 the same batch of 2 x 128 tokens per process, through trainloop's own builders
@@ -38,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.num_layers=6", "model.hidden_size=768", "model.num_heads=12", "data.seq_len=128",
          "data.batch_size=2", "optimizer=adamw", "precision=fp32", "trainer.gradient_accumulation_steps=1"]
-# name -> (label, preset, the strategy's own overrides)
+PIPELINE = ["model.tie_embeddings=false", "parallel.pp_size={nproc}", "trainer.gradient_accumulation_steps={micro}"]
+# name -> (label, preset, the strategy's own overrides; {nproc}: the processes, {micro}: 2 per process)
 STRATEGIES = {
     "ddp": ("DDP", "ddp", []),
     "zero3": ("DeepSpeed ZeRO-3", "zero3", []),
@@ -49,6 +50,10 @@ STRATEGIES = {
     # parallel.tp_size=2: on 2 processes 1 dp_shard x 2 tp, on 4 processes 2 x 2
     "tp": ("FSDP2 x TP (parallel.tp_size=2)", "tp", []),
     "tp_sp": ("FSDP2 x TP + sequence parallelism", "tp", ["parallel.sequence_parallel=true"]),
+    # parallel.pp_size = the processes (one stage each), 2 micro-batches per stage a step (the pipeline's
+    # step needs at least one per stage); the embeddings untied (a stage holds one of them: 0.4% of this model)
+    "pp_1f1b": ("pipeline, 1F1B (parallel.pp_size=N)", "ddp", PIPELINE),
+    "pp_gpipe": ("pipeline, GPipe (parallel.pp_size=N)", "ddp", [*PIPELINE, "parallel.pp_schedule=gpipe"]),
 }
 
 
@@ -57,6 +62,8 @@ def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
     from trainloop.tools.plan import compare, measure_training, model_shape, plan_memory
 
     _, preset, own = STRATEGIES[name]
+    nproc = int(os.environ.get("WORLD_SIZE", "1"))
+    own = [o.format(nproc=nproc, micro=2 * nproc) for o in own]
     cfg = compose_config([f"+preset={preset}", *MODEL, *own, *overrides])
     measured = measure_training(cfg, warmup, timed_steps=steps)
     import torch

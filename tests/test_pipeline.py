@@ -84,6 +84,31 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("data_parallel", ["replicated", "fsdp"])
+def test_two_stages_by_two_data_parallel_ranks_train_as_one_process_does(tmp_path, reference, data_parallel):
+    """4 processes on a pp 2 x dp_shard 2 mesh, each data-parallel rank reading half of the global
+    batch (1 x 4 micro-batches): the stages replicated over dp_shard (their gradients summed), or
+    sharded by FSDP2 over it. Replicated, it stops at step 10 and resumes on one process."""
+    sharded = data_parallel == "fsdp"
+    run = tmp_path / "run"
+    stop = [] if sharded else ["trainer.stop_at_step=10"]
+    launch([*torchrun(4), *RUN, "parallel.pp_size=2", "data.batch_size=1", f"hydra.run.dir={run}", *stop,
+            *(["fsdp=full_shard", "fsdp.sync_each_batch=false"] if sharded else [])], cwd=tmp_path)
+    mesh = "FSDP2 on dp_shard" if sharded else "replicated"
+    assert f"x 2 data-parallel ({mesh}, mesh cpu 2 pp x 2 dp_shard)" in run_log(run)
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == list(range(1, (STEPS if sharded else 10) + 1))
+    assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
+    if sharded:  # the shards gathered over dp_shard, the stages over pp
+        assert_same_weights(run / "final", reference / "final")
+        return
+    alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
+                  "checkpoint.save_final_model=false", small=False)
+    got = losses(alone)
+    assert sorted(got) == list(range(11, STEPS + 1)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE
+
+
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_two_stages(tmp_path, reference):
     """The other way: accelerate's whole-model files, each stage taking its blocks' weights and
     optimizer state by name, and the run going on as the one process did."""
@@ -130,8 +155,11 @@ def test_the_blocks_are_balanced_over_the_stages():
     (["parallel.pp_stages_per_rank=2"], "use parallel.pp_schedule=interleaved_1f1b"),
     (["trainer.gradient_accumulation_steps=1"], "set trainer.gradient_accumulation_steps=2 or more"),
     (["model.num_layers=1"], "2 stages but model.num_layers=1"),
-    (["deepspeed=zero2"], "with deepspeed=zero2: this version pipelines over every process alone; set deepspeed=none"),
-    (["fsdp=full_shard"], "with fsdp=full_shard: this version pipelines over every process alone; set fsdp=none"),
+    (["deepspeed=zero2"], "with deepspeed=zero2: DeepSpeed's engine runs the whole model on each process; set "
+                          "deepspeed=none"),
+    (["fsdp=full_shard"], "with fsdp.sync_each_batch=true: the schedule keeps each stage's unsharded gradients"),
+    (["fsdp=full_shard", "fsdp.sync_each_batch=false", "fsdp.offload=cpu"], "set fsdp.offload=none"),
+    (["parallel.tp_size=2", "fsdp=full_shard", "fsdp.sync_each_batch=false"], "set parallel.tp_size=1"),
     (["objective=dpo", "data=preference"], "objective=dpo: the pipeline trains objective=causal_lm"),
     (["model.tie_embeddings=true"], "set model.tie_embeddings=false"),
     (["model.arch=gpt2"], "only model.arch=llama is cut into stages"),
@@ -152,7 +180,7 @@ def test_what_the_pipeline_cannot_run_is_refused_naming_the_key(overrides, says)
     assert says in str(err.value), str(err.value)
 
 
-def test_a_pipeline_needs_pp_size_processes():
+def test_a_pipeline_needs_a_multiple_of_pp_size_processes():
     from accelerate import Accelerator
 
     from trainloop.errors import ConfigError
@@ -161,5 +189,5 @@ def test_a_pipeline_needs_pp_size_processes():
     reset_accelerate()
     cfg = compose("+preset=smoke", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2",
                   "parallel.pp_size=2")
-    with pytest.raises(ConfigError, match=r"pp_size=2 with 1 process\(es\).*launch parallel.pp_size processes"):
+    with pytest.raises(ConfigError, match=r"pp_size=2 does not divide the 1 process\(es\): launch a multiple"):
         build_strategy(cfg, Accelerator(cpu=True))

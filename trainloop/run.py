@@ -48,7 +48,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.observe.flops import peak_tflops
     from trainloop.observe.metrics import Metrics, library_progress_bars
     from trainloop.observe.trackers import Trackers
-    from trainloop.parallel import build_strategy, full_numel
+    from trainloop.parallel import build_strategy
     from trainloop.parallel.accelerator import agree_run_dir, build_accelerator
     from trainloop.preemption import Preemption
 
@@ -68,8 +68,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         recorded = with_batch(cfg, built.batch_size, built.accumulation)
     checkpointer.record_config(recorded)
 
-    n_params = sum(full_numel(p) for p in model.parameters())
-    n_trained = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    n_params, n_trained = strategy.count_parameters(model)
     experts = getattr(model_config, "num_local_experts", None)  # a mixture of experts (model.arch=mixtral)
     routing = f"; {experts} experts per block, {model_config.num_experts_per_tok} per token" if experts else ""
     log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained%s) | %d train / %d valid blocks of %d tokens",

@@ -164,6 +164,13 @@ class Strategy:
         """The full weights, on the main process ({} elsewhere). Every rank must call it."""
         return self.accelerator.get_state_dict(model)
 
+    def count_parameters(self, model) -> tuple[int, int]:
+        """(the model's parameters, those that train), whole, however the processes hold them."""
+        from trainloop.parallel.tensors import full_numel
+
+        return (sum(full_numel(p) for p in model.parameters()),
+                sum(full_numel(p) for p in model.parameters() if p.requires_grad))
+
     def whole_model(self, model):
         """The model the export writes the gathered state dict through (main process): its modules
         and configs name what the files hold. Here the unwrapped model, which holds every module."""
@@ -191,6 +198,13 @@ class Strategy:
     def tensor_parallel(cfg) -> tuple[int, bool]:
         """(how many processes split each layer, whether the sequence is split too) for the planner."""
         return 1, False
+
+    @staticmethod
+    def activations_held(cfg, shape) -> tuple[float, int]:
+        """For the planner: (the blocks' activations the planned process keeps at its peak, in one
+        micro-batch's blocks; the micro-batches whose output layer and logits it keeps). Here every
+        block of one micro-batch, and its logits."""
+        return shape.num_layers, 1
 
     @staticmethod
     def settings(cfg) -> dict:

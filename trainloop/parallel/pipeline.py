@@ -10,9 +10,13 @@ the micro-batch's position ids (the schedules pass keyword arguments to every st
 layers attend through trainloop's training attention (trainloop.model.attention), which builds
 the packed documents' mask from them, so no stage needs transformers' mask. A step's micro-batches
 (trainer.gradient_accumulation_steps) are the schedule's: the last stage takes each one's summed
-loss over the step's units, the same sum one process takes. This version pipelines over every
-process (pp_size = the process count): the data-parallel dimension, FSDP2 and tensor parallelism
-beside it come next.
+loss over the step's units, the same sum one process takes.
+
+The processes form a pp x dp_shard mesh (pp outermost, as torchtitan lays it out): each pipeline
+reads its data-parallel rank's share of the global batch, and its stages are replicated over
+dp_shard (their gradients summed after the schedule) or, with fsdp=full_shard, sharded over it by
+FSDP2 (each block, then each stage as the root of the rest; the schedule reduce-scatters once,
+after the last micro-batch). Tensor parallelism inside the stages comes next.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class PipelineConfig:
     """The parallel.* keys of pipeline parallelism."""
 
     # processes that each hold a slice of the decoder blocks, passing activations on (pipeline
-    # parallelism); 1: none. This version needs it to equal the process count
+    # parallelism); 1: none. Must divide the process count: the rest form the data-parallel dimension (dp_shard)
     pp_size: int = 1
     pp_schedule: str = "1f1b"  # the order of the micro-batches' forwards and backwards: 1f1b, gpipe, interleaved_1f1b
     pp_stages_per_rank: int = 1  # stages each process holds (interleaved_1f1b: 2 or more, taken round robin)
@@ -59,28 +63,32 @@ def decoder_parts(model):
     return model, inner, inner.layers
 
 
-def _stage_module(model, first: bool, last: bool, blocks: list[str]):
+def _stage_module(causal, first: bool, last: bool, blocks: list[str]):
     import torch
 
     class Stage(torch.nn.Module):
         """One stage's forward over the cut model's own layers: ids (first stage) or the previous
-        stage's hidden states in, hidden states (or, on the last stage, logits) out."""
+        stage's hidden states in, hidden states (or, on the last stage, logits) out. It registers its
+        own parts only (the embedding, its blocks, the final norm and output layer), so that FSDP2
+        makes it the root of exactly them."""
 
         def __init__(self):
             super().__init__()
-            self.model = model  # registered: the stage's parameters are the model's
+            inner = causal.model
+            self.embed = inner.embed_tokens if first else None
+            self.blocks = torch.nn.ModuleDict({name: inner.layers[name] for name in blocks})
+            self.rotary = inner.rotary_emb
+            self.norm, self.head = (inner.norm, causal.lm_head) if last else (None, None)
 
         def forward(self, hidden, position_ids, document_mask=None):
-            inner = self.model.model
-            if first:
-                hidden = inner.embed_tokens(hidden)
-            position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-            for name in blocks:
-                hidden = inner.layers[name](hidden, attention_mask=None, position_ids=position_ids,
-                                            position_embeddings=position_embeddings, use_cache=False,
-                                            document_mask=document_mask)
-            if last:
-                hidden = self.model.lm_head(inner.norm(hidden))
+            if self.embed is not None:
+                hidden = self.embed(hidden)
+            position_embeddings = self.rotary(hidden, position_ids=position_ids)
+            for block in self.blocks.values():
+                hidden = block(hidden, attention_mask=None, position_ids=position_ids,
+                               position_embeddings=position_embeddings, use_cache=False, document_mask=document_mask)
+            if self.head is not None:
+                hidden = self.head(self.norm(hidden))
             return hidden
 
     return Stage()
@@ -91,28 +99,46 @@ class Pipeline(Strategy):
 
     def __init__(self, cfg, accelerator):
         super().__init__(cfg, accelerator)
+        from torch.distributed.device_mesh import init_device_mesh
+
         p = cfg.parallel
         self.pp, self.per_rank = p.pp_size, p.pp_stages_per_rank
         self.num_stages = self.pp * self.per_rank
-        if accelerator.num_processes != self.pp:
-            raise ConfigError(f"parallel.pp_size={self.pp} with {accelerator.num_processes} process(es): this version "
-                              "pipelines over every process; launch parallel.pp_size processes")
-        rank = accelerator.process_index
-        self.stage_ids = [rank + k * self.pp for k in range(self.per_rank)]  # round robin: the interleaved order
-        self.last_rank = (self.num_stages - 1) % self.pp
+        processes = accelerator.num_processes
+        if processes % self.pp:
+            raise ConfigError(f"parallel.pp_size={self.pp} does not divide the {processes} process(es): launch a "
+                              "multiple of parallel.pp_size processes (pp_size x the data-parallel size)")
+        self.dp = processes // self.pp
+        # pp outermost, as torchtitan lays it out: a stage's data-parallel ranks are neighbours
+        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp_shard"))
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.sharded = cfg.fsdp.name != "none"  # FSDP2 over dp_shard; else each stage replicated over it
+        self.stage_ids = [self.pp_rank + k * self.pp for k in range(self.per_rank)]  # round robin: interleaved
+        self.last_rank = self.rank_of((self.num_stages - 1) % self.pp)  # the last stage's, in this dp position
         self.stages, self.schedule, self.blocks = [], None, []
-        self._scale = None  # the step's 1 / units, read by the loss on the last stage
+        self._scale = None  # what the loss on the last stage is multiplied by this step
+
+    def rank_of(self, pp_rank: int) -> int:
+        """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
+        return pp_rank * self.dp + self.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return 1
+        return self.dp
 
     @property
     def dp_rank(self) -> int:
-        return 0
+        return self.mesh.get_local_rank("dp_shard")
 
     def reduce_sum(self, tensor):
-        return tensor  # one data-parallel rank: every stage reads the same batches
+        """Summed over dp_shard: every stage of a pipeline reads the same batches."""
+        import torch.distributed as dist
+
+        if self.dp == 1:
+            return tensor
+        summed = tensor.clone()
+        dist.all_reduce(summed, group=self.mesh.get_group("dp_shard"))
+        return summed
 
     # -- the build -------------------------------------------------------------------------------
     def shard(self, model):
@@ -137,9 +163,21 @@ class Pipeline(Strategy):
         if not last:
             inner.norm, causal.lm_head = None, None
         model.to(self.device)
-        self.stages = [pipelining.PipelineStage(
-            _stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]]),
-            s, self.num_stages, self.device) for s in self.stage_ids]
+        modules = [_stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]])
+                   for s in self.stage_ids]
+        if self.sharded:  # each block, then each stage as the root of what no block holds
+            from torch.distributed.fsdp import fully_shard
+
+            from trainloop.parallel.sharding import fsdp_options
+
+            options = fsdp_options(self.cfg, self.mesh["dp_shard"], self.device)
+            for module in modules:
+                for block in module.blocks.values():
+                    fully_shard(block, **options)
+                fully_shard(module, **options)
+        self.stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device,
+                                                group=self.mesh.get_group("pp"))
+                       for module, s in zip(modules, self.stage_ids)]
         schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
         micro = self.cfg.trainer.gradient_accumulation_steps
         self.schedule = schedule(self.stages if self.per_rank > 1 else self.stages[0], n_microbatches=micro,
@@ -161,7 +199,9 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
-        self._scale = 1.0 / units
+        # FSDP2 averages the gradients it reduce-scatters over dp_shard: the loss is multiplied back
+        factor = self.dp if self.sharded else 1
+        self._scale = factor / units
         ids = torch.cat([b["input_ids"] for b in group])
         labels = torch.cat([b["labels"] for b in group])
         inputs = stage_inputs(model, group)
@@ -169,9 +209,22 @@ class Pipeline(Strategy):
         with forward_context(), self.accelerator.autocast():
             args = (ids,) if 0 in self.stage_ids else ()
             self.schedule.step(*args, **inputs, target=labels, losses=losses, return_outputs=False)
-        step_loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
-        dist.broadcast(step_loss, src=self.last_rank)
-        return step_loss
+        if self.dp > 1 and not self.sharded:
+            self._sum_replicas(model)
+        step_loss = torch.stack(losses).sum().detach() / factor if losses else torch.zeros((), device=self.device)
+        dist.broadcast(step_loss, src=self.last_rank, group=self.mesh.get_group("pp"))
+        return step_loss  # this data-parallel rank's share, on each of its stages
+
+    def _sum_replicas(self, model) -> None:
+        """Each stage replicated over dp_shard: its gradients summed over the replicas, in one flat buffer."""
+        import torch
+        import torch.distributed as dist
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.get_group("dp_shard"))
+        for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(summed.view_as(grad))
 
     def eval_sums(self, objective, model, batch: dict):
         """The stages' forwards in order (activations sent on between ranks), the summed loss and
@@ -187,7 +240,7 @@ class Pipeline(Strategy):
         rank = self.accelerator.process_index
         with self.accelerator.autocast():
             for s in range(self.num_stages):
-                owner, before, after = s % self.pp, (s - 1) % self.pp, (s + 1) % self.pp
+                owner, before, after = (self.rank_of(k % self.pp) for k in (s, s - 1, s + 1))
                 if owner != rank:
                     continue
                 if s > 0 and before != rank:
@@ -199,7 +252,7 @@ class Pipeline(Strategy):
             sums = loss_sums(summed_nll(hidden, batch["labels"]), objective.count(batch))
         else:
             sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        dist.broadcast(sums, src=self.last_rank)
+        dist.broadcast(sums, src=self.last_rank, group=self.mesh.get_group("pp"))
         return sums
 
     def clip_grad_norm(self, model, max_norm: float):
@@ -207,10 +260,14 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
+        from trainloop.parallel.tensors import local_shard
+
         params = [p for p in model.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0) if params else torch.zeros(())
+        local = torch.nn.utils.get_total_norm([local_shard(p.grad) for p in params], 2.0) if params else \
+            torch.zeros(())
         squared = local.to(self.device, torch.float32) ** 2
-        dist.all_reduce(squared)
+        # FSDP2's shards are disjoint over every process; replicated stages are counted once, over pp
+        dist.all_reduce(squared, group=None if self.sharded else self.mesh.get_group("pp"))
         norm = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
@@ -239,10 +296,23 @@ class Pipeline(Strategy):
         """Every rank's stages, gathered on the main process (CPU tensors, the model's own names)."""
         import torch.distributed as dist
 
-        mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+        from trainloop.parallel.tensors import is_dtensor
+
+        mine = {name: (tensor.full_tensor() if is_dtensor(tensor) else tensor).detach().cpu()  # over dp_shard
+                for name, tensor in model.state_dict().items()}
+        mine = mine if self.dp_rank == 0 else {}  # one copy of each stage
         gathered = [None] * self.world_size if self.accelerator.is_main_process else None
         dist.gather_object(mine, gathered, dst=0)
         return {k: v for part in gathered for k, v in part.items()} if gathered else {}
+
+    def count_parameters(self, model) -> tuple[int, int]:
+        """This rank's stages' counts, summed over the pipeline's ranks."""
+        import torch
+        import torch.distributed as dist
+
+        counts = torch.tensor(super().count_parameters(model), device=self.device)
+        dist.all_reduce(counts, group=self.mesh.get_group("pp"))
+        return tuple(counts.tolist())
 
     def whole_model(self, model):
         """This rank holds its stages only: the whole model's modules, on the meta device (no memory),
@@ -260,25 +330,33 @@ class Pipeline(Strategy):
 
     def describe(self, model) -> str:
         counts = "/".join(str(len(self.blocks[s])) for s in range(self.num_stages))
-        return (f"pipeline: {self.num_stages} stages over {self.pp} processes ({self.cfg.parallel.pp_schedule}), "
+        how = "FSDP2 on dp_shard" if self.sharded else "replicated"
+        dp = "" if self.dp == 1 else \
+            f", x {self.dp} data-parallel ({how}, mesh {self.mesh.device_type} {self.pp} pp x {self.dp} dp_shard)"
+        return (f"pipeline: {self.num_stages} stages over {self.pp} processes ({self.cfg.parallel.pp_schedule}){dp}, "
                 f"blocks per stage {counts}, this rank's stages {self.stage_ids} ({self.where()})")
 
     # -- the planner's terms ---------------------------------------------------------------------
     @staticmethod
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
-        """A stage's share of the blocks' parameters, gradients and optimizer states (the embedding
-        and output layer counted whole, as the first and last stages hold them)."""
-        from trainloop.optim.optimizers import planned_state_bytes
-        from trainloop.parallel.memory import Line
+        """The planned process's stages, held as one process holds a whole model (DataParallel's lines
+        on its part: parameters, gradients, optimizer states, the step's temporaries). The planned
+        process is the one whose part and activations in flight add up to the most."""
+        from trainloop.parallel.ddp import DataParallel
 
-        add, n, t = plan.lines.append, shape.num_params, shape.num_trainable
-        share = 1 / cfg.parallel.pp_size
-        add(Line("parameters", round(4 * n * share), dev, exact=False,
-                 note=f"fp32, 1/{cfg.parallel.pp_size} of the blocks on each stage"))
-        add(Line("gradients", round(4 * t * share), dev, exact=False, note="fp32, this stage's"))
-        states = planned_state_bytes(cfg.optimizer, shape.trainable_shapes, shape.hidden_matrix)
-        add(Line("optimizer states", round(states * share), dev, exact=False,
-                 note=f"{cfg.optimizer.name}, this stage's"))
+        rank = planned_rank(cfg, shape)
+        part = rank_part(cfg, shape, rank)
+        DataParallel.memory_lines(plan, cfg, part, 1, dev, half)
+        blocks, outputs = in_flight(cfg, rank, shape.num_layers)
+        p = cfg.parallel
+        plan.notes.append(f"pipeline ({p.pp_schedule}): planned for rank {rank} of {p.pp_size}, the largest, with "
+                          f"{part.num_layers} of {shape.num_layers} blocks ({part.num_params / 1e6:,.1f}M parameters) "
+                          f"and {blocks:g} blocks' activations in flight"
+                          + (f" and {outputs} micro-batches' logits" if outputs else ""))
+
+    @staticmethod
+    def activations_held(cfg, shape) -> tuple[float, int]:
+        return in_flight(cfg, planned_rank(cfg, shape), shape.num_layers)
 
     @staticmethod
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
@@ -317,11 +395,19 @@ class Pipeline(Strategy):
                          f"set trainer.gradient_accumulation_steps={stages} or more")
         if cfg.model.name == "tiny" and cfg.model.num_layers < stages:
             found.append(f"{key}: {stages} stages but model.num_layers={cfg.model.num_layers}; use fewer stages")
-        others = {f"deepspeed=zero{cfg.deepspeed.stage}": (cfg.deepspeed.stage, "deepspeed=none"),
-                  f"fsdp={cfg.fsdp.name}": (cfg.fsdp.name != "none", "fsdp=none"),
-                  f"parallel.tp_size={cfg.parallel.tp_size}": (cfg.parallel.tp_size > 1, "parallel.tp_size=1")}
-        found += [f"{key} with {other}: this version pipelines over every process alone; set {off}"
-                  for other, (on, off) in others.items() if on]
+        if cfg.deepspeed.stage:
+            found.append(f"{key} with deepspeed=zero{cfg.deepspeed.stage}: DeepSpeed's engine runs the whole model "
+                         "on each process; set deepspeed=none (fsdp=full_shard shards each stage over dp_shard)")
+        if cfg.parallel.tp_size > 1:
+            found.append(f"{key} with parallel.tp_size={cfg.parallel.tp_size}: tensor parallelism inside the stages "
+                         "is not built yet; set parallel.tp_size=1")
+        if cfg.fsdp.name != "none" and cfg.fsdp.offload != "none":
+            found.append(f"{key} with fsdp.offload={cfg.fsdp.offload}: the stages' shards stay on the device; "
+                         "set fsdp.offload=none")
+        if cfg.fsdp.name != "none" and cfg.fsdp.sync_each_batch:
+            found.append(f"{key} with fsdp.sync_each_batch=true: the schedule keeps each stage's unsharded "
+                         "gradients over the micro-batches and reduce-scatters them once, after the last (torch's "
+                         "PipelineStage); set fsdp.sync_each_batch=false")
         unsupported = {
             "objective": (cfg.objective.name != "causal_lm", f"objective={cfg.objective.name}: the pipeline "
                           "trains objective=causal_lm for now; use parallel.pp_size=1"),
@@ -347,6 +433,70 @@ class Pipeline(Strategy):
         }
         found += [f"{key} with {message}" for on, message in unsupported.values() if on]
         return found
+
+
+def rank_blocks(cfg, num_layers: int, rank: int) -> list[int]:
+    """The blocks of `rank`'s stages (round robin under interleaved_1f1b), as Pipeline.shard cuts them."""
+    p = cfg.parallel
+    blocks = stage_blocks(num_layers, p.pp_size * p.pp_stages_per_rank)
+    return sorted(i for k in range(p.pp_stages_per_rank) for i in blocks[rank + k * p.pp_size])
+
+
+def in_flight(cfg, rank: int, num_layers: int) -> tuple[float, int]:
+    """For the planner: (the blocks' activations `rank` keeps at its peak, in one micro-batch's
+    blocks; the micro-batches whose output layer and logits it keeps). GPipe runs every micro-batch's
+    forward before any backward; 1F1B holds at most pp_size - rank micro-batches (its warm-up, then
+    one forward per backward); Interleaved 1F1B as torch's schedule warms up: (stages per rank - 1)
+    x pp_size + 2 x (pp_size - 1 - rank) stage forwards, one more in its steady state."""
+    p, micro = cfg.parallel, cfg.trainer.gradient_accumulation_steps
+    pp, per_rank = p.pp_size, p.pp_stages_per_rank
+    stage = len(rank_blocks(cfg, num_layers, rank)) / per_rank  # blocks per stage of this rank
+    last = rank == (pp * per_rank - 1) % pp
+    if p.pp_schedule == "gpipe":
+        return micro * stage, micro if last else 0
+    if p.pp_schedule == "1f1b":
+        return min(micro, pp - rank) * stage, int(last)
+    return min(per_rank * micro, (per_rank - 1) * pp + 2 * (pp - 1 - rank) + 1) * stage, int(last)
+
+
+def rank_part(cfg, shape, rank: int):
+    """The planner's shape (trainloop.tools.plan.ModelShape) of what `rank` holds: its blocks, the
+    embeddings on the first stage's rank, the final norm and the output layer on the last's."""
+    from dataclasses import replace
+
+    p = cfg.parallel
+    blocks, stages = set(rank_blocks(cfg, shape.num_layers, rank)), p.pp_size * p.pp_stages_per_rank
+    first, last = rank == 0, rank == (stages - 1) % p.pp_size
+
+    def held(position: int) -> bool:
+        return position in blocks or (position < 0 and first) or (position >= shape.num_layers and last)
+
+    def kept(values: list | None, positions: list[int]) -> list | None:
+        return None if values is None else [v for v, at in zip(values, positions) if held(at)]
+
+    trainable_at = shape.position if shape.trainable is None else shape.trainable_position
+    return replace(shape, shapes=kept(shape.shapes, shape.position), trainable=kept(shape.trainable, trainable_at),
+                   hidden_matrix=kept(shape.hidden_matrix, trainable_at), num_layers=len(blocks),
+                   expert_params=round(shape.expert_params * len(blocks) / shape.num_layers),
+                   tp_split=None, trainable_tp_split=None, position=None, trainable_position=None)
+
+
+def planned_rank(cfg, shape) -> int:
+    """The rank whose part (16 B per trained parameter: fp32 weight, gradient, two Adam moments; 4 B
+    per frozen one) and activations in flight add up to the most: the one the planner plans."""
+    from trainloop.tools.plan import activation_bytes
+
+    half = cfg.precision.name in ("bf16", "fp16", "fp8")
+
+    def total(rank: int) -> int:
+        part = rank_part(cfg, shape, rank)
+        blocks, outputs = in_flight(cfg, rank, shape.num_layers)
+        held = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=half,
+                                checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation,
+                                packed=cfg.data.packing == "documents", blocks=blocks, outputs=outputs)
+        return 16 * part.num_trainable + 4 * (part.num_params - part.num_trainable) + sum(held)
+
+    return max(range(cfg.parallel.pp_size), key=total)
 
 
 def optimizer_groups(cfg, model) -> list[list[str]]:

@@ -35,6 +35,19 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
+def fsdp_options(cfg, mesh, device: torch.device) -> dict:
+    """fully_shard's arguments for the fsdp.* and precision keys, over the 1-D `mesh`."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return {
+        "mesh": mesh,
+        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(cfg.precision.name),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if cfg.fsdp.offload == "cpu" else OffloadPolicy(),
+    }
+
+
 def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) -> torch.nn.Module:
     """Shard `model` in place with fully_shard over every process (a process group must exist:
     a launcher's, or accelerator.single_process_group_env's for one process); returns it.
@@ -48,18 +61,12 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     from trainloop.model.compile import transformer_blocks
 
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
-    options = {
-        "mesh": mesh if mesh.ndim == 1 else mesh["dp_shard"],
-        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
-        "mp_policy": mixed_precision_policy(cfg.precision.name),
-        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        if cfg.fsdp.offload == "cpu" else OffloadPolicy(),
-    }
+    options = fsdp_options(cfg, mesh if mesh.ndim == 1 else mesh["dp_shard"], device)
     # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
     # it shards them, so a GPU holds one whole block at a time, never the whole model.
     # the main process's whole weights, taken before sharding, when the others hold none

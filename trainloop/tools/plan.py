@@ -81,6 +81,10 @@ class ModelShape:
     trainable_tp_split: list[int | None] | None = None
     # why parallel.sequence_parallel cannot split these blocks (trainloop.parallel.tensor_parallel), or None
     sequence_parallel_problem: str | None = None
+    # for each shape, where it lies along the blocks (what a pipeline stage holds): its block's index,
+    # -1 before the first block (the embeddings), num_layers after the last (the final norm, the output layer)
+    position: list[int] | None = None
+    trainable_position: list[int] | None = None  # the same for each trainable shape
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -129,7 +133,10 @@ def model_shape(cfg) -> ModelShape:
     tp_split = [_tp_split(model, name) for name, _ in model.named_parameters()]
     experts = [m for m in model.modules() if _is_experts(m)]  # e.g. Mixtral's, a 3-D weight per projection
     sp_problem = sequence_parallel_problem(model.base_model)
+    position = _positions([name for name, _ in model.named_parameters()], n_layers)
     trainable, trainable_tp_split, quantized = _adapter_shapes(cfg, model)  # wraps the model: after its own shapes
+    trainable_position = None if trainable is None else \
+        _positions([name for name, p in model.named_parameters() if p.requires_grad], n_layers)
     return ModelShape(
         num_experts=getattr(config, "num_local_experts", 0) if experts else 0,
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
@@ -138,8 +145,19 @@ def model_shape(cfg) -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
         shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
         largest_layer_params=max(layer_sizes), tp_split=tp_split, trainable_tp_split=trainable_tp_split,
-        sequence_parallel_problem=sp_problem,
+        sequence_parallel_problem=sp_problem, position=position, trainable_position=trainable_position,
     )
+
+
+def _positions(names: list[str], num_layers: int) -> list[int]:
+    """For each parameter name in the model's order: its block's index (`...layers.3.` or GPT-2's
+    `...h.3.`), -1 before the first block's parameters, num_layers after the last's."""
+    import re
+
+    found = [re.search(r"\.(?:layers|h)\.(\d+)\.", name) for name in names]
+    blocks = [i for i, m in enumerate(found) if m]
+    first, last = (blocks[0], blocks[-1]) if blocks else (len(names), -1)
+    return [int(m.group(1)) if m else -1 if i < first else num_layers for i, m in enumerate(found)]
 
 
 def _tp_split(model, name: str) -> int | None:
@@ -205,7 +223,8 @@ def _is_experts(module) -> bool:
 def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autocast: bool,
                      checkpointing: bool, attention: str, chunked: bool = False,
                      packed: bool = False, fp8: bool = False, tp: int = 1,
-                     sequence_parallel: bool = False) -> tuple[int, int]:
+                     sequence_parallel: bool = False, blocks: float | None = None,
+                     outputs: int = 1) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
@@ -230,7 +249,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     are whole. `sequence_parallel` (parallel.sequence_parallel): the norms' kept tensors and, with
     checkpointing, each block's kept input (the residual stream) are 1/tp of the sequence too; the
     projections' inputs, gathered before q/k/v and gate/up, stay whole, and so does the final norm
-    (it gathers first). tests/test_tensor_parallel.py measures both on 2 tp ranks.
+    (it gathers first). tests/test_tensor_parallel.py measures both on 2 tp ranks. `blocks`: the
+    blocks' activations a process keeps at its peak, in one micro-batch's blocks (a pipeline stage's
+    blocks times its micro-batches in flight; default every block, once); `outputs`: the micro-batches
+    whose output layer and logits it keeps (0 on a pipeline stage without them).
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
@@ -274,10 +296,11 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, half: bool, autoca
     mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
     sp = tp if sequence_parallel else 1  # the sequence's share of a tp rank, between the split matrices
     layer = tokens * norms // sp + tokens * whole + tokens * (split + mlp) // tp + weight_copies + mask
+    blocks = shape.num_layers if blocks is None else blocks
     if not checkpointing:
-        return shape.num_layers * layer + rest, 0
+        return round(blocks * layer) + outputs * rest, 0
     residual = tokens * h * (2 if half and not autocast else 4) // sp  # each layer's input, kept
-    return shape.num_layers * residual + rest, layer
+    return round(blocks * residual) + outputs * rest, layer
 
 
 def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: bool, batch: int) -> None:
@@ -332,11 +355,13 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     autocast = half and strategy.autocast  # the others compute on 16-bit copies of the parameters
     fp8 = cfg.precision.name == "fp8"
     tp, sp = strategy.tensor_parallel(cfg)
+    blocks, outputs = strategy.activations_held(cfg, shape)
 
     def activations(checkpointing: bool) -> tuple[int, int]:  # this run's, with or without checkpointing
         return activation_bytes(shape, batch, cfg.data.seq_len, half, autocast=autocast, checkpointing=checkpointing,
                                 attention=cfg.model.attn_implementation, chunked=cfg.trainer.loss_chunk_tokens > 0,
-                                packed=cfg.data.packing == "documents", fp8=fp8, tp=tp, sequence_parallel=sp)
+                                packed=cfg.data.packing == "documents", fp8=fp8, tp=tp, sequence_parallel=sp,
+                                blocks=blocks, outputs=outputs)
 
     saved, recompute = activations(cfg.model.gradient_checkpointing)
     if fp8:
@@ -353,7 +378,8 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
                  note="about a block's worth on the device while it is copied out or back"))
-    loss_lines(plan, cfg, shape, dev, autocast, batch)
+    if outputs:  # a pipeline stage without the output layer takes no loss
+        loss_lines(plan, cfg, shape, dev, autocast, batch)
     if recompute:
         add(Line("recomputed layer", recompute, dev, "forward/backward", exact=False,
                  note="one layer's activations, rebuilt during the backward pass"))
