@@ -4,7 +4,8 @@
                                      [--json OUT] [overrides ...]
 
 Each strategy (DDP, ZeRO-3 with DeepSpeed's default buckets and with 5M-element ones, FSDP2, FSDP2
-with tensor parallelism over 2 of the processes, a pipeline of N stages under 1F1B and GPipe) is
+with tensor parallelism over 2 of the processes, a pipeline of N stages under 1F1B and GPipe, and
+2 stages with FSDP2 over the rest) is
 one `torchrun --nproc_per_node N` launch of this script (gloo on CPU, NCCL on
 GPUs) training the same model (default: a 57M-parameter Llama, 6 blocks of 768, fp32 AdamW) on
 the same batch of 2 x 128 tokens per process, through trainloop's own builders
@@ -54,6 +55,10 @@ STRATEGIES = {
     # step needs at least one per stage); the embeddings untied (a stage holds one of them: 0.4% of this model)
     "pp_1f1b": ("pipeline, 1F1B (parallel.pp_size=N)", "ddp", PIPELINE),
     "pp_gpipe": ("pipeline, GPipe (parallel.pp_size=N)", "ddp", [*PIPELINE, "parallel.pp_schedule=gpipe"]),
+    # 2 stages, FSDP2 over the other N / 2 processes (dp_shard), 4 micro-batches
+    "pp2_fsdp": ("pipeline 2 stages x FSDP2 (dp_shard N/2)", "fsdp",
+                 ["model.tie_embeddings=false", "parallel.pp_size=2", "trainer.gradient_accumulation_steps=4",
+                  "fsdp.sync_each_batch=false"]),
 }
 
 

@@ -343,10 +343,19 @@ class Pipeline(Strategy):
         on its part: parameters, gradients, optimizer states, the step's temporaries). The planned
         process is the one whose part and activations in flight add up to the most."""
         from trainloop.parallel.ddp import DataParallel
+        from trainloop.parallel.fsdp2 import FSDP2
+        from trainloop.parallel.memory import Line
 
-        rank = planned_rank(cfg, shape)
+        rank, dp = planned_rank(cfg, shape), max(1, world_size // cfg.parallel.pp_size)
         part = rank_part(cfg, shape, rank)
-        DataParallel.memory_lines(plan, cfg, part, 1, dev, half)
+        if cfg.fsdp.name != "none":  # the stage sharded over dp_shard, as FSDP2 shards a whole model
+            FSDP2.memory_lines(plan, cfg, part, dp, dev, half)
+        else:
+            DataParallel.memory_lines(plan, cfg, part, 1, dev, half)
+            if dp > 1:
+                plan.lines.append(Line("gradient all-reduce buffer", 4 * part.num_trainable, dev, "optimizer step",
+                                       exact=False, note="the stage's gradients in one flat buffer, summed over "
+                                       "dp_shard"))
         blocks, outputs = in_flight(cfg, rank, shape.num_layers)
         p = cfg.parallel
         plan.notes.append(f"pipeline ({p.pp_schedule}): planned for rank {rank} of {p.pp_size}, the largest, with "
@@ -363,11 +372,20 @@ class Pipeline(Strategy):
         """Each micro-batch's activations sent forward and their gradients back, at each stage boundary."""
         from trainloop.parallel.memory import Transfer
 
+        from trainloop.parallel.fsdp2 import FSDP2
+        from trainloop.parallel.memory import ring_bytes
+
         p = cfg.parallel
         boundary = cfg.data.batch_size * cfg.data.seq_len * shape.hidden * (2 if half else 4)
         sent = 2 * boundary * cfg.trainer.gradient_accumulation_steps * p.pp_stages_per_rank
         plan.traffic.append(Transfer("activations and their gradients", sent, "pp",
                                      note="point to point, each micro-batch, forward and backward"))
+        dp, part = max(1, world_size // p.pp_size), rank_part(cfg, shape, planned_rank(cfg, shape))
+        if cfg.fsdp.name != "none":  # over dp_shard, the stage's part
+            FSDP2.traffic_lines(plan, cfg, part, dp, half)
+        elif dp > 1:
+            plan.traffic.append(Transfer("gradient all-reduce", ring_bytes("all-reduce", 4 * part.num_trainable, dp),
+                                         "dp", note="fp32, the stage's gradients over dp_shard, once per step"))
 
     @staticmethod
     def settings(cfg) -> dict:
