@@ -83,19 +83,28 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
         assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
 
 
+FSDP = ["fsdp=full_shard", "fsdp.sync_each_batch=false"]
+MESHES = {  # 4 processes: the layout's overrides, and what the run line says of it
+    "replicated": (["data.batch_size=1"], "x 2 data-parallel (replicated, mesh cpu 2 pp x 2 dp_shard)"),
+    "fsdp": (["data.batch_size=1", *FSDP], "x 2 data-parallel (FSDP2 on dp_shard, mesh cpu 2 pp x 2 dp_shard)"),
+    "tp": (["parallel.tp_size=2", *FSDP],
+           "x 1 data-parallel (FSDP2 on dp_shard, tensor parallel, mesh cpu 2 pp x 1 dp_shard x 2 tp)"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("data_parallel", ["replicated", "fsdp"])
-def test_two_stages_by_two_data_parallel_ranks_train_as_one_process_does(tmp_path, reference, data_parallel):
-    """4 processes on a pp 2 x dp_shard 2 mesh, each data-parallel rank reading half of the global
-    batch (1 x 4 micro-batches): the stages replicated over dp_shard (their gradients summed), or
-    sharded by FSDP2 over it. Replicated, it stops at step 10 and resumes on one process."""
-    sharded = data_parallel == "fsdp"
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_two_stages_on_a_4_process_mesh_train_as_one_process_does(tmp_path, reference, mesh):
+    """4 processes, 2 stages, and on the other mesh dimensions: 2 data-parallel ranks, each reading
+    half of the global batch (1 x 4 micro-batches), the stages replicated over dp_shard (their
+    gradients summed) or sharded by FSDP2 over it; or 2 tp ranks splitting each block's matrices.
+    Replicated, it stops at step 10 and resumes on one process."""
+    overrides, says = MESHES[mesh]
+    sharded = mesh != "replicated"
     run = tmp_path / "run"
     stop = [] if sharded else ["trainer.stop_at_step=10"]
-    launch([*torchrun(4), *RUN, "parallel.pp_size=2", "data.batch_size=1", f"hydra.run.dir={run}", *stop,
-            *(["fsdp=full_shard", "fsdp.sync_each_batch=false"] if sharded else [])], cwd=tmp_path)
-    mesh = "FSDP2 on dp_shard" if sharded else "replicated"
-    assert f"x 2 data-parallel ({mesh}, mesh cpu 2 pp x 2 dp_shard)" in run_log(run)
+    launch([*torchrun(4), *RUN, "parallel.pp_size=2", *overrides, f"hydra.run.dir={run}", *stop], cwd=tmp_path)
+    assert says in run_log(run)
     got, want = losses(run), losses(reference)
     assert sorted(got) == list(range(1, (STEPS if sharded else 10) + 1))
     assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
@@ -159,7 +168,8 @@ def test_the_blocks_are_balanced_over_the_stages():
                           "deepspeed=none"),
     (["fsdp=full_shard"], "with fsdp.sync_each_batch=true: the schedule keeps each stage's unsharded gradients"),
     (["fsdp=full_shard", "fsdp.sync_each_batch=false", "fsdp.offload=cpu"], "set fsdp.offload=none"),
-    (["parallel.tp_size=2", "fsdp=full_shard", "fsdp.sync_each_batch=false"], "set parallel.tp_size=1"),
+    (["parallel.tp_size=2", "parallel.sequence_parallel=true", "fsdp=full_shard", "fsdp.sync_each_batch=false"],
+     "set parallel.sequence_parallel=false"),
     (["objective=dpo", "data=preference"], "objective=dpo: the pipeline trains objective=causal_lm"),
     (["model.tie_embeddings=true"], "set model.tie_embeddings=false"),
     (["model.arch=gpt2"], "only model.arch=llama is cut into stages"),

@@ -38,6 +38,7 @@ class Strategy:
     name = ""
     saves_async = False  # checkpoint.async_save: only DCP writes in the background
     autocast = True  # bf16/fp16 by autocast over fp32 parameters (the others compute on 16-bit copies)
+    interleaved = False  # a step's forwards and backwards interleave (a pipeline schedule): no one forward to measure
 
     def __init__(self, cfg, accelerator):
         self.cfg, self.accelerator = cfg, accelerator

@@ -96,6 +96,7 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str]):
 
 class Pipeline(Strategy):
     name = "pipeline"
+    interleaved = True
 
     def __init__(self, cfg, accelerator):
         super().__init__(cfg, accelerator)
@@ -104,13 +105,17 @@ class Pipeline(Strategy):
         p = cfg.parallel
         self.pp, self.per_rank = p.pp_size, p.pp_stages_per_rank
         self.num_stages = self.pp * self.per_rank
-        processes = accelerator.num_processes
-        if processes % self.pp:
-            raise ConfigError(f"parallel.pp_size={self.pp} does not divide the {processes} process(es): launch a "
-                              "multiple of parallel.pp_size processes (pp_size x the data-parallel size)")
-        self.dp = processes // self.pp
-        # pp outermost, as torchtitan lays it out: a stage's data-parallel ranks are neighbours
-        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp_shard"))
+        processes, self.tp = accelerator.num_processes, p.tp_size
+        if processes % (self.pp * self.tp):
+            layout = f"parallel.pp_size={self.pp}" + (f" x parallel.tp_size={self.tp}" if self.tp > 1 else "")
+            raise ConfigError(f"{layout} does not divide the {processes} process(es): launch a multiple of "
+                              f"{'pp_size x tp_size' if self.tp > 1 else 'parallel.pp_size'} processes (the rest "
+                              "form the data-parallel dimension)")
+        self.dp = processes // (self.pp * self.tp)
+        # pp outermost, tp innermost, as torchtitan lays it out: a tp group's ranks are neighbours (a node's
+        # fastest links), then a stage's data-parallel ranks
+        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp, self.tp),
+                                     mesh_dim_names=("pp", "dp_shard", "tp"))
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.sharded = cfg.fsdp.name != "none"  # FSDP2 over dp_shard; else each stage replicated over it
         self.stage_ids = [self.pp_rank + k * self.pp for k in range(self.per_rank)]  # round robin: interleaved
@@ -120,7 +125,7 @@ class Pipeline(Strategy):
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
-        return pp_rank * self.dp + self.dp_rank
+        return (pp_rank * self.dp + self.dp_rank) * self.tp + self.mesh.get_local_rank("tp")
 
     @property
     def dp_size(self) -> int:
@@ -163,6 +168,10 @@ class Pipeline(Strategy):
         if not last:
             inner.norm, causal.lm_head = None, None
         model.to(self.device)
+        if self.tp > 1:  # each block's matrices split over tp, then sharded over dp_shard (2-D DTensors)
+            from trainloop.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
+
+            apply_tensor_parallel(model, self.mesh["tp"], tensor_parallel_plan(causal.config, self.tp))
         modules = [_stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]])
                    for s in self.stage_ids]
         if self.sharded:  # each block, then each stage as the root of what no block holds
@@ -260,16 +269,20 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
-        from trainloop.parallel.tensors import local_shard
+        from trainloop.parallel.tensors import is_dtensor
 
-        params = [p for p in model.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([local_shard(p.grad) for p in params], 2.0) if params else \
-            torch.zeros(())
-        squared = local.to(self.device, torch.float32) ** 2
-        # FSDP2's shards are disjoint over every process; replicated stages are counted once, over pp
-        dist.all_reduce(squared, group=None if self.sharded else self.mesh.get_group("pp"))
+        by_mesh: dict = {}  # DTensor gradients per mesh (dp_shard; dp_shard x tp), plain ones (replicated stages)
+        for p in model.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
+        squared = torch.zeros((), device=self.device)
+        for params in by_mesh.values():  # the stage's norm: DTensor placements count a replicated shard once
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            squared += (norm.to(self.device).full_tensor() if is_dtensor(norm) else norm.to(self.device)).float() ** 2
+        dist.all_reduce(squared, group=self.mesh.get_group("pp"))  # the stages' together
         norm = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     # -- state -----------------------------------------------------------------------------------
@@ -300,7 +313,7 @@ class Pipeline(Strategy):
 
         mine = {name: (tensor.full_tensor() if is_dtensor(tensor) else tensor).detach().cpu()  # over dp_shard
                 for name, tensor in model.state_dict().items()}
-        mine = mine if self.dp_rank == 0 else {}  # one copy of each stage
+        mine = mine if self.dp_rank == 0 and self.mesh.get_local_rank("tp") == 0 else {}  # one copy of each stage
         gathered = [None] * self.world_size if self.accelerator.is_main_process else None
         dist.gather_object(mine, gathered, dst=0)
         return {k: v for part in gathered for k, v in part.items()} if gathered else {}
@@ -331,8 +344,10 @@ class Pipeline(Strategy):
     def describe(self, model) -> str:
         counts = "/".join(str(len(self.blocks[s])) for s in range(self.num_stages))
         how = "FSDP2 on dp_shard" if self.sharded else "replicated"
-        dp = "" if self.dp == 1 else \
-            f", x {self.dp} data-parallel ({how}, mesh {self.mesh.device_type} {self.pp} pp x {self.dp} dp_shard)"
+        tp = f" x {self.tp} tp" if self.tp > 1 else ""
+        dp = "" if self.dp == 1 and self.tp == 1 else (f", x {self.dp} data-parallel ({how}{tp and ', tensor parallel'}"
+                                                     f", mesh {self.mesh.device_type} {self.pp} pp x {self.dp} dp_shard"
+                                                     f"{tp})")
         return (f"pipeline: {self.num_stages} stages over {self.pp} processes ({self.cfg.parallel.pp_schedule}){dp}, "
                 f"blocks per stage {counts}, this rank's stages {self.stage_ids} ({self.where()})")
 
@@ -345,10 +360,14 @@ class Pipeline(Strategy):
         from trainloop.parallel.ddp import DataParallel
         from trainloop.parallel.fsdp2 import FSDP2
         from trainloop.parallel.memory import Line
+        from trainloop.parallel.tp import FSDP2xTP
 
-        rank, dp = planned_rank(cfg, shape), max(1, world_size // cfg.parallel.pp_size)
+        rank, tp = planned_rank(cfg, shape), cfg.parallel.tp_size
+        dp = max(1, world_size // (cfg.parallel.pp_size * tp))
         part = rank_part(cfg, shape, rank)
-        if cfg.fsdp.name != "none":  # the stage sharded over dp_shard, as FSDP2 shards a whole model
+        if tp > 1:  # the stage split over tp, then sharded over dp_shard, as FSDP2 x TP holds a whole model
+            FSDP2xTP.memory_lines(plan, cfg, part, dp * tp, dev, half)
+        elif cfg.fsdp.name != "none":  # the stage sharded over dp_shard, as FSDP2 shards a whole model
             FSDP2.memory_lines(plan, cfg, part, dp, dev, half)
         else:
             DataParallel.memory_lines(plan, cfg, part, 1, dev, half)
@@ -368,20 +387,26 @@ class Pipeline(Strategy):
         return in_flight(cfg, planned_rank(cfg, shape), shape.num_layers)
 
     @staticmethod
+    def tensor_parallel(cfg) -> tuple[int, bool]:
+        return cfg.parallel.tp_size, False  # sequence parallelism is refused beside the pipeline
+
+    @staticmethod
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
         """Each micro-batch's activations sent forward and their gradients back, at each stage boundary."""
-        from trainloop.parallel.memory import Transfer
-
         from trainloop.parallel.fsdp2 import FSDP2
-        from trainloop.parallel.memory import ring_bytes
+        from trainloop.parallel.memory import Transfer, ring_bytes
 
         p = cfg.parallel
         boundary = cfg.data.batch_size * cfg.data.seq_len * shape.hidden * (2 if half else 4)
         sent = 2 * boundary * cfg.trainer.gradient_accumulation_steps * p.pp_stages_per_rank
         plan.traffic.append(Transfer("activations and their gradients", sent, "pp",
                                      note="point to point, each micro-batch, forward and backward"))
-        dp, part = max(1, world_size // p.pp_size), rank_part(cfg, shape, planned_rank(cfg, shape))
-        if cfg.fsdp.name != "none":  # over dp_shard, the stage's part
+        from trainloop.parallel.tp import FSDP2xTP
+
+        dp, part = max(1, world_size // (p.pp_size * p.tp_size)), rank_part(cfg, shape, planned_rank(cfg, shape))
+        if p.tp_size > 1:
+            FSDP2xTP.traffic_lines(plan, cfg, part, dp * p.tp_size, half)
+        elif cfg.fsdp.name != "none":  # over dp_shard, the stage's part
             FSDP2.traffic_lines(plan, cfg, part, dp, half)
         elif dp > 1:
             plan.traffic.append(Transfer("gradient all-reduce", ring_bytes("all-reduce", 4 * part.num_trainable, dp),
@@ -416,9 +441,9 @@ class Pipeline(Strategy):
         if cfg.deepspeed.stage:
             found.append(f"{key} with deepspeed=zero{cfg.deepspeed.stage}: DeepSpeed's engine runs the whole model "
                          "on each process; set deepspeed=none (fsdp=full_shard shards each stage over dp_shard)")
-        if cfg.parallel.tp_size > 1:
-            found.append(f"{key} with parallel.tp_size={cfg.parallel.tp_size}: tensor parallelism inside the stages "
-                         "is not built yet; set parallel.tp_size=1")
+        if cfg.parallel.sequence_parallel:
+            found.append(f"{key} with parallel.sequence_parallel=true: the stages pass whole hidden states on; "
+                         "set parallel.sequence_parallel=false")
         if cfg.fsdp.name != "none" and cfg.fsdp.offload != "none":
             found.append(f"{key} with fsdp.offload={cfg.fsdp.offload}: the stages' shards stay on the device; "
                          "set fsdp.offload=none")
@@ -496,7 +521,9 @@ def rank_part(cfg, shape, rank: int):
     return replace(shape, shapes=kept(shape.shapes, shape.position), trainable=kept(shape.trainable, trainable_at),
                    hidden_matrix=kept(shape.hidden_matrix, trainable_at), num_layers=len(blocks),
                    expert_params=round(shape.expert_params * len(blocks) / shape.num_layers),
-                   tp_split=None, trainable_tp_split=None, position=None, trainable_position=None)
+                   tp_split=kept(shape.tp_split, shape.position),
+                   trainable_tp_split=kept(shape.trainable_tp_split, trainable_at), position=None,
+                   trainable_position=None)
 
 
 def planned_rank(cfg, shape) -> int:

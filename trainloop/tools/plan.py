@@ -547,7 +547,7 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     (trainloop.build: adapter, compile, the strategy's sharding, the optimizer) and each step is the
     objective's. `shard_bytes`: the storage this process holds for parameters, gradients and
     optimizer state, counted on the live tensors. `saved_activation_bytes`: what autograd kept after
-    the first forward (SavedActivations; None under activation offload).
+    the first forward (SavedActivations; None under activation offload and a pipeline).
     """
     import gc
     import time
@@ -595,7 +595,9 @@ def measure_training(cfg, steps: int, timed_steps: int = 0) -> dict:
     offload = ActivationOffload(cfg.trainer.activation_offload, accelerator.device)
     accumulation = built.accumulation
     shards, seconds, result = {}, [], {}
-    saved = None if offload.on else SavedActivations(model)
+    # what autograd keeps in one forward; a pipeline's step interleaves its micro-batches' forwards and
+    # backwards, and holding every saved tensor to the end of it would raise the very peak measured
+    saved = None if offload.on or strategy.interleaved else SavedActivations(model)
     forwards = iter([saved] if saved else [])  # what autograd keeps in the first forward, then the run's context
 
     def forward_context():
