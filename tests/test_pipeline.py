@@ -108,8 +108,16 @@ def test_two_stages_on_a_4_process_mesh_train_as_one_process_does(tmp_path, refe
     got, want = losses(run), losses(reference)
     assert sorted(got) == list(range(1, (STEPS if sharded else 10) + 1))
     assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
-    if sharded:  # the shards gathered over dp_shard, the stages over pp
+    if sharded:  # the shards gathered, the stages over pp
         assert_same_weights(run / "final", reference / "final")
+    if mesh == "fsdp":  # its step-10 checkpoint resumes under FSDP2 alone on the 4 processes (2x2 -> 1x4)
+        alone = tmp_path / "fsdp_alone"
+        launch([*torchrun(4), *RUN, *FSDP, "data.batch_size=1", "trainer.gradient_accumulation_steps=2",
+                f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}", "checkpoint.save_final_model=false",
+                f"hydra.run.dir={alone}"], cwd=tmp_path)
+        got = losses(alone)
+        assert sorted(got) == list(range(11, STEPS + 1)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE
+    if sharded:
         return
     alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
                   "checkpoint.save_final_model=false", small=False)

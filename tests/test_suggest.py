@@ -69,6 +69,21 @@ def test_8b_on_8x80_lists_layouts_and_its_first_choice_fits_by_its_own_plan(llam
     assert out["fits"][0]["overrides"] == first.overrides and out["assumptions"]["mfu"] == 0.4
 
 
+def test_pipeline_layouts_are_weighed_with_their_bubble_and_point_to_point_traffic(llama_8b):
+    """2, 4 and 8 stages with FSDP2 on the rest: each planned at one micro-batch per stage or more,
+    its stages idle (pp - 1) / micro-batches of the compute, its activations sent between stages;
+    the bubble is among the printed assumptions."""
+    pp = [o for o in llama_8b.options if o.layout.startswith("PP")]
+    assert {o.layout for o in pp} == {f"PP{n} x FSDP2" for n in (2, 4, 8)}
+    for o in pp:
+        n = int(o.layout[2])
+        assert f"parallel.pp_size={n}" in o.overrides and o.accumulation >= n
+        assert o.time.bubble == pytest.approx(o.time.compute * (n - 1) / o.accumulation) and o.time.pp > 0
+        assert o.time.total == pytest.approx(o.time.compute + o.time.bubble + o.time.pp + o.time.dp)
+    assert all(o.time.bubble == o.time.pp == 0 for o in llama_8b.options if not o.layout.startswith("PP"))
+    assert "a pipeline's bubble" in suggestion.render(llama_8b, top=5)
+
+
 @pytest.mark.slow
 def test_the_step_time_model_moves_the_right_way(llama_8b):
     """What the estimate must do, checked on the 8B suggestion (its absolute numbers cannot be

@@ -196,6 +196,22 @@ class Strategy:
         return {}
 
     @staticmethod
+    def model_parallel(cfg) -> int:
+        """Processes that hold one data-parallel replica together (tensor-parallel ranks, pipeline
+        stages): the data-parallel size is the process count over this."""
+        return 1
+
+    @staticmethod
+    def min_accumulation(cfg) -> int:
+        """The fewest micro-batches a step may have (a pipeline's: one per stage)."""
+        return 1
+
+    @staticmethod
+    def bubble(cfg) -> float:
+        """The idle time of a pipeline's step, as a fraction of its compute (0: no pipeline)."""
+        return 0.0
+
+    @staticmethod
     def tensor_parallel(cfg) -> tuple[int, bool]:
         """(how many processes split each layer, whether the sequence is split too) for the planner."""
         return 1, False

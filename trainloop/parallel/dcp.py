@@ -92,6 +92,16 @@ def save(directory: Path, model, optimizer, adapter_only: bool, flatten: bool = 
     dcp.save(_state(model, _unwrap(optimizer), adapter_only, flatten), storage_writer=_writer(directory))
 
 
+def flattened(path: Path) -> bool:
+    """Whether the checkpoint's optimizer state is keyed by parameter name (a pipeline's, saved with
+    flatten_optimizer_state_dict: `optimizer.param_groups.<name>.lr`) rather than by group
+    (`optimizer.param_groups.0.lr`), read from DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path / MODEL_DIR)).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer.param_groups.") and not k.split(".")[2].isdigit() for k in keys)
+
+
 def load(path: Path, model, optimizer, adapter_only: bool, flatten: bool = False) -> None:
     """Every rank, together: the shards this rank holds now, whatever world size saved them."""
     import torch.distributed.checkpoint as dcp

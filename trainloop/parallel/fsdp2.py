@@ -98,7 +98,8 @@ class FSDP2(Strategy):
     def load_state(self, path, model, adapter_only: bool) -> None:
         from trainloop.parallel import dcp
 
-        dcp.load(path, model, self.accelerator._optimizers[0], adapter_only)
+        # a pipeline's checkpoint (pp x dp_shard under fsdp=full_shard) keys its optimizer state by name
+        dcp.load(path, model, self.accelerator._optimizers[0], adapter_only, flatten=dcp.flattened(path))
         dcp.load_rank_states(self.accelerator, path)
 
     def full_state_dict(self, model) -> dict:

@@ -97,6 +97,29 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str]):
 class Pipeline(Strategy):
     name = "pipeline"
     interleaved = True
+    off = {"parallel.pp_size": 1, "parallel.pp_schedule": "1f1b", "parallel.pp_stages_per_rank": 1}
+
+    @staticmethod
+    def layouts(gpus_per_node: int) -> dict[str, dict]:
+        """2, 4 and 8 stages (1F1B), FSDP2 over the rest of the GPUs (dp_shard)."""
+        return {f"PP{n} x FSDP2": {"parallel.pp_size": n, "fsdp": "full_shard", "fsdp.sync_each_batch": "false"}
+                for n in (2, 4, 8)}
+
+    @staticmethod
+    def model_parallel(cfg) -> int:
+        return cfg.parallel.pp_size * cfg.parallel.tp_size
+
+    @staticmethod
+    def min_accumulation(cfg) -> int:
+        return cfg.parallel.pp_size * cfg.parallel.pp_stages_per_rank  # one micro-batch per stage at least
+
+    @staticmethod
+    def bubble(cfg) -> float:
+        """(pp_size - 1) / (micro-batches x stages per rank): each stage idles while the first
+        micro-batches fill the pipeline and the last drain it (GPipe and 1F1B alike; the interleaved
+        schedule's stages are that many times shorter)."""
+        p = cfg.parallel
+        return (p.pp_size - 1) / (cfg.trainer.gradient_accumulation_steps * p.pp_stages_per_rank)
 
     def __init__(self, cfg, accelerator):
         super().__init__(cfg, accelerator)
@@ -431,7 +454,7 @@ class Pipeline(Strategy):
         elif p.pp_schedule != "interleaved_1f1b" and p.pp_stages_per_rank != 1:
             found.append(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} with parallel.pp_schedule="
                          f"{p.pp_schedule}: one stage per process; use parallel.pp_schedule=interleaved_1f1b")
-        stages = p.pp_size * p.pp_stages_per_rank
+        stages = Pipeline.min_accumulation(cfg)
         if cfg.trainer.gradient_accumulation_steps < stages:
             found.append(f"{key}: trainer.gradient_accumulation_steps={cfg.trainer.gradient_accumulation_steps} "
                          f"micro-batches a step are fewer than the {stages} stages, which would idle; "

@@ -85,6 +85,10 @@ class FSDP2xTP(FSDP2):
         return tp, bool(cfg.parallel.sequence_parallel and tp > 1)
 
     @staticmethod
+    def model_parallel(cfg) -> int:
+        return cfg.parallel.tp_size
+
+    @staticmethod
     def settings(cfg) -> dict:
         return {**FSDP2.settings(cfg), "parallel.tp_size": cfg.parallel.tp_size,
                 "parallel.sequence_parallel": cfg.parallel.sequence_parallel}

@@ -2,7 +2,8 @@
 
 Every layout of the table below (DDP, ZeRO-1/2/3 with and without CPU offload, FSDP2 with and
 without CPU offload, FSDP2 x TP for each tp dividing the GPUs of a node, each with and without
-sequence parallelism where the blocks are Llama's), with and without
+sequence parallelism where the blocks are Llama's, and 2, 4 and 8 pipeline stages with FSDP2 on
+the rest), with and without
 gradient checkpointing, at every micro-batch x accumulation that keeps the global batch, is
 planned by the planner itself (plan_memory on the composed config, verdict against the GPUs:
 GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimated step time:
@@ -13,6 +14,7 @@ GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimate
     + links  each transfer the plan counts (plan.traffic: the strategy's collectives and PCIe
              copies) / its link's bandwidth, NOT overlapped with compute: an upper bound
     + CPU    an offloaded optimizer's step (plan.cpu_stepped_params) at an assumed rate
+    + bubble a pipeline's idle stages: compute x (pp_size - 1) / micro-batches (Strategy.bubble)
 
 Where the configured optimizer has a row in trainloop.optim.optimizers.OPTIMIZERS that stands in for it with
 less state (8-bit and paged 8-bit AdamW for AdamW), every layout that accepts it is planned with it
@@ -124,10 +126,12 @@ class StepTime:
     tp: float  # tensor-parallel all-reduces
     pcie: float  # offload copies
     cpu_optimizer: float
+    pp: float = 0.0  # a pipeline's activations and their gradients, point to point
+    bubble: float = 0.0  # a pipeline's stages idle while it fills and drains
 
     @property
     def total(self) -> float:  # nothing overlapped
-        return self.compute + self.dp + self.tp + self.pcie + self.cpu_optimizer
+        return self.compute + self.dp + self.tp + self.pcie + self.cpu_optimizer + self.pp + self.bubble
 
 
 @dataclass
@@ -243,28 +247,32 @@ def model_flops(cfg, shape) -> tuple[float, float]:
     return flops_per_token(config, cfg.data.seq_len, trained), head
 
 
-def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, model: tuple[float, float]) -> StepTime:
-    """`model`: model_flops' (FLOPs per token, those of the head)."""
+def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, model: tuple[float, float],
+              bubble: float = 0.0) -> StepTime:
+    """`model`: model_flops' (FLOPs per token, those of the head); `bubble`: a pipeline's idle
+    fraction of its compute (Strategy.bubble)."""
     v, c = s.values, s.cluster
     tokens = s.global_batch * s.seq_len
     flops = tokens * (model[0] + (tp - 1) * model[1]) * (4 / 3 if checkpointing else 1)
     compute = flops / (c.gpus * s.peak_tflops * 1e12 * v["mfu"])
-    dp_link = v["intra_node_gbs"] if c.nodes == 1 else v["inter_node_gbs"]
-    return StepTime(compute, dp=plan.sent("dp") / (dp_link * 1e9), tp=plan.sent("tp") / (v["intra_node_gbs"] * 1e9),
+    link = v["intra_node_gbs"] if c.nodes == 1 else v["inter_node_gbs"]  # dp and pp groups span the nodes
+    return StepTime(compute, dp=plan.sent("dp") / (link * 1e9), tp=plan.sent("tp") / (v["intra_node_gbs"] * 1e9),
                     pcie=plan.sent("pcie") / (v["pcie_gbs"] * 1e9),
-                    cpu_optimizer=plan.cpu_stepped_params / (v["cpu_optimizer_gparams"] * 1e9))
+                    cpu_optimizer=plan.cpu_stepped_params / (v["cpu_optimizer_gparams"] * 1e9),
+                    pp=plan.sent("pp") / (link * 1e9), bubble=compute * bubble)
 
 
 def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: int | None = None) -> Suggestion:
     """Every layout planned for this cluster; the ones that fit timed. Raises ConfigError for a
     config that does not compose or a global batch the cluster cannot split."""
     user = cfg = compose_config(overrides)  # the user's own config: its model and its global batch
-    tp = row(cfg).tensor_parallel(cfg)[0]
-    if cluster.gpus % tp:
-        raise ConfigError(f"parallel.tp_size={tp} does not divide --gpus {cluster.gpus}: the default global batch "
-                          "is data.batch_size x accumulation x (GPUs / tp_size); give --global-batch N or another tp_size")
+    group = row(cfg).model_parallel(cfg)
+    if cluster.gpus % group:
+        sizes = " x ".join(f"parallel.{k}={cfg.parallel[k]}" for k in ("pp_size", "tp_size") if cfg.parallel[k] > 1)
+        raise ConfigError(f"{sizes} does not divide --gpus {cluster.gpus}: the default global batch is "
+                          f"data.batch_size x accumulation x (GPUs / {group}); give --global-batch N or other sizes")
     if global_batch is None:
-        global_batch = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps * (cluster.gpus // tp)
+        global_batch = cfg.data.batch_size * cfg.trainer.gradient_accumulation_steps * (cluster.gpus // group)
     peak = peak_tflops(values, cfg.precision)  # an unknown --gpu says so before the model is built
     shape = model_shape(cfg)  # the layouts do not change the model: built once
     flops = model_flops(cfg, shape)
@@ -276,15 +284,18 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
     methods = METHODS if user.adapter.name == "none" and user.model.quantization == "none" else {}
     for name, layout in layouts(cluster.per_node).items():
         tp = layout.get("parallel.tp_size", 1)
-        dp = cluster.gpus // tp
+        group = tp * layout.get("parallel.pp_size", 1)  # the processes of one data-parallel replica
+        dp = cluster.gpus // group
         if cluster.device == "cpu" and "cpu" in layout.values():
             s.not_applied[name] = "offload moves states to host memory; CPU processes hold them there already"
+        elif cluster.gpus % group:
+            s.not_applied[name] = f"its {group} model-parallel ranks do not divide the {cluster.gpus} GPUs"
         elif global_batch % dp:
             s.not_applied[name] = f"--global-batch {global_batch} does not divide over its {dp} data-parallel ranks"
         if name in s.not_applied:
             continue
         try:
-            cfg = compose_config(kept + layout_overrides(layout))
+            cfg = compose_config(with_fewest_micro_batches(kept + layout_overrides(layout)))
         except ConfigError as err:
             s.not_applied[name] = one_line(err)
             continue
@@ -315,6 +326,20 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
     return s
 
 
+def with_fewest_micro_batches(overrides: list[str]) -> list[str]:
+    """The overrides, with the fewest micro-batches a step of their layout takes where the config's
+    own are fewer (a pipeline's: one per stage): each option sets its own, so the layout is checked
+    at the least it needs. A config that does not compose is left to the checked composition to refuse."""
+    try:
+        cfg = compose_config(overrides, check=False)
+    except Exception:  # noqa: BLE001 - compose_config(overrides) says what is wrong, in one line
+        return overrides
+    fewest = row(cfg).min_accumulation(cfg)
+    if cfg.trainer.gradient_accumulation_steps >= fewest:
+        return overrides
+    return [*overrides, f"trainer.gradient_accumulation_steps={fewest}"]
+
+
 def one_line(err: ConfigError) -> str:
     return str(err).replace("invalid config:\n  ", "").replace("\n  ", "; ")
 
@@ -325,17 +350,20 @@ def add_options(s: Suggestion, layout: str, cfg, shape, shown: list[str], dp: in
     the same plan as another stand-in's on the same layout joins that one (paged AdamW and AdamW8bit)."""
     c = s.cluster
     name = f"{layout} + {stand_in}" if stand_in else layout
+    strategy = row(cfg)
     for checkpointing in (False, True):
         for micro in divisors(s.global_batch // dp):
             accumulation = s.global_batch // dp // micro
             cfg.model.gradient_checkpointing = checkpointing  # the same composed config, resized
             cfg.data.batch_size, cfg.trainer.gradient_accumulation_steps = micro, accumulation
+            if accumulation < strategy.min_accumulation(cfg):  # a pipeline's stages: one each at least
+                continue
             plan = plan_memory(cfg, shape, c.gpus, c.device, c.per_node, name)
             fits, lines = verdict(plan, c.machine())
             option = Option(name, shown + (["model.gradient_checkpointing=true"] if checkpointing else [])
                             + [f"data.batch_size={micro}", f"trainer.gradient_accumulation_steps={accumulation}"],
                             micro, accumulation, checkpointing, plan, fits, lines,
-                            step_time(plan, checkpointing, tp, s, flops), method, stand_in)
+                            step_time(plan, checkpointing, tp, s, flops, strategy.bubble(cfg)), method, stand_in)
             twin = next((o for o in s.options if stand_in and o.stand_in and o.layout == f"{layout} + {o.stand_in}"
                          and (o.micro_batch, o.checkpointing, o.memory, o.time) ==
                          (micro, checkpointing, option.memory, option.time)), None)
@@ -364,8 +392,10 @@ def assumption_lines(s: Suggestion) -> list[str]:
         a = ASSUMPTIONS[key]
         used = "" if key != "inter_node_gbs" or c.nodes > 1 else " (unused: one node)"
         out.append(f"{v[key]:g} {a.unit} ({a.flag}){used}: {a.why}")
-    out.append(f"tensor parallelism within a node; data-parallel collectives at the {'inter' if c.nodes > 1 else 'intra'}"
-               "-node bandwidth")
+    out.append(f"tensor parallelism within a node; data-parallel collectives and a pipeline's point-to-point "
+               f"transfers at the {'inter' if c.nodes > 1 else 'intra'}-node bandwidth")
+    out.append("a pipeline's bubble: its stages idle (pp_size - 1) / micro-batches of the step's compute while the "
+               "micro-batches fill and drain it (1F1B), added to the step")
     gpu = (f"{GPU_USABLE:.0%} of each GPU's memory (the CUDA context, NCCL and fragmentation take the rest) and "
            if c.device == "cuda" else "")
     out.append(f"memory: the planner's plan of each layout against {gpu}{_gib(c.host_ram)} of host RAM per node "
