@@ -27,7 +27,10 @@ RUN = ["+preset=smoke", "model.tie_embeddings=false", "model.num_layers=4", "dat
        "trainer.gradient_accumulation_steps=4", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
        "trainer.eval_every=10", "trainer.eval_batches=2", "logging.progress_bar=false", "checkpoint.every_steps=10"]
 TOLERANCE = 1e-5
-SCHEDULES = {"gpipe": [], "1f1b": [], "interleaved_1f1b": ["parallel.pp_stages_per_rank=2"]}
+# each schedule also composes with one more thing the stages must carry: gradient checkpointing,
+# regional compile (each block compiled; AOTAutograd's graphs, run eagerly)
+SCHEDULES = {"gpipe": ["model.gradient_checkpointing=true"], "1f1b": [],
+             "interleaved_1f1b": ["parallel.pp_stages_per_rank=2", "compile=aot_eager", "compile.regional=true"]}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,8 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
     run = launch_pp(tmp_path / "run", f"parallel.pp_schedule={schedule}", *SCHEDULES[schedule])
     stages = 4 if schedule == "interleaved_1f1b" else 2
     assert f"pipeline: {stages} stages over 2 processes ({schedule}), blocks per stage " in run_log(run)
+    if "compile.regional=true" in SCHEDULES[schedule]:  # compiled before the cut, each block once
+        assert "torch.compile: 4 LlamaDecoderLayer blocks, backend aot_eager" in run_log(run)
     for measure in (losses, grad_norms):
         got, want = measure(run), measure(reference)
         assert sorted(got) == list(range(1, STEPS + 1))
