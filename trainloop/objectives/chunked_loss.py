@@ -64,12 +64,15 @@ def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int, nll: C
         output = model(**inputs)
         return nll(output.logits, labels), output
 
-    def loss(hidden, weight, bias):
-        h, targets, _ = _targets(hidden, labels)
-        return SummedNLL.apply(h, weight, bias, targets, chunk, *_wanted(h, weight, bias))
-
-    output = _through_output_layer(model, inputs, loss)
+    output = _through_output_layer(model, inputs, lambda h, weight, bias: chunked_nll(h, weight, bias, labels, chunk))
     return output.logits, output
+
+
+def chunked_nll(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """summed_nll of the output layer (`weight`, `bias`) applied to `hidden`, `chunk` tokens at a
+    time: the full logits never exist."""
+    h, targets, _ = _targets(hidden, labels)
+    return SummedNLL.apply(h, weight, bias, targets, chunk, *_wanted(h, weight, bias))
 
 
 def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -63,8 +63,10 @@ def decoder_parts(model):
     return model, inner, inner.layers
 
 
-def _stage_module(causal, first: bool, last: bool, blocks: list[str]):
+def _stage_module(causal, first: bool, last: bool, blocks: list[str], chunk: int = 0):
     import torch
+
+    from trainloop.objectives.chunked_loss import chunked_nll
 
     class Stage(torch.nn.Module):
         """One stage's forward over the cut model's own layers: ids (first stage) or the previous
@@ -80,16 +82,20 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str]):
             self.rotary = inner.rotary_emb
             self.norm, self.head = (inner.norm, causal.lm_head) if last else (None, None)
 
-        def forward(self, hidden, position_ids, document_mask=None):
+        def forward(self, hidden, position_ids, document_mask=None, labels=None):
+            """labels: with trainer.loss_chunk_tokens (`chunk`), the last stage returns the summed loss
+            of its targets itself, `chunk` tokens at a time, never the full logits."""
             if self.embed is not None:
                 hidden = self.embed(hidden)
             position_embeddings = self.rotary(hidden, position_ids=position_ids)
             for block in self.blocks.values():
                 hidden = block(hidden, attention_mask=None, position_ids=position_ids,
                                position_embeddings=position_embeddings, use_cache=False, document_mask=document_mask)
-            if self.head is not None:
-                hidden = self.head(self.norm(hidden))
-            return hidden
+            if self.head is None:
+                return hidden
+            if chunk:  # inside the forward: the weight FSDP2 gathered for it
+                return chunked_nll(self.norm(hidden), self.head.weight, self.head.bias, labels, chunk)
+            return self.head(self.norm(hidden))
 
     return Stage()
 
@@ -144,6 +150,7 @@ class Pipeline(Strategy):
         self.stage_ids = [self.pp_rank + k * self.pp for k in range(self.per_rank)]  # round robin: interleaved
         self.last_rank = self.rank_of((self.num_stages - 1) % self.pp)  # the last stage's, in this dp position
         self.stages, self.schedule, self.blocks = [], None, []
+        self.chunk = cfg.trainer.loss_chunk_tokens  # the last stage takes the chunked loss itself
         self._scale = None  # what the loss on the last stage is multiplied by this step
 
     def rank_of(self, pp_rank: int) -> int:
@@ -195,8 +202,12 @@ class Pipeline(Strategy):
             from trainloop.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 
             apply_tensor_parallel(model, self.mesh["tp"], tensor_parallel_plan(causal.config, self.tp))
-        modules = [_stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]])
-                   for s in self.stage_ids]
+        if self.chunk and last:
+            from trainloop.objectives.chunked_loss import output_layer
+
+            output_layer(causal)  # a plain Linear, nothing applied to its logits: or refused naming the key
+        modules = [_stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]],
+                                 self.chunk) for s in self.stage_ids]
         if self.sharded:  # each block, then each stage as the root of what no block holds
             from torch.distributed.fsdp import fully_shard
 
@@ -219,10 +230,12 @@ class Pipeline(Strategy):
     def prepare(self, model, optimizer):
         return model, self.accelerator.prepare(optimizer)  # each rank steps its own stages' parameters
 
-    def _loss(self, logits, labels):
+    def _loss(self, output, labels):
+        """The last stage's output (its logits, or with the chunked loss their summed loss) as the
+        micro-batch's summed loss over the step's units."""
         from trainloop.objectives.chunked_loss import summed_nll
 
-        return summed_nll(logits, labels) * self._scale
+        return (output if self.chunk else summed_nll(output, labels)) * self._scale
 
     # -- each step -------------------------------------------------------------------------------
     def forward_backward(self, objective, model, group: list[dict], units, forward_context, alone: bool = False):
@@ -236,7 +249,7 @@ class Pipeline(Strategy):
         self._scale = factor / units
         ids = torch.cat([b["input_ids"] for b in group])
         labels = torch.cat([b["labels"] for b in group])
-        inputs = stage_inputs(model, group)
+        inputs = stage_inputs(model, group) | ({"labels": labels} if self.chunk else {})
         losses = []
         with forward_context(), self.accelerator.autocast():
             args = (ids,) if 0 in self.stage_ids else ()
@@ -267,7 +280,7 @@ class Pipeline(Strategy):
         from trainloop.objectives.base import loss_sums
         from trainloop.objectives.chunked_loss import summed_nll
 
-        inputs = stage_inputs(model, [batch])
+        inputs = stage_inputs(model, [batch]) | ({"labels": batch["labels"]} if self.chunk else {})
         hidden = batch["input_ids"]
         rank = self.accelerator.process_index
         with self.accelerator.autocast():
@@ -280,8 +293,8 @@ class Pipeline(Strategy):
                 hidden = self.stages[self.stage_ids.index(s)].submod(hidden, **inputs)
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
-        if self.num_stages - 1 in self.stage_ids:
-            sums = loss_sums(summed_nll(hidden, batch["labels"]), objective.count(batch))
+        if self.num_stages - 1 in self.stage_ids:  # the logits, or with the chunked loss their summed loss
+            sums = loss_sums(hidden if self.chunk else summed_nll(hidden, batch["labels"]), objective.count(batch))
         else:
             sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         dist.broadcast(sums, src=self.last_rank, group=self.mesh.get_group("pp"))
@@ -483,8 +496,6 @@ class Pipeline(Strategy):
                           f"model.attn_implementation={cfg.model.attn_implementation} with data.packing="
                           f"{cfg.data.packing}: stages attend through trainloop's sdpa attention, which needs "
                           "data.packing=documents or stream and model.attn_implementation=sdpa"),
-            "chunk": (cfg.trainer.loss_chunk_tokens > 0, "trainer.loss_chunk_tokens: the last stage takes the "
-                      "loss from the full logits for now; set trainer.loss_chunk_tokens=0"),
             "prompts": (bool(cfg.eval.prompts), "eval.prompts: generation across stages is not built; set "
                         "eval.prompts=[]"),
             "fp16": (cfg.precision.name in ("fp16", "fp8"), f"precision={cfg.precision.name}: use bf16 or fp32"),
