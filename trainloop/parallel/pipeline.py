@@ -563,7 +563,7 @@ def rank_part(cfg, shape, rank: int):
 def planned_rank(cfg, shape) -> int:
     """The rank whose part (16 B per trained parameter: fp32 weight, gradient, two Adam moments; 4 B
     per frozen one) and activations in flight add up to the most: the one the planner plans."""
-    from trainloop.tools.plan import activation_bytes
+    from trainloop.parallel.memory import activation_bytes
 
     half = cfg.precision.name in ("bf16", "fp16", "fp8")
 
