@@ -240,7 +240,8 @@ class Pipeline(Strategy):
     # -- each step -------------------------------------------------------------------------------
     def forward_backward(self, objective, model, group: list[dict], units, forward_context, alone: bool = False):
         """The schedule runs the step's micro-batches; the last stage's losses (each summed over its
-        targets / the step's units) are summed and sent to every rank."""
+        targets / the step's units) are summed and sent to every rank of its pipeline. Replicated
+        stages then sum their gradients over dp_shard; FSDP2 reduce-scatters them in the schedule."""
         import torch
         import torch.distributed as dist
 
@@ -273,7 +274,7 @@ class Pipeline(Strategy):
 
     def eval_sums(self, objective, model, batch: dict):
         """The stages' forwards in order (activations sent on between ranks), the summed loss and
-        units taken on the last, and sent to every rank."""
+        units taken on the last, and sent to every rank of its pipeline."""
         import torch
         import torch.distributed as dist
 
