@@ -55,10 +55,14 @@ STRATEGIES = {
     # step needs at least one per stage); the embeddings untied (a stage holds one of them: 0.4% of this model)
     "pp_1f1b": ("pipeline, 1F1B (parallel.pp_size=N)", "ddp", PIPELINE),
     "pp_gpipe": ("pipeline, GPipe (parallel.pp_size=N)", "ddp", [*PIPELINE, "parallel.pp_schedule=gpipe"]),
-    # 2 stages, FSDP2 over the other N / 2 processes (dp_shard), 4 micro-batches
+    # 2 stages, FSDP2 over the other N / 2 processes (dp_shard), 4 micro-batches: each one's gradients
+    # reduce-scattered into the shards (fsdp.sync_each_batch=true), or the stage's unsharded ones held
+    # and reduce-scattered once, after the last (false: torch's PipelineStage's own way)
     "pp2_fsdp": ("pipeline 2 stages x FSDP2 (dp_shard N/2)", "fsdp",
-                 ["model.tie_embeddings=false", "parallel.pp_size=2", "trainer.gradient_accumulation_steps=4",
-                  "fsdp.sync_each_batch=false"]),
+                 ["model.tie_embeddings=false", "parallel.pp_size=2", "trainer.gradient_accumulation_steps=4"]),
+    "pp2_fsdp_once": ("the same, reduce-scattered once a step", "fsdp",
+                      ["model.tie_embeddings=false", "parallel.pp_size=2", "trainer.gradient_accumulation_steps=4",
+                       "fsdp.sync_each_batch=false"]),
 }
 
 

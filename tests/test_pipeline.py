@@ -89,11 +89,13 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
         assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
 
 
-FSDP = ["fsdp=full_shard", "fsdp.sync_each_batch=false"]
+# FSDP2 reduce-scatters each micro-batch's gradients (fsdp.sync_each_batch=true, the default), or
+# torch's PipelineStage does once per step (false); the tp mesh runs the second
+FSDP = ["fsdp=full_shard"]
 MESHES = {  # 4 processes: the layout's overrides, and what the run line says of it
     "replicated": (["data.batch_size=1"], "x 2 data-parallel (replicated, mesh cpu 2 pp x 2 dp_shard)"),
     "fsdp": (["data.batch_size=1", *FSDP], "x 2 data-parallel (FSDP2 on dp_shard, mesh cpu 2 pp x 2 dp_shard)"),
-    "tp": (["parallel.tp_size=2", *FSDP],
+    "tp": (["parallel.tp_size=2", *FSDP, "fsdp.sync_each_batch=false"],
            "x 1 data-parallel (FSDP2 on dp_shard, tensor parallel, mesh cpu 2 pp x 1 dp_shard x 2 tp)"),
 }
 
@@ -180,10 +182,8 @@ def test_the_blocks_are_balanced_over_the_stages():
     (["model.num_layers=1"], "2 stages but model.num_layers=1"),
     (["deepspeed=zero2"], "with deepspeed=zero2: DeepSpeed's engine runs the whole model on each process; set "
                           "deepspeed=none"),
-    (["fsdp=full_shard"], "with fsdp.sync_each_batch=true: the schedule keeps each stage's unsharded gradients"),
-    (["fsdp=full_shard", "fsdp.sync_each_batch=false", "fsdp.offload=cpu"], "set fsdp.offload=none"),
-    (["parallel.tp_size=2", "parallel.sequence_parallel=true", "fsdp=full_shard", "fsdp.sync_each_batch=false"],
-     "set parallel.sequence_parallel=false"),
+    (["fsdp=full_shard", "fsdp.offload=cpu"], "set fsdp.offload=none"),
+    (["parallel.tp_size=2", "parallel.sequence_parallel=true", "fsdp=full_shard"], "set parallel.sequence_parallel=false"),
     (["objective=dpo", "data=preference"], "objective=dpo: the pipeline trains objective=causal_lm"),
     (["model.tie_embeddings=true"], "set model.tie_embeddings=false"),
     (["model.arch=gpt2"], "only model.arch=llama is cut into stages"),

@@ -100,6 +100,25 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str], chunk: int
     return Stage()
 
 
+def each_micro_batch(stage):
+    """A plain parent of an FSDP2-sharded stage (fsdp.sync_each_batch=true). Handed an FSDP module,
+    torch's PipelineStage turns its gradient sync off for every backward and reduce-scatters once,
+    after the last micro-batch, holding the stage's unsharded fp32 gradients until then. Behind a
+    plain module it runs a plain backward, and FSDP2's own hooks reduce-scatter each micro-batch's
+    gradients into the shards, as FSDP2 alone does."""
+    import torch
+
+    class EachMicroBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, *args, **kwargs):
+            return self.stage(*args, **kwargs)
+
+    return EachMicroBatch()
+
+
 class Pipeline(Strategy):
     name = "pipeline"
     interleaved = True
@@ -108,8 +127,7 @@ class Pipeline(Strategy):
     @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:
         """2, 4 and 8 stages (1F1B), FSDP2 over the rest of the GPUs (dp_shard)."""
-        return {f"PP{n} x FSDP2": {"parallel.pp_size": n, "fsdp": "full_shard", "fsdp.sync_each_batch": "false"}
-                for n in (2, 4, 8)}
+        return {f"PP{n} x FSDP2": {"parallel.pp_size": n, "fsdp": "full_shard"} for n in (2, 4, 8)}
 
     @staticmethod
     def model_parallel(cfg) -> int:
@@ -218,6 +236,8 @@ class Pipeline(Strategy):
                 for block in module.blocks.values():
                     fully_shard(block, **options)
                 fully_shard(module, **options)
+            if self.cfg.fsdp.sync_each_batch:  # each micro-batch's gradients reduce-scattered into the shards
+                modules = [each_micro_batch(module) for module in modules]
         self.stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device,
                                                 group=self.mesh.get_group("pp"))
                        for module, s in zip(modules, self.stage_ids)]
@@ -484,10 +504,6 @@ class Pipeline(Strategy):
         if cfg.fsdp.name != "none" and cfg.fsdp.offload != "none":
             found.append(f"{key} with fsdp.offload={cfg.fsdp.offload}: the stages' shards stay on the device; "
                          "set fsdp.offload=none")
-        if cfg.fsdp.name != "none" and cfg.fsdp.sync_each_batch:
-            found.append(f"{key} with fsdp.sync_each_batch=true: the schedule keeps each stage's unsharded "
-                         "gradients over the micro-batches and reduce-scatters them once, after the last (torch's "
-                         "PipelineStage); set fsdp.sync_each_batch=false")
         unsupported = {
             "objective": (cfg.objective.name != "causal_lm", f"objective={cfg.objective.name}: the pipeline "
                           "trains objective=causal_lm for now; use parallel.pp_size=1"),
