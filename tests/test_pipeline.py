@@ -183,7 +183,8 @@ def test_the_blocks_are_balanced_over_the_stages():
     (["deepspeed=zero2"], "with deepspeed=zero2: DeepSpeed's engine runs the whole model on each process; set "
                           "deepspeed=none"),
     (["fsdp=full_shard", "fsdp.offload=cpu"], "set fsdp.offload=none"),
-    (["parallel.tp_size=2", "parallel.sequence_parallel=true", "fsdp=full_shard"], "set parallel.sequence_parallel=false"),
+    (["parallel.tp_size=2", "parallel.sequence_parallel=true", "fsdp=full_shard"],
+     "set parallel.sequence_parallel=false"),
     (["objective=dpo", "data=preference"], "objective=dpo: the pipeline trains objective=causal_lm"),
     (["model.tie_embeddings=true"], "set model.tie_embeddings=false"),
     (["model.arch=gpt2"], "only model.arch=llama is cut into stages"),
