@@ -71,6 +71,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.observe.flops import flops_per_token, trained_matmul_params
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler
+    from trainloop.parallel import check_context_model
 
     accelerator = strategy.accelerator
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
@@ -80,6 +81,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
     check_targets(cfg.adapter, model_config)
+    check_context_model(cfg, model_config)
     samples = Samples.for_config(cfg, tokenizer, context_length(model_config))  # its prompts checked before compute
     if blocks is not None:
         train_set, valid_set = blocks
@@ -98,7 +100,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     with torch.device("meta") if shapes_only else nullcontext():
         model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
         if (attention := training_attention(cfg, model_config)) is not None:  # what the rows are
-            use_attention(model, attention)
+            use_attention(model, attention, f"parallel.cp_size={cfg.parallel.cp_size}" if cfg.parallel.cp_size > 1
+                          else f"data.packing={cfg.data.packing}")
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model)
         if fp8.enabled(cfg):  # before compile and sharding, as torchtitan converts

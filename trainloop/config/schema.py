@@ -84,7 +84,13 @@ class ObjectiveKeys:
 
 @dataclass
 class ParallelKeys:
-    """The parallel.* keys: the mesh's dimensions beside data parallel, each declared by its strategy."""
+    """The parallel.* keys: the mesh's dimensions beside data parallel, each declared by its strategy
+    but context parallelism, which every strategy reads."""
+
+    # processes that split each sequence (context parallelism: each holds a contiguous 1/cp_size of
+    # every sequence, attention swaps it for the whole sequence on 1/cp_size of the heads by an
+    # all-to-all); 1: none. They read the same samples: data-parallel ranks are processes / cp_size
+    cp_size: int = 1
 
 
 ParallelConfig = union("ParallelConfig", ParallelKeys, {"fsdp2_tp": TensorParallelConfig, "pipeline": PipelineConfig})

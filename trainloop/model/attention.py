@@ -44,25 +44,49 @@ def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def padded_causal(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool: causal, over the keys a padded row's `attention_mask` keeps; a
+    padding query with no key to attend (left padding) attends itself, never read, so sdpa gives
+    no NaN."""
+    seq = attention_mask.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    mask = causal & attention_mask.bool()[:, None, :]
+    return (mask | torch.eye(seq, dtype=torch.bool, device=mask.device))[:, None]
+
+
 def _sdpa(module, query, key, value, attention_mask, document_mask=None, **kwargs):
-    """sdpa over whole rows: with the documents' mask where the caller gives one, else is_causal.
-    transformers built no mask (`attention_mask` is None): a cached step is generation, whose rows
-    may be padded, and is refused."""
+    """sdpa over whole rows: with the documents' (or padded rows') mask where the caller gives one,
+    else is_causal. transformers built no mask (`attention_mask` is None): a cached step is
+    generation, whose rows may be padded, and is refused. Under context parallelism
+    (trainloop.parallel.context) the rows are this rank's slices, and attention runs on the whole
+    sequence over a share of the heads."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from trainloop.parallel import context
 
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"attention {module.config._attn_implementation} attends whole rows in training; "
                            "generation runs under trainloop.model.attention.generating, with sdpa's own masks")
+    if (cp := context.current()) is not None:
+        return cp.attend(sdpa_attention_forward, module, query, key, value, document_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
 
 
 def with_document_mask(model, inputs: dict) -> dict:
-    """`inputs` and, where `model` attends through sdpa_documents and `inputs` carry position ids,
-    their block-causal mask, built once for every layer (the model hands its keyword arguments to
-    each layer's attention). A batch carries position ids only where a row restarts them
-    (trainloop.data.loaders.collate); without them every row is one sequence, and sdpa runs is_causal."""
+    """`inputs` with the mask `model` attends by, where it attends through one of these functions
+    (transformers builds it none), built once for every layer (the model hands its keyword arguments
+    to each layer's attention): padded rows' (an `attention_mask`, which goes), or, under
+    sdpa_documents, the documents' block-causal mask from the position ids. A batch carries position
+    ids only where a row restarts them (trainloop.data.loaders.collate); without them every row is
+    one sequence, and sdpa runs is_causal."""
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    if getattr(config, "_attn_implementation", None) != SDPA_DOCUMENTS or "position_ids" not in inputs:
+    name = getattr(config, "_attn_implementation", None)
+    if name not in (SDPA_CAUSAL, SDPA_DOCUMENTS) or "document_mask" in inputs:
+        return inputs
+    if inputs.get("attention_mask") is not None:
+        rest = {key: value for key, value in inputs.items() if key != "attention_mask"}
+        return {**rest, "document_mask": padded_causal(inputs["attention_mask"])}
+    if name != SDPA_DOCUMENTS or "position_ids" not in inputs:
         return inputs
     return {**inputs, "document_mask": block_causal(inputs["position_ids"])}
 
@@ -76,7 +100,11 @@ def register() -> None:
 
 
 def training_attention(cfg, model_config) -> str | None:
-    """The attention a run's training forwards take instead of transformers' sdpa, or None."""
+    """The attention a run's training forwards take instead of transformers' sdpa, or None. Context
+    parallelism (parallel.cp_size > 1) needs one for every objective: it swaps sequence for heads
+    around attention (its checks refuse what cannot: another implementation, a sliding window)."""
+    if cfg.parallel.cp_size > 1:
+        return FOR_PACKING.get(cfg.data.packing, SDPA_CAUSAL) if cfg.objective.name == "causal_lm" else SDPA_CAUSAL
     if cfg.objective.name != "causal_lm" or cfg.model.attn_implementation != "sdpa":
         return None
     if getattr(model_config, "sliding_window", None):  # its mask is not causal alone
@@ -84,14 +112,14 @@ def training_attention(cfg, model_config) -> str | None:
     return FOR_PACKING.get(cfg.data.packing)
 
 
-def use(model, name: str) -> None:
-    """The model attends through `name` from its next forward (its exported config.json names no
-    implementation: transformers loads it with its default, sdpa)."""
+def use(model, name: str, why: str) -> None:
+    """The model attends through `name` from its next forward, `why` (the key that chose it: its
+    exported config.json names no implementation, transformers loads it with its default, sdpa)."""
     register()
     model.set_attn_implementation(name)
-    how = ("no mask" if name == SDPA_CAUSAL else "the documents' block-causal mask built from the position ids")
-    log.info("attention: sdpa with %s, none from transformers (data.packing=%s)", how,
-             next(p for p, n in FOR_PACKING.items() if n == name))
+    how = ("no mask but padded rows'" if name == SDPA_CAUSAL
+           else "the documents' block-causal mask built from the position ids")
+    log.info("attention: sdpa with %s, none from transformers (%s)", how, why)
 
 
 @contextmanager

@@ -34,11 +34,11 @@ class CausalLM(Objective):
     def __init__(self, cfg, device):
         from trainloop.model.compile import compile_loss
         from trainloop.model.router import RouterLoad
-        from trainloop.objectives.chunked_loss import summed_nll
+        from trainloop.objectives.chunked_loss import targets_nll
 
         self.router = RouterLoad.for_model(cfg.model, device)
         self.chunk = cfg.trainer.loss_chunk_tokens
-        self.nll = compile_loss(cfg.compile, summed_nll)
+        self.nll = compile_loss(cfg.compile, targets_nll)
 
     def count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()

@@ -49,46 +49,89 @@ KEY = "trainer.loss_chunk_tokens"
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the target tokens, in fp32: position t predicts labels[:, t + 1].
-    The labels are shifted (an IGNORE appended), not the logits, whose slice would be a copy."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+def next_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target, the next label, (batch, seq): the labels shifted, an IGNORE appended
+    (shifting the labels, not slicing the logits, whose slice would be a copy)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def targets_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each position's logits against its target (next_targets), summed over the
+    targets that are not IGNORE, in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int, nll: Callable = summed_nll):
+def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the target tokens, in fp32: position t predicts labels[:, t + 1]."""
+    return targets_nll(logits, next_targets(labels))
+
+
+def _this_rank(model, inputs: dict, labels: torch.Tensor):
+    """(the model's inputs, each position's target) of what this rank computes: the whole rows, or,
+    under context parallelism (trainloop.parallel.context), its slice of them, whose targets were
+    shifted on the whole row; and that context, or None. The inputs carry the mask `model` attends by."""
+    from trainloop.model.attention import with_document_mask
+    from trainloop.parallel import context
+
+    inputs, targets = with_document_mask(model, inputs), next_targets(labels)
+    cp = context.current()
+    if cp is not None:
+        inputs, targets = cp.local(inputs), cp.split(targets, IGNORE)
+    return inputs, targets, cp
+
+
+def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int, nll: Callable = targets_nll):
     """(cross-entropy summed over the target tokens, fp32; the model's output) for one forward of
     `model(**inputs)`: position t predicts labels[:, t + 1]. chunk 0: through the full logits, and
-    `nll` (summed_nll, or it compiled with the model: trainloop.model.compile.compile_loss)."""
+    `nll` (targets_nll, or it compiled with the model: trainloop.model.compile.compile_loss).
+    Under context parallelism the output is this rank's slice's and the sum the whole rows'."""
+    inputs, targets, cp = _this_rank(model, inputs, labels)
     if not chunk:
         output = model(**inputs)
-        return nll(output.logits, labels), output
-
-    output = _through_output_layer(model, inputs, lambda h, weight, bias: chunked_nll(h, weight, bias, labels, chunk))
-    return output.logits, output
+        summed = nll(output.logits, targets)
+    else:
+        output = _through_output_layer(model, inputs, lambda h, weight, bias: _summed(h, weight, bias, targets, chunk))
+        summed = output.logits
+    return (summed if cp is None else cp.total(summed)), output
 
 
 def chunked_nll(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """summed_nll of the output layer (`weight`, `bias`) applied to `hidden`, `chunk` tokens at a
     time: the full logits never exist."""
-    h, targets, _ = _targets(hidden, labels)
-    return SummedNLL.apply(h, weight, bias, targets, chunk, *_wanted(h, weight, bias))
+    return _summed(hidden, weight, bias, next_targets(labels), chunk)
 
 
-def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def _summed(hidden, weight, bias, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    h, kept, _ = _kept(hidden, targets)
+    return SummedNLL.apply(h, weight, bias, kept, chunk, *_wanted(h, weight, bias))
+
+
+def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int, temperature: float = 1.0) -> torch.Tensor:
     """Each position's log-probability of the next target token, (batch, seq - 1) in fp32, 0 where
-    labels[:, t + 1] is IGNORE, from one forward of `model(**inputs)`. chunk 0: the full logits."""
+    labels[:, t + 1] is IGNORE, from one forward of `model(**inputs)`, at the sampling `temperature`
+    (the logits divided by it, as TRL scores its completions). chunk 0: the full logits. Under
+    context parallelism, the whole rows' from this rank's slice and the others'."""
+    length = labels.shape[1]
+    inputs, targets, cp = _this_rank(model, inputs, labels)
     if not chunk:
-        logits = model(**inputs).logits
-        return -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                ignore_index=IGNORE, reduction="none").view(labels.shape[0], -1)
+        logits = model(**inputs).logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        per_token = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                                     reduction="none").view(targets.shape)
+    else:
+        if temperature != 1.0:
+            raise ValueError(f"{KEY}: the chunked log-probabilities are at temperature 1, not {temperature}")
 
-    def logps(hidden, weight, bias):
-        h, targets, keep = _targets(hidden, labels)
-        per_target = TokenLogps.apply(h, weight, bias, targets, chunk)
-        return torch.zeros(keep.shape, dtype=torch.float32, device=h.device).masked_scatter(keep, per_target)
+        def logps(hidden, weight, bias):
+            h, kept, keep = _kept(hidden, targets)
+            per_target = TokenLogps.apply(h, weight, bias, kept, chunk)
+            return torch.zeros(keep.shape, dtype=torch.float32, device=h.device).masked_scatter(keep, per_target)
 
-    return _through_output_layer(model, inputs, logps).logits
+        per_token = _through_output_layer(model, inputs, logps).logits
+    if cp is not None:
+        per_token = cp.gather(per_token, length)
+    return per_token[:, :-1]
 
 
 def output_layer(model) -> torch.nn.Linear:
@@ -128,11 +171,11 @@ def _through_output_layer(model, inputs: dict, compute: Callable):
         return model(**inputs)
 
 
-def _targets(hidden: torch.Tensor, labels: torch.Tensor):
+def _kept(hidden: torch.Tensor, targets: torch.Tensor):
     """The hidden states of the positions that predict a target token, (n, hidden), their targets
-    (n,), and where they are in (batch, seq - 1)."""
-    keep = labels[:, 1:] != IGNORE
-    return hidden[:, :-1][keep], labels[:, 1:][keep], keep
+    (n,), and where they are in (batch, seq)."""
+    keep = targets != IGNORE
+    return hidden[keep], targets[keep], keep
 
 
 def _wanted(hidden, weight, bias) -> tuple[bool, bool, bool]:

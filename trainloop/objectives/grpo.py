@@ -152,13 +152,14 @@ def summed_loss(per_token, mask, loss_type: str, max_new_tokens: int) -> torch.T
 def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
     """Each completion token's log-probability [completions, tokens] at the sampling temperature
     (TRL divides the logits by it), from one forward of prompt + completion."""
-    import torch
+    from trainloop.data.tokenizer import IGNORE
+    from trainloop.objectives.chunked_loss import token_logps
 
     width = batch["completion_mask"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits[:, -width - 1:-1]
-    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logps.gather(-1, batch["input_ids"][:, -width:, None]).squeeze(-1)
+    labels = batch["input_ids"].clone()
+    labels[:, :-width] = IGNORE  # the prompt's tokens are no one's target
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")} | {"use_cache": False}
+    return token_logps(model, inputs, labels, 0, temperature)[:, -width:]
 
 
 class GRPO(Objective):

@@ -30,8 +30,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "pipeline": Pipeline,  # parallel.pp_size > 1: a slice of the blocks on each process
 }
 
-__all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "chosen", "full_numel", "full_shape", "layouts",
-           "local_shard", "problems", "row", "running"]
+__all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "check_context_model", "chosen", "context_problems",
+           "full_numel", "full_shape", "layouts", "local_shard", "problems", "row", "running"]
 
 
 def chosen(cfg) -> str:
@@ -71,4 +71,51 @@ def problems(cfg) -> list[str]:
                      "with DeepSpeed ZeRO, not both; choose deepspeed=none or fsdp=none")
     for row in STRATEGIES.values():
         found += row.problems(cfg)
+    return found + context_problems(cfg)
+
+
+def context_problems(cfg) -> list[str]:
+    """What context parallelism (parallel.cp_size > 1, trainloop.parallel.context) cannot run with.
+    The model's own heads and attention are checked when its config is built (check_context_model)."""
+    cp = cfg.parallel.cp_size
+    if cp == 1:
+        return []
+    key, found = f"parallel.cp_size={cp}", []
+    if cfg.data.seq_len % cp:
+        found.append(f"{key} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every "
+                     f"sequence; choose data.seq_len={cfg.data.seq_len + (-cfg.data.seq_len % cp)}")
+    for other, why in ((cfg.deepspeed.stage, f"deepspeed.stage={cfg.deepspeed.stage}"),
+                       (cfg.parallel.pp_size > 1, "parallel.pp_size > 1"),
+                       (cfg.parallel.tp_size > 1, "parallel.tp_size > 1")):
+        if other:
+            found.append(f"{key} with {why}: context parallelism runs with data parallelism and FSDP2 "
+                         "(fsdp=full_shard); choose deepspeed=none, parallel.pp_size=1 and parallel.tp_size=1")
+    if cfg.model.attn_implementation != "sdpa":
+        found.append(f"{key} attends through sdpa over the whole sequence, not model.attn_implementation="
+                     f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa")
+    if cfg.model.name == "tiny" and cfg.model.num_heads % cp:
+        found.append(f"{key} must divide model.num_heads={cfg.model.num_heads}: each rank attends with 1/cp "
+                     "of the heads")
+    if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":
+        found.append(f"{key} with model.arch=mixtral: the router's load-balancing loss is taken over a forward's "
+                     "tokens, which context parallelism splits; choose another model.arch or parallel.cp_size=1")
     return found
+
+
+def check_context_model(cfg, model_config) -> None:
+    """The model's attention can be split over the context-parallel group: its heads divide, and it
+    has no sliding window (whose mask is not causal alone)."""
+    from trainloop.errors import ConfigError
+
+    cp = cfg.parallel.cp_size
+    if cp == 1:
+        return
+    heads = getattr(model_config, "num_attention_heads", None) or getattr(model_config, "n_head", None)
+    if heads is None or heads % cp:
+        raise ConfigError(f"parallel.cp_size={cp} must divide the model's attention heads ({heads}): each rank "
+                          "attends with 1/cp of them; choose a parallel.cp_size that divides them")
+    if getattr(model_config, "sliding_window", None) or getattr(model_config, "layer_types", None) and any(
+            t != "full_attention" for t in model_config.layer_types):
+        raise ConfigError(f"parallel.cp_size={cp}: this model's attention is not causal over the whole sequence "
+                          "(a sliding window, or layers of other kinds), which context parallelism cannot swap in; "
+                          "set parallel.cp_size=1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 
 def running(accelerator, model=None) -> str:
@@ -28,8 +28,10 @@ class Strategy:
 
     The data-parallel size and rank are what the rest of trainloop reads for the global sample
     order, the loss normalisation, tokens per step, the batch-size search and the checkpoint
-    fingerprint: today every process is a data-parallel rank; a strategy that splits layers
-    over processes (tensor parallelism) answers fewer. The build calls, in this order:
+    fingerprint: every process is a data-parallel rank, but for those that share one's samples:
+    a strategy that splits layers over processes (tensor parallelism, a pipeline) answers fewer,
+    and so does context parallelism (parallel.cp_size: `cp_size` consecutive ranks split each
+    sequence, trainloop.parallel.context), which every strategy here reads. The build calls, in this order:
     `builds_on_meta` (before the model is built), `shard` (after compile, before the optimizer),
     `prepare` (the optimizer, and the model unless sharded here), then
     `prepare_frozen` for a frozen copy an objective keeps (DPO's reference).
@@ -42,6 +44,25 @@ class Strategy:
 
     def __init__(self, cfg, accelerator):
         self.cfg, self.accelerator = cfg, accelerator
+        self.cp_size = cfg.parallel.cp_size
+        self.cp, self.dp_group = (None, None) if self.cp_size == 1 else self._context_parallel()
+
+    def _context_parallel(self):
+        """(this rank's context-parallel group, the group of the ranks that hold the same slice:
+        one rank of each data-parallel rank) on a dp x cp mesh, cp innermost (consecutive ranks, the
+        fastest links, as torchtitan lays it out)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from trainloop.errors import ConfigError
+        from trainloop.parallel.context import ContextParallel
+
+        processes = self.world_size
+        if processes % self.cp_size:
+            raise ConfigError(f"parallel.cp_size={self.cp_size} does not divide the {processes} process(es): launch a "
+                              "multiple of cp_size processes, or change parallel.cp_size")
+        mesh = init_device_mesh(self.device.type, (processes // self.cp_size, self.cp_size),
+                                mesh_dim_names=("dp", "cp"))
+        return ContextParallel(mesh.get_group("cp"), self.cp_size, mesh.get_local_rank("cp")), mesh.get_group("dp")
 
     # -- who is who ------------------------------------------------------------------------------
     @property
@@ -50,19 +71,32 @@ class Strategy:
 
     @property
     def dp_size(self) -> int:
-        return self.accelerator.num_processes
+        return self.accelerator.num_processes // self.cp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.accelerator.process_index
+        return self.accelerator.process_index // self.cp_size
 
     @property
     def device(self):
         return self.accelerator.device
 
     def reduce_sum(self, tensor):
-        """`tensor` summed over the data-parallel ranks (itself on one process): losses, units, tokens."""
-        return self.sum_over_all(tensor)
+        """`tensor` summed over the data-parallel ranks (itself on one process): losses, units, tokens.
+        The ranks of a context-parallel group hold the same (the whole batch's), and count once."""
+        if self.dp_group is None:
+            return self.sum_over_all(tensor)
+        import torch.distributed as dist
+
+        summed = tensor.clone()
+        if self.dp_size > 1:
+            dist.all_reduce(summed, group=self.dp_group)
+        return summed
+
+    def sequences_split(self, alone: bool = False):
+        """The context the step's and the evaluation's forwards run in: split over the context-parallel
+        group (trainloop.parallel.context), or whole (no group, or a process stepping `alone`)."""
+        return nullcontext() if self.cp is None or alone else self.cp.active()
 
     def sum_over_all(self, tensor):
         """`tensor` summed over every process: what all of them must agree on (stop, skip)."""
@@ -109,15 +143,17 @@ class Strategy:
 
         accelerate divides what backward gets by the accumulation steps and DDP averages over the
         ranks: scaled by both, the gradient is the sum of the units' loss gradients / the step's
-        `units`. forward_context: the context each forward runs in (trainloop.step.train_step)."""
+        `units`. A context-parallel group's ranks each hold their slices' share of its batch's
+        gradient, which the average must sum: it is over dp_size x cp_size ranks.
+        forward_context: the context each forward runs in (trainloop.step.train_step)."""
         import torch
 
         accelerator = self.accelerator
-        scale = accelerator.gradient_accumulation_steps * (1 if alone else self.dp_size)
+        scale = accelerator.gradient_accumulation_steps * (1 if alone else self.dp_size * self.cp_size)
         step_loss = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(group):
             with self.micro_step(model, last=i == len(group) - 1):
-                with forward_context():
+                with forward_context(), self.sequences_split(alone):
                     out = objective.batch_loss(model, batch)
                 loss = out.summed * (scale / units)
                 # divided by `scale` too: the step adds the mean penalty of its forwards
@@ -129,7 +165,8 @@ class Strategy:
 
     def eval_sums(self, objective, model, batch: dict):
         """What an evaluation forward of `batch` adds up (the objective's eval_sums), on every rank."""
-        return objective.eval_sums(model, batch)
+        with self.sequences_split():
+            return objective.eval_sums(model, batch)
 
     @contextmanager
     def micro_step(self, model, last: bool):
