@@ -152,8 +152,9 @@ class Strategy:
         scale = accelerator.gradient_accumulation_steps * (1 if alone else self.dp_size * self.cp_size)
         step_loss = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(group):
-            with self.micro_step(model, last=i == len(group) - 1):
-                with forward_context(), self.sequences_split(alone):
+            # split over a context-parallel group through the backward too: a checkpointed block recomputes there
+            with self.micro_step(model, last=i == len(group) - 1), self.sequences_split(alone):
+                with forward_context():
                     out = objective.batch_loss(model, batch)
                 loss = out.summed * (scale / units)
                 # divided by `scale` too: the step adds the mean penalty of its forwards

@@ -1,0 +1,136 @@
+"""Context parallelism (parallel.cp_size, issue 37) for real: torchrun over gloo on CPU, each rank
+holding half of every sequence, attention over the whole sequence by all-to-all, compared with one
+process on the same global batch.
+
+A rank that read other samples, a target not shifted across the slices' seam, a mask or position
+applied to a slice instead of the whole row, a loss counted once per rank: each moves the losses
+by far more than the 1e-5 every logged loss and gradient norm must keep here, over 20 steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import compose, conversation, grad_norms, launch, read_metrics, torchrun, train, write_rows
+from trainloop.config.compose import ConfigError, validate
+
+STEPS = 20
+RUN = ["+preset=smoke", "data.seq_len=512", "data.batch_size=2", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+       "trainer.eval_every=10", "trainer.eval_batches=2", "logging.progress_bar=false", "checkpoint.every_steps=10",
+       "checkpoint.keep_last=2"]
+TOLERANCE = 1e-5
+DATA = Path(__file__).resolve().parent / "data"
+DPO = ["data=preference", "objective=dpo", "adapter=lora", f"data.path={DATA / 'preference.jsonl'}",
+       "data.validation_fraction=0.2", "trainer.eval_batches=null", "optimizer=sgd", "optimizer.lr=0.5"]
+GRPO = ["data=prompts", "objective=grpo", f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]",
+        f"data.path={DATA / 'prompts.jsonl'}", "objective.num_generations=4", "objective.max_new_tokens=6",
+        "objective.num_iterations=2", "data.validation_fraction=0.2", "optimizer.lr=1e-2"]
+
+
+def logged(run_dir: Path) -> list[tuple[int, str, float]]:
+    """Every loss, gradient norm and evaluation value logged, by step."""
+    keys = ("loss", "grad_norm", "reward", "kl", "clip_ratio", "rewards/margin", "eval_loss", "eval_reward",
+            "rewards/accuracy")
+    return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys
+            if isinstance(r.get(key), float)]
+
+
+def assert_same_run(got: Path, want: Path, steps: range = range(1, STEPS + 1)) -> None:
+    a = [x for x in logged(got) if x[0] in steps]
+    b = [x for x in logged(want) if x[0] in steps]
+    assert [k[:2] for k in a] == [k[:2] for k in b] and {s for s, _, _ in a} == set(steps), (a, b)
+    for (step, key, x), (_, _, y) in zip(a, b):
+        assert x == pytest.approx(y, rel=TOLERANCE, abs=TOLERANCE), (step, key, x, y)
+    assert len({x for _, key, x in a if key == "loss"}) > 1  # the model moved
+
+
+def context_parallel(run_dir: Path, *overrides: str, processes: int = 2) -> Path:
+    launch([*torchrun(processes), *RUN, "parallel.cp_size=2", *overrides, f"hydra.run.dir={run_dir}"],
+           cwd=run_dir.parent)
+    assert {r["world_size"] for r in read_metrics(run_dir) if "world_size" in r} == {processes}
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    """One process on packed documents (each row's position ids restart per document)."""
+    return train(tmp_path_factory.mktemp("text") / "one", *RUN, small=False)
+
+
+@pytest.mark.slow
+def test_packed_documents_split_in_two_train_as_one_process_and_resume_on_one(text, tmp_path):
+    """cp=2 with gradient checkpointing (the blocks recompute their all-to-alls in the backward) and
+    the chunked loss on each slice; then its step-10 checkpoint resumes on 1 process."""
+    split = context_parallel(tmp_path / "cp2", "model.gradient_checkpointing=true", "trainer.loss_chunk_tokens=96")
+    assert "sdpa with the documents' block-causal mask" in (split / "train.log").read_text()
+    assert_same_run(split, text)
+    assert grad_norms(split) and len(grad_norms(split)) == STEPS
+
+    checkpoint = tmp_path / "saved"
+    shutil.copytree(split / "checkpoints" / "step_0000010", checkpoint)
+    resumed = train(tmp_path / "resumed", *RUN, f"checkpoint.resume={checkpoint}", small=False)
+    assert_same_run(resumed, split, range(11, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_fsdp2_over_four_processes_with_cp_2_trains_as_one_process(text, tmp_path):
+    """FSDP2 shards over all four ranks (cp folded into the sharding, as torchtitan does); two
+    context-parallel pairs each read a batch of 1: the global batch of 2."""
+    split = context_parallel(tmp_path / "fsdp_cp2", "fsdp=full_shard", "data.batch_size=1", processes=4)
+    assert_same_run(split, text)
+
+
+@pytest.mark.slow
+def test_chat_with_the_assistant_only_loss_and_fewer_key_value_heads_than_ranks(tmp_path):
+    """One key/value head for 4 query heads: repeated to a head per query head before the swap."""
+    rows = write_rows(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(120)])
+    chat = ["data=chat", f"data.path={rows}", "model.num_heads=4", "model.num_kv_heads=1"]
+    one = train(tmp_path / "one", *RUN, *chat, small=False)
+    assert_same_run(context_parallel(tmp_path / "cp2", *chat), one)
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_sums_each_sequence_over_the_slices(tmp_path):
+    """Chosen and rejected rows padded to a multiple of 2 and split; each sequence's log-probability
+    summed over both slices before the loss; the chunked loss on each slice."""
+    one = train(tmp_path / "one", *RUN, *DPO, "data.batch_size=4", small=False)
+    assert_same_run(context_parallel(tmp_path / "cp2", *DPO, "data.batch_size=4", "trainer.loss_chunk_tokens=16"), one)
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_the_completions_of_one_process(tmp_path):
+    """The cp pair samples one process's completions (its data-parallel rank's seeds) on whole
+    sequences; the training forward over prompt + completion (left-padded: its mask built for the
+    whole row) is split. num_iterations=2: the second update's ratio and clipping are not 1."""
+    one = train(tmp_path / "one", *RUN, *GRPO, small=False)
+    assert_same_run(context_parallel(tmp_path / "cp2", *GRPO), one)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["parallel.cp_size=3", "data.seq_len=64"], "parallel.cp_size=3 must divide data.seq_len=64"),
+    (["parallel.cp_size=2", "model.num_heads=1", "model.hidden_size=64"], "must divide model.num_heads=1"),
+    (["parallel.cp_size=2", "deepspeed=zero3"], "parallel.cp_size=2 with deepspeed.stage=3"),
+    (["parallel.cp_size=2", "parallel.pp_size=2"], "with parallel.pp_size > 1"),
+    (["parallel.cp_size=2", "parallel.tp_size=2", "fsdp=full_shard"], "with parallel.tp_size > 1"),
+    (["parallel.cp_size=2", "model.attn_implementation=eager"], "set model.attn_implementation=sdpa"),
+    (["parallel.cp_size=2", "model.arch=mixtral"], "router's load-balancing loss"),
+])
+def test_what_cannot_split_is_refused_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("(", r"\(")):
+        validate(compose("+preset=smoke", *overrides))
+
+
+def test_a_model_whose_heads_or_attention_cannot_split_is_refused():
+    from transformers import LlamaConfig, MistralConfig
+
+    from trainloop.parallel import check_context_model
+
+    cfg = compose("+preset=smoke", "parallel.cp_size=2")
+    check_context_model(cfg, LlamaConfig(num_attention_heads=4, hidden_size=64))
+    with pytest.raises(ConfigError, match=r"must divide the model's attention heads \(3\)"):
+        check_context_model(cfg, LlamaConfig(num_attention_heads=3, hidden_size=48))
+    with pytest.raises(ConfigError, match="a sliding window"):
+        check_context_model(cfg, MistralConfig(num_attention_heads=4, hidden_size=64, sliding_window=16))
