@@ -89,7 +89,7 @@ def build_common(cfg):
     config = build_model_config(cfg.model, len(tokenizer))
     model = build_model(cfg.model, config)
     if (attention := training_attention(cfg, config)) is not None:
-        use(model, attention)
+        use(model, attention, f"data.packing={cfg.data.packing}")
     return train_set, model
 
 

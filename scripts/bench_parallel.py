@@ -1,4 +1,5 @@
-"""DDP, ZeRO-3, FSDP2, FSDP2 x TP and pipelines on N processes, measured in one invocation on this machine.
+"""DDP, ZeRO-3, FSDP2, FSDP2 x TP, pipelines and context parallelism on N processes, measured in one
+invocation on this machine.
 
     python scripts/bench_parallel.py [--nproc 2] [--warmup 2] [--steps 3] [--only ddp fsdp]
                                      [--json OUT] [overrides ...]
@@ -20,7 +21,8 @@ trainloop.parallel.sharding, as run.py prepares them). Per process, the largest 
     libraries included; glibc's usual heap in the timed steps);
   - planned: `python -m trainloop.plan`'s prediction of the training peak for the same config;
   - tokens/s: the global batch's tokens over the median wall-clock time of the timed steps.
-Ratios are against DDP's figures of this same invocation.
+Ratios are against DDP's figures of this same invocation; the context-parallel rows' (one sequence of
+8,192 tokens per data-parallel rank, 4 blocks) against cp 1's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.num_layers=6", "model.hidden_size=768", "model.num_heads=12", "data.seq_len=128",
          "data.batch_size=2", "optimizer=adamw", "precision=fp32", "trainer.gradient_accumulation_steps=1"]
+LONG = ["model.num_layers=4", "data.seq_len=8192", "model.max_position_embeddings=8192", "data.batch_size=1",
+        "data.packing=stream"]
 PIPELINE = ["model.tie_embeddings=false", "parallel.pp_size={nproc}", "trainer.gradient_accumulation_steps={micro}"]
 # name -> (label, preset, the strategy's own overrides; {nproc}: the processes, {micro}: 2 per process)
 STRATEGIES = {
@@ -63,7 +67,14 @@ STRATEGIES = {
     "pp2_fsdp_once": ("the same, reduce-scattered once a step", "fsdp",
                       ["model.tie_embeddings=false", "parallel.pp_size=2", "trainer.gradient_accumulation_steps=4",
                        "fsdp.sync_each_batch=false"]),
+    # context parallelism at a long sequence: 4 blocks, one sequence of 8,192 tokens per data-parallel rank
+    # (a stream of tokens: sdpa's causal kernel, no mask), its ranks each holding 1/cp of it; compared
+    # with cp 1 (DDP) on the same processes. --nproc 4 for cp 4
+    "cp1": ("8,192 tokens: DDP (parallel.cp_size=1)", "ddp", LONG),
+    "cp2": ("8,192 tokens: context parallel, cp_size=2", "ddp", [*LONG, "parallel.cp_size=2"]),
+    "cp4": ("8,192 tokens: context parallel, cp_size=4", "ddp", [*LONG, "parallel.cp_size=4"]),
 }
+BASELINE = {"cp2": "cp1", "cp4": "cp1"}  # the row a row's ratios are against; the others: ddp
 
 
 def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
@@ -121,8 +132,7 @@ def mib(n: float) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    base = results.get("ddp")
-    base = summary(base) if base and "failed" not in base else None
+    """Each row's ratios against DDP's of the same invocation (the context-parallel rows': against cp 1's)."""
     lines = ["| strategy | tokens/s | training peak per process | vs DDP | planned | peak RSS per process | vs DDP "
              "| RSS before the model |", "|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
@@ -130,6 +140,8 @@ def table(results: dict[str, dict]) -> str:
             lines.append(f"| {STRATEGIES[name][0]} | failed: {result['failed']} | | | | | | |")
             continue
         s = summary(result)
+        base = results.get(BASELINE.get(name, "ddp"))
+        base = summary(base) if base and "failed" not in base else None
         ratio = (lambda k: f"{s[k] / base[k]:.2f}x") if base else (lambda k: "-")
         lines.append(f"| {STRATEGIES[name][0]} | {s['tokens_per_s']:,.0f} | {mib(s['training_peak'])} | "
                      f"{ratio('training_peak')} | {mib(s['planned'])} | {mib(s['peak_rss'])} | {ratio('peak_rss')} | "

@@ -32,11 +32,13 @@ def test_each_row_declares_its_keys_in_its_own_module():
             assert Path(inspect.getsourcefile(row.keys)).is_relative_to(REPO / "trainloop" / package), (table, name)
     for section, module in ((schema.DeepSpeedConfig, "parallel/deepspeed_config.py"),
                             (schema.FsdpConfig, "parallel/fsdp2.py"), (schema.TensorParallelConfig, "parallel/tp.py"),
-                            (schema.PipelineConfig, "parallel/pipeline.py")):
+                            (schema.PipelineConfig, "parallel/pipeline.py"), (schema.ParallelKeys, "parallel/base.py")):
         assert Path(inspect.getsourcefile(section)) == REPO / "trainloop" / module
-    # the parallel section is the mesh rows' keys, each declared beside its strategy
+    # the parallel section is the mesh rows' keys, each declared beside its strategy, and the one every
+    # strategy reads (parallel.cp_size) beside the base strategy
     assert set(names(schema.ParallelConfig)) == set(names(schema.TensorParallelConfig)) | set(
-        names(schema.PipelineConfig))
+        names(schema.PipelineConfig)) | {"cp_size"} == set(names(schema.TensorParallelConfig)) | set(
+        names(schema.PipelineConfig)) | set(names(schema.ParallelKeys))
 
 
 def test_a_tables_section_holds_its_shared_keys_and_every_rows_once():

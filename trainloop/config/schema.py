@@ -24,6 +24,7 @@ from trainloop.config.sections import (
     PrecisionConfig, SchedulerConfig, TrainerConfig)
 from trainloop.data.formats import FORMATS
 from trainloop.objectives import OBJECTIVES
+from trainloop.parallel.base import ParallelKeys
 from trainloop.parallel.deepspeed_config import DeepSpeedConfig
 from trainloop.parallel.fsdp2 import FsdpConfig
 from trainloop.parallel.pipeline import PipelineConfig
@@ -80,17 +81,6 @@ class ObjectiveKeys:
     """What a step optimises: a row of trainloop/objectives, each declaring the objective.* keys it reads."""
 
     name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo; grpo)
-
-
-@dataclass
-class ParallelKeys:
-    """The parallel.* keys: the mesh's dimensions beside data parallel, each declared by its strategy
-    but context parallelism, which every strategy reads."""
-
-    # processes that split each sequence (context parallelism: each holds a contiguous 1/cp_size of
-    # every sequence, attention swaps it for the whole sequence on 1/cp_size of the heads by an
-    # all-to-all); 1: none. They read the same samples: data-parallel ranks are processes / cp_size
-    cp_size: int = 1
 
 
 ParallelConfig = union("ParallelConfig", ParallelKeys, {"fsdp2_tp": TensorParallelConfig, "pipeline": PipelineConfig})

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelKeys:
+    """The parallel.* keys: the mesh's dimensions beside data parallel, each declared by its strategy
+    but context parallelism's, which every strategy reads (here)."""
+
+    # processes that split each sequence (context parallelism: each holds a contiguous 1/cp_size of
+    # every sequence, attention swaps it for the whole sequence on 1/cp_size of the heads by an
+    # all-to-all); 1: none. They read the same samples: data-parallel ranks are processes / cp_size
+    cp_size: int = 1
 
 
 def running(accelerator, model=None) -> str:
@@ -236,8 +248,8 @@ class Strategy:
     @staticmethod
     def model_parallel(cfg) -> int:
         """Processes that hold one data-parallel replica together (tensor-parallel ranks, pipeline
-        stages): the data-parallel size is the process count over this."""
-        return 1
+        stages, a context-parallel group): the data-parallel size is the process count over this."""
+        return cfg.parallel.cp_size
 
     @staticmethod
     def min_accumulation(cfg) -> int:

@@ -28,11 +28,15 @@ class FSDP2(Strategy):
     name = "fsdp2"
     saves_async = True
     autocast = False  # MixedPrecisionPolicy: blocks compute on bf16 copies of the fp32 shards
-    off = {"fsdp": "none", "fsdp.offload": "none"}
+    off = {"fsdp": "none", "fsdp.offload": "none", "parallel.cp_size": 1}
 
     @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:
-        return {"FSDP2": {"fsdp": "full_shard"}, "FSDP2 + CPU offload": {"fsdp": "full_shard", "fsdp.offload": "cpu"}}
+        """FSDP2, with CPU offload, and with context parallelism over 2, 4 and 8 of a node's GPUs
+        (long sequences: each holds a slice of every sequence; FSDP2 shards over all, cp folded in)."""
+        return {"FSDP2": {"fsdp": "full_shard"}, "FSDP2 + CPU offload": {"fsdp": "full_shard", "fsdp.offload": "cpu"},
+                **{f"FSDP2 x CP{n}": {"fsdp": "full_shard", "parallel.cp_size": n}
+                   for n in (2, 4, 8) if gpus_per_node % n == 0}}
 
     @staticmethod
     def settings(cfg) -> dict:

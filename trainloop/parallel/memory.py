@@ -27,7 +27,9 @@ class Line:
 class Transfer:
     what: str
     bytes: int  # sent by one process per optimizer step (a ring collective's share: ring_bytes)
-    link: str  # dp: among the data-parallel ranks; tp: within a tensor-parallel group; pcie: host <-> device
+    # dp: among the data-parallel ranks; tp: within a tensor-parallel group; cp: within a context-parallel
+    # group; pp: between pipeline stages; pcie: host <-> device
+    link: str
     note: str = ""
 
 
@@ -78,7 +80,7 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
                      checkpointing: bool, attention: str, chunked: bool = False,
                      packed: bool = False, fp8: bool = False, tp: int = 1,
                      sequence_parallel: bool = False, blocks: float | None = None,
-                     outputs: int = 1) -> tuple[int, int]:
+                     outputs: int = 1, cp: int = 1) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
 
     Bytes per token per layer of Hugging Face's Llama, GPT-2 and Mixtral layers, counted from the
@@ -106,10 +108,14 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
     (it gathers first). tests/test_tensor_parallel.py measures both on 2 tp ranks. `blocks`: the
     blocks' activations a process keeps at its peak, in one micro-batch's blocks (a pipeline stage's
     blocks times its micro-batches in flight; default every block, once); `outputs`: the micro-batches
-    whose output layer and logits it keeps (0 on a pipeline stage without them).
+    whose output layer and logits it keeps (0 on a pipeline stage without them). `cp`
+    (parallel.cp_size): each rank holds 1/cp of every sequence's tokens through the blocks and the
+    loss; attention's own tensors are the whole sequence on 1/cp of the heads, as many bytes; the
+    packed documents' mask is the whole sequence's.
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
+    whole_seq, seq = seq, seq // cp  # this rank's slice of each sequence
     tokens = batch * seq
     logits = 0 if chunked else 4 * V  # the fp32 log-softmax cross-entropy keeps
     cast = half and autocast  # 16-bit copies made for each matmul; norms and residual stream in fp32
@@ -147,7 +153,7 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
     weight_copies = (1 if fp8 else 2) * (shape.layer_linear_params - shape.expert_params // shape.num_layers) \
         // tp if autocast else 0
     rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
-    mask = batch * seq * seq * (2 if half else 4) if packed and attention == "sdpa" else 0
+    mask = batch * whole_seq * whole_seq * (2 if half else 4) if packed and attention == "sdpa" else 0
     sp = tp if sequence_parallel else 1  # the sequence's share of a tp rank, between the split matrices
     layer = tokens * norms // sp + tokens * whole + tokens * (split + mlp) // tp + weight_copies + mask
     blocks = shape.num_layers if blocks is None else blocks
@@ -155,3 +161,24 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
         return round(blocks * layer) + outputs * rest, 0
     residual = tokens * h * (2 if half and not autocast else 4) // sp  # each layer's input, kept
     return round(blocks * residual) + outputs * rest, layer
+
+
+def all_to_all_bytes(nbytes: int, ranks: int) -> int:
+    """Bytes one rank sends in an all-to-all of a tensor of `nbytes` (its own): all but its own share."""
+    return (ranks - 1) * nbytes // ranks
+
+
+def context_parallel_traffic(shape, batch: int, seq: int, half: bool, cp: int, checkpointing: bool,
+                             micro_batches: int) -> Transfer:
+    """Context parallelism's all-to-alls per optimizer step (trainloop.parallel.context): each
+    block's forward swaps this rank's slice of the queries, keys and values for the whole sequence
+    on its heads and the attention output back; the backward swaps their gradients the same way,
+    and a checkpointed block's recomputed forward swaps again."""
+    kv = shape.kv_heads * shape.hidden // shape.heads
+    kv = kv if shape.kv_heads % cp == 0 else shape.hidden  # too few to split: repeated per query head first
+    tokens = batch * seq // cp
+    forward = all_to_all_bytes(tokens * (2 * shape.hidden + 2 * kv) * (2 if half else 4), cp)
+    passes = 3 if checkpointing else 2
+    return Transfer("attention all-to-all (sequence <-> heads)", forward * passes * shape.num_layers * micro_batches,
+                    "cp", note=f"{shape.num_layers} blocks x {micro_batches} micro-batch(es), forward and backward"
+                               + (" and the recomputed forward" if checkpointing else ""))

@@ -43,7 +43,7 @@ from trainloop.memory.proc import reset_peak_rss, status_bytes
 from trainloop.objectives import OBJECTIVES
 from trainloop.optim.optimizers import hidden_matrices
 from trainloop.parallel import row
-from trainloop.parallel.memory import Line, MemoryPlan, activation_bytes
+from trainloop.parallel.memory import Line, MemoryPlan, activation_bytes, context_parallel_traffic
 from trainloop.parallel.tp import layout_problem
 
 GIB = 1024**3
@@ -231,7 +231,7 @@ def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: boo
       copy of the output weight under autocast.
     The note gives the logits term both ways."""
     V, h, chunk = shape.vocab, shape.hidden, cfg.trainer.loss_chunk_tokens
-    tokens = batch * cfg.data.seq_len  # a forward's sequences (a preference pair is two)
+    tokens = batch * cfg.data.seq_len // cfg.parallel.cp_size  # a forward's sequences (a preference pair is two)
     head_trains = shape.trainable is None  # an adapter freezes the output layer
 
     def chunked(c: int) -> int:
@@ -273,12 +273,17 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     fp8 = cfg.precision.name == "fp8"
     tp, sp = strategy.tensor_parallel(cfg)
     blocks, outputs = strategy.activations_held(cfg, shape)
+    cp = cfg.parallel.cp_size
+    if cp > 1:
+        plan.traffic.append(context_parallel_traffic(shape, batch, cfg.data.seq_len, half, cp,
+                                                     cfg.model.gradient_checkpointing,
+                                                     cfg.trainer.gradient_accumulation_steps))
 
     def activations(checkpointing: bool) -> tuple[int, int]:  # this run's, with or without checkpointing
         return activation_bytes(shape, batch, cfg.data.seq_len, half, autocast=autocast, checkpointing=checkpointing,
                                 attention=cfg.model.attn_implementation, chunked=cfg.trainer.loss_chunk_tokens > 0,
                                 packed=cfg.data.packing == "documents", fp8=fp8, tp=tp, sequence_parallel=sp,
-                                blocks=blocks, outputs=outputs)
+                                blocks=blocks, outputs=outputs, cp=cp)
 
     saved, recompute = activations(cfg.model.gradient_checkpointing)
     if fp8:
@@ -291,6 +296,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                   + (f", attention{'' if shape.num_experts else ' and MLP'} inner tensors 1/{tp} (tensor parallel)"
                      if tp > 1 else "")
                   + (f", norms and residual stream 1/{tp} (sequence parallel)" if sp else "")
+                  + (f", 1/{cp} of every sequence (context parallel)" if cp > 1 else "")
                   + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
@@ -652,6 +658,7 @@ def render(report: dict) -> str:
 
 
 LINKS = {"dp": "among the data-parallel ranks", "tp": "within each tensor-parallel group",
+         "cp": "within each context-parallel group", "pp": "between pipeline stages",
          "pcie": "between host and device (PCIe)"}
 
 

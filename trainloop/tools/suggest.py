@@ -2,8 +2,8 @@
 
 Every layout of the table below (DDP, ZeRO-1/2/3 with and without CPU offload, FSDP2 with and
 without CPU offload, FSDP2 x TP for each tp dividing the GPUs of a node, each with and without
-sequence parallelism where the blocks are Llama's, and 2, 4 and 8 pipeline stages with FSDP2 on
-the rest), with and without
+sequence parallelism where the blocks are Llama's, FSDP2 with 2, 4 and 8 context-parallel ranks
+splitting each sequence, and 2, 4 and 8 pipeline stages with FSDP2 on the rest), with and without
 gradient checkpointing, at every micro-batch x accumulation that keeps the global batch, is
 planned by the planner itself (plan_memory on the composed config, verdict against the GPUs:
 GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimated step time:
@@ -11,8 +11,9 @@ GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimate
     compute  FLOPs per token (trainloop/observe/flops.py: 6 N + attention) x the step's tokens / (GPUs x
              peak x MFU); x 4/3 with gradient checkpointing (the forward runs twice); under tensor
              parallelism every tp rank also runs the whole output head (trainloop does not split it)
-    + links  each transfer the plan counts (plan.traffic: the strategy's collectives and PCIe
-             copies) / its link's bandwidth, NOT overlapped with compute: an upper bound
+    + links  each transfer the plan counts (plan.traffic: the strategy's collectives, context
+             parallelism's all-to-alls and PCIe copies) / its link's bandwidth, NOT overlapped with
+             compute: an upper bound
     + CPU    an offloaded optimizer's step (plan.cpu_stepped_params) at an assumed rate
     + bubble a pipeline's idle stages: compute x (pp_size - 1) / micro-batches (Strategy.bubble)
 
@@ -128,10 +129,11 @@ class StepTime:
     cpu_optimizer: float
     pp: float = 0.0  # a pipeline's activations and their gradients, point to point
     bubble: float = 0.0  # a pipeline's stages idle while it fills and drains
+    cp: float = 0.0  # context parallelism's all-to-alls around attention
 
     @property
     def total(self) -> float:  # nothing overlapped
-        return self.compute + self.dp + self.tp + self.pcie + self.cpu_optimizer + self.pp + self.bubble
+        return self.compute + self.dp + self.tp + self.pcie + self.cpu_optimizer + self.pp + self.bubble + self.cp
 
 
 @dataclass
@@ -259,7 +261,8 @@ def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, mod
     return StepTime(compute, dp=plan.sent("dp") / (link * 1e9), tp=plan.sent("tp") / (v["intra_node_gbs"] * 1e9),
                     pcie=plan.sent("pcie") / (v["pcie_gbs"] * 1e9),
                     cpu_optimizer=plan.cpu_stepped_params / (v["cpu_optimizer_gparams"] * 1e9),
-                    pp=plan.sent("pp") / (link * 1e9), bubble=compute * bubble)
+                    pp=plan.sent("pp") / (link * 1e9), bubble=compute * bubble,
+                    cp=plan.sent("cp") / (v["intra_node_gbs"] * 1e9))
 
 
 def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: int | None = None) -> Suggestion:
@@ -268,7 +271,8 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
     user = cfg = compose_config(overrides)  # the user's own config: its model and its global batch
     group = row(cfg).model_parallel(cfg)
     if cluster.gpus % group:
-        sizes = " x ".join(f"parallel.{k}={cfg.parallel[k]}" for k in ("pp_size", "tp_size") if cfg.parallel[k] > 1)
+        sizes = " x ".join(f"parallel.{k}={cfg.parallel[k]}" for k in ("pp_size", "tp_size", "cp_size")
+                           if cfg.parallel[k] > 1)
         raise ConfigError(f"{sizes} does not divide --gpus {cluster.gpus}: the default global batch is "
                           f"data.batch_size x accumulation x (GPUs / {group}); give --global-batch N or other sizes")
     if global_batch is None:
@@ -284,7 +288,7 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
     methods = METHODS if user.adapter.name == "none" and user.model.quantization == "none" else {}
     for name, layout in layouts(cluster.per_node).items():
         tp = layout.get("parallel.tp_size", 1)
-        group = tp * layout.get("parallel.pp_size", 1)  # the processes of one data-parallel replica
+        group = tp * layout.get("parallel.pp_size", 1) * layout.get("parallel.cp_size", 1)  # one replica's processes
         dp = cluster.gpus // group
         if cluster.device == "cpu" and "cpu" in layout.values():
             s.not_applied[name] = "offload moves states to host memory; CPU processes hold them there already"
@@ -392,8 +396,8 @@ def assumption_lines(s: Suggestion) -> list[str]:
         a = ASSUMPTIONS[key]
         used = "" if key != "inter_node_gbs" or c.nodes > 1 else " (unused: one node)"
         out.append(f"{v[key]:g} {a.unit} ({a.flag}){used}: {a.why}")
-    out.append(f"tensor parallelism within a node; data-parallel collectives and a pipeline's point-to-point "
-               f"transfers at the {'inter' if c.nodes > 1 else 'intra'}-node bandwidth")
+    out.append(f"tensor and context parallelism within a node; data-parallel collectives and a pipeline's "
+               f"point-to-point transfers at the {'inter' if c.nodes > 1 else 'intra'}-node bandwidth")
     out.append("a pipeline's bubble: its stages idle (pp_size - 1) / micro-batches of the step's compute while the "
                "micro-batches fill and drain it (1F1B), added to the step")
     gpu = (f"{GPU_USABLE:.0%} of each GPU's memory (the CUDA context, NCCL and fragmentation take the rest) and "
