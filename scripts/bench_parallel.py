@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.num_layers=6", "model.hidden_size=768", "model.num_heads=12", "data.seq_len=128",
          "data.batch_size=2", "optimizer=adamw", "precision=fp32", "trainer.gradient_accumulation_steps=1"]
 LONG = ["model.num_layers=4", "data.seq_len=8192", "model.max_position_embeddings=8192", "data.batch_size=1",
-        "data.packing=stream"]
+        "data.packing=stream", "data.validation_fraction=0.1"]
 PIPELINE = ["model.tie_embeddings=false", "parallel.pp_size={nproc}", "trainer.gradient_accumulation_steps={micro}"]
 # name -> (label, preset, the strategy's own overrides; {nproc}: the processes, {micro}: 2 per process)
 STRATEGIES = {
