@@ -34,3 +34,13 @@ def test_ratios_are_against_ddp_and_a_failed_strategy_says_why():
     assert "| 0.50x |" in rows["FSDP2 (fully_shard)"] and "| 0.67x |" in rows["FSDP2 (fully_shard)"]
     assert "| 1.00x |" in rows["DDP"]
     assert "failed: exit 1: deepspeed is not installed" in rows["DeepSpeed ZeRO-3"]
+
+
+def test_the_context_parallel_rows_are_against_cp_1():
+    results = {"ddp": measured([1000, 1000], [1500, 1500], [2.0]),
+               "cp1": measured([3200, 3200], [5000, 5000], [2.0]),
+               "cp2": measured([1900, 1880], [3400, 3400], [2.0])}
+    rows = {row.split(" | ")[0].lstrip("| "): row for row in bench_parallel.table(results).splitlines()[2:]}
+    assert "| 1.00x |" in rows[bench_parallel.STRATEGIES["cp1"][0]]  # its own base, not DDP's 0.31x
+    assert "| 0.59x |" in rows[bench_parallel.STRATEGIES["cp2"][0]] and "| 0.68x |" in rows[
+        bench_parallel.STRATEGIES["cp2"][0]]

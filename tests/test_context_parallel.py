@@ -134,3 +134,23 @@ def test_a_model_whose_heads_or_attention_cannot_split_is_refused():
         check_context_model(cfg, LlamaConfig(num_attention_heads=3, hidden_size=48))
     with pytest.raises(ConfigError, match="a sliding window"):
         check_context_model(cfg, MistralConfig(num_attention_heads=4, hidden_size=64, sliding_window=16))
+
+
+def test_the_planner_gives_each_rank_its_slice_and_counts_the_all_to_alls():
+    """A stream of tokens (no mask): the activations and the logits' gradients of a rank at cp=2 are
+    those of half the sequence at cp=1; the model states are the strategy's (DDP: whole); the
+    all-to-alls are four tensors of the slice forward and back, per block (measured: bench_parallel)."""
+    from trainloop.tools.plan import model_shape, plan_memory
+
+    long = ["+preset=smoke", "data.packing=stream", "data.seq_len=2048", "model.max_position_embeddings=2048"]
+    whole = compose(*long)
+    half = compose(*long[:-2], "data.seq_len=1024", "model.max_position_embeddings=2048")
+    split = compose(*long, "parallel.cp_size=2")
+    plans = {name: plan_memory(cfg, model_shape(cfg), 2, "cpu") for name, cfg in
+             (("whole", whole), ("half", half), ("split", split))}
+    for what in ("activations", "logits' gradients", "parameters", "optimizer states"):
+        assert plans["split"].get(what) == plans["half"].get(what), what
+    assert plans["split"].get("activations") < 0.55 * plans["whole"].get("activations")
+    shape, tokens = model_shape(split), split.data.batch_size * 1024
+    assert plans["split"].sent("cp") == shape.num_layers * 2 * (tokens * 4 * shape.hidden * 4) // 2
+    assert plans["whole"].sent("cp") == 0

@@ -84,6 +84,25 @@ def test_pipeline_layouts_are_weighed_with_their_bubble_and_point_to_point_traff
     assert "a pipeline's bubble" in suggestion.render(llama_8b, top=5)
 
 
+def test_an_8b_shape_at_131072_tokens_fits_with_context_parallelism_where_fsdp2_alone_does_not():
+    """Issue 37, item 7: one sequence of 131,072 tokens per GPU (a stream, the loss chunked). FSDP2
+    alone keeps every block's slice of it on each GPU and does not fit, which the listing says with
+    its biggest line; FSDP2 x CP splits each sequence, fits by its own plan and pays its all-to-alls."""
+    long = [o for o in LLAMA_8B if not o.startswith(("model.max_position_embeddings=", "data.seq_len="))]
+    long += ["model.max_position_embeddings=131072", "data.seq_len=131072", "data.packing=stream",
+             "data.batch_size=1", "trainer.loss_chunk_tokens=4096"]
+    s = suggestion.run(args(*NODE, *long))
+    cp = [o for o in s.fitting if o.layout.startswith("FSDP2 x CP")]
+    assert cp and all(o.time.cp > 0 and f"parallel.cp_size={o.layout[-1]}" in o.overrides for o in cp)
+    assert not any(o.fits for o in s.options if o.layout == "FSDP2")
+    first = cp[0]
+    cfg = compose_config(long + first.overrides)
+    assert plan_memory(cfg, model_shape(cfg), 8, "cuda", 8).peak("gpu") == first.memory <= GPU_USABLE * 80 * GIB
+    said = [line for line in suggestion.render(s, top=5).splitlines()
+            if line.lstrip().startswith("FSDP2 + checkpointing:")]
+    assert said and "does NOT" in said[0]
+
+
 @pytest.mark.slow
 def test_the_step_time_model_moves_the_right_way(llama_8b):
     """What the estimate must do, checked on the 8B suggestion (its absolute numbers cannot be
