@@ -74,7 +74,7 @@ STRATEGIES = {
     "cp2": ("8,192 tokens: context parallel, cp_size=2", "ddp", [*LONG, "parallel.cp_size=2"]),
     "cp4": ("8,192 tokens: context parallel, cp_size=4", "ddp", [*LONG, "parallel.cp_size=4"]),
 }
-BASELINE = {"cp2": "cp1", "cp4": "cp1"}  # the row a row's ratios are against; the others: ddp
+BASELINE = {"cp1": "cp1", "cp2": "cp1", "cp4": "cp1"}  # the row each row's ratios are against; the others: ddp
 
 
 def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
