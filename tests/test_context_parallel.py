@@ -63,7 +63,8 @@ def text(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_packed_documents_split_in_two_train_as_one_process_and_resume_on_one(text, tmp_path):
     """cp=2 with gradient checkpointing (the blocks recompute their all-to-alls in the backward) and
-    the chunked loss on each slice; then its step-10 checkpoint resumes on 1 process."""
+    the chunked loss on each slice; then its step-10 checkpoint resumes on 1 process, and one
+    process's on cp 2."""
     split = context_parallel(tmp_path / "cp2", "model.gradient_checkpointing=true", "trainer.loss_chunk_tokens=96")
     assert "sdpa with the documents' block-causal mask" in (split / "train.log").read_text()
     assert_same_run(split, text)
@@ -73,6 +74,10 @@ def test_packed_documents_split_in_two_train_as_one_process_and_resume_on_one(te
     shutil.copytree(split / "checkpoints" / "step_0000010", checkpoint)
     resumed = train(tmp_path / "resumed", *RUN, f"checkpoint.resume={checkpoint}", small=False)
     assert_same_run(resumed, split, range(11, STEPS + 1))
+    # and one process's step-10 checkpoint on cp 2
+    one_process = text / "checkpoints" / "step_0000010"
+    split_later = context_parallel(tmp_path / "cp2_resumed", f"checkpoint.resume={one_process}")
+    assert_same_run(split_later, text, range(11, STEPS + 1))
 
 
 @pytest.mark.slow
@@ -81,6 +86,16 @@ def test_fsdp2_over_four_processes_with_cp_2_trains_as_one_process(text, tmp_pat
     context-parallel pairs each read a batch of 1: the global batch of 2."""
     split = context_parallel(tmp_path / "fsdp_cp2", "fsdp=full_shard", "data.batch_size=1", processes=4)
     assert_same_run(split, text)
+
+
+@pytest.mark.slow
+def test_zero3_with_cp_2_trains_as_one_process_and_its_checkpoint_keeps_its_processes(text, tmp_path, deepspeed_ops):
+    """DeepSpeed averages the gradients over every process, as DDP does; each rank's ZeRO-3 partition
+    files hold its share, so its checkpoint resumes only as saved: cp 2 -> 1 is refused by name."""
+    split = context_parallel(tmp_path / "zero3_cp2", "deepspeed=zero3", "checkpoint.every_steps=20")
+    assert_same_run(split, text)
+    refused = launch(["python", "-m", "trainloop", *RUN, "deepspeed=zero3", f"hydra.run.dir={split}"], check=False)
+    assert refused.returncode == 2 and "parallel.cp_size: 2 -> 1" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -112,7 +127,6 @@ def test_grpo_trains_on_the_completions_of_one_process(tmp_path):
 @pytest.mark.parametrize("overrides, says", [
     (["parallel.cp_size=3", "data.seq_len=64"], "parallel.cp_size=3 must divide data.seq_len=64"),
     (["parallel.cp_size=2", "model.num_heads=1", "model.hidden_size=64"], "must divide model.num_heads=1"),
-    (["parallel.cp_size=2", "deepspeed=zero3"], "parallel.cp_size=2 with deepspeed.stage=3"),
     (["parallel.cp_size=2", "parallel.pp_size=2"], "with parallel.pp_size > 1"),
     (["parallel.cp_size=2", "parallel.tp_size=2", "fsdp=full_shard"], "with parallel.tp_size > 1"),
     (["parallel.cp_size=2", "model.attn_implementation=eager"], "set model.attn_implementation=sdpa"),

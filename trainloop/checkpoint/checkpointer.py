@@ -63,7 +63,10 @@ class Checkpointer:
     def fingerprint(self) -> dict:
         """What this run's saves record, from the config as the run applied it (a batch size
         settled by trainer.auto_batch_size included), and the data's own fingerprint."""
-        return {**run_fingerprint(self.recorded, self.strategy.dp_size), **self.data_fingerprint}
+        fingerprint = run_fingerprint(self.recorded, self.strategy.dp_size)
+        if self.strategy.keeps_world_size(self.cfg):  # each rank's files hold its partition: cp ranks' too
+            fingerprint["parallel.cp_size"] = self.cfg.parallel.cp_size
+        return {**fingerprint, **self.data_fingerprint}
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0

@@ -84,12 +84,11 @@ def context_problems(cfg) -> list[str]:
     if cfg.data.seq_len % cp:
         found.append(f"{key} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every "
                      f"sequence; choose data.seq_len={cfg.data.seq_len + (-cfg.data.seq_len % cp)}")
-    for other, why in ((cfg.deepspeed.stage, f"deepspeed.stage={cfg.deepspeed.stage}"),
-                       (cfg.parallel.pp_size > 1, "parallel.pp_size > 1"),
+    for other, why in ((cfg.parallel.pp_size > 1, "parallel.pp_size > 1"),
                        (cfg.parallel.tp_size > 1, "parallel.tp_size > 1")):
         if other:
-            found.append(f"{key} with {why}: context parallelism runs with data parallelism and FSDP2 "
-                         "(fsdp=full_shard); choose deepspeed=none, parallel.pp_size=1 and parallel.tp_size=1")
+            found.append(f"{key} with {why}: context parallelism runs with DDP, DeepSpeed ZeRO and FSDP2 "
+                         "(fsdp=full_shard); choose parallel.pp_size=1 and parallel.tp_size=1")
     if cfg.model.attn_implementation != "sdpa":
         found.append(f"{key} attends through sdpa over the whole sequence, not model.attn_implementation="
                      f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa")
