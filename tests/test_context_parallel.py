@@ -89,6 +89,17 @@ def test_fsdp2_over_four_processes_with_cp_2_trains_as_one_process(text, tmp_pat
 
 
 @pytest.mark.slow
+def test_tensor_parallel_2_x_cp_2_trains_as_one_process(tmp_path):
+    """A dp x cp x tp mesh on 4 processes: each tp rank holds 2 of the 4 heads, and its cp pair
+    swaps the sequence for 1 of those; FSDP2 shards over cp (folded into dp_shard)."""
+    heads = ["model.num_heads=4"]
+    one = train(tmp_path / "one", *RUN, *heads, small=False)
+    split = context_parallel(tmp_path / "tp2_cp2", *heads, "fsdp=full_shard", "parallel.tp_size=2", processes=4)
+    assert "2 dp_shard (1 dp x 2 cp) x 2 tp" in (split / "train.log").read_text()
+    assert_same_run(split, one)
+
+
+@pytest.mark.slow
 def test_zero3_with_cp_2_trains_as_one_process_and_its_checkpoint_keeps_its_processes(text, tmp_path, deepspeed_ops):
     """DeepSpeed averages the gradients over every process, as DDP does; each rank's ZeRO-3 partition
     files hold its share, so its checkpoint resumes only as saved: cp 2 -> 1 is refused by name."""
@@ -128,7 +139,10 @@ def test_grpo_trains_on_the_completions_of_one_process(tmp_path):
     (["parallel.cp_size=3", "data.seq_len=64"], "parallel.cp_size=3 must divide data.seq_len=64"),
     (["parallel.cp_size=2", "model.num_heads=1", "model.hidden_size=64"], "must divide model.num_heads=1"),
     (["parallel.cp_size=2", "parallel.pp_size=2"], "with parallel.pp_size > 1"),
-    (["parallel.cp_size=2", "parallel.tp_size=2", "fsdp=full_shard"], "with parallel.tp_size > 1"),
+    (["parallel.cp_size=2", "parallel.tp_size=2", "fsdp=full_shard"],
+     "parallel.cp_size=2 x parallel.tp_size=2 must divide model.num_heads=2"),
+    (["parallel.cp_size=2", "parallel.tp_size=2", "fsdp=full_shard", "model.num_heads=4",
+      "parallel.sequence_parallel=true"], "with parallel.sequence_parallel=true"),
     (["parallel.cp_size=2", "model.attn_implementation=eager"], "set model.attn_implementation=sdpa"),
     (["parallel.cp_size=2", "model.arch=mixtral"], "router's load-balancing loss"),
 ])

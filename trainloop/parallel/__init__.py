@@ -84,17 +84,19 @@ def context_problems(cfg) -> list[str]:
     if cfg.data.seq_len % cp:
         found.append(f"{key} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every "
                      f"sequence; choose data.seq_len={cfg.data.seq_len + (-cfg.data.seq_len % cp)}")
-    for other, why in ((cfg.parallel.pp_size > 1, "parallel.pp_size > 1"),
-                       (cfg.parallel.tp_size > 1, "parallel.tp_size > 1")):
-        if other:
-            found.append(f"{key} with {why}: context parallelism runs with DDP, DeepSpeed ZeRO and FSDP2 "
-                         "(fsdp=full_shard); choose parallel.pp_size=1 and parallel.tp_size=1")
+    if cfg.parallel.pp_size > 1:
+        found.append(f"{key} with parallel.pp_size > 1: context parallelism runs with DDP, DeepSpeed ZeRO, FSDP2 "
+                     "and FSDP2 x TP, not with a pipeline; choose parallel.pp_size=1 or parallel.cp_size=1")
+    if cfg.parallel.sequence_parallel:
+        found.append(f"{key} with parallel.sequence_parallel=true: the sequence is split over the cp ranks already; "
+                     "set parallel.sequence_parallel=false")
     if cfg.model.attn_implementation != "sdpa":
         found.append(f"{key} attends through sdpa over the whole sequence, not model.attn_implementation="
                      f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa")
-    if cfg.model.name == "tiny" and cfg.model.num_heads % cp:
-        found.append(f"{key} must divide model.num_heads={cfg.model.num_heads}: each rank attends with 1/cp "
-                     "of the heads")
+    tp = cfg.parallel.tp_size
+    if cfg.model.name == "tiny" and cfg.model.num_heads % (cp * tp):
+        found.append(f"{key}" + (f" x parallel.tp_size={tp}" if tp > 1 else "") + f" must divide model.num_heads="
+                     f"{cfg.model.num_heads}: each rank attends with 1/cp of the heads (of its tp share)")
     if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":
         found.append(f"{key} with model.arch=mixtral: the router's load-balancing loss is taken over a forward's "
                      "tokens, which context parallelism splits; choose another model.arch or parallel.cp_size=1")
@@ -109,10 +111,12 @@ def check_context_model(cfg, model_config) -> None:
     cp = cfg.parallel.cp_size
     if cp == 1:
         return
-    heads = getattr(model_config, "num_attention_heads", None) or getattr(model_config, "n_head", None)
-    if heads is None or heads % cp:
-        raise ConfigError(f"parallel.cp_size={cp} must divide the model's attention heads ({heads}): each rank "
-                          "attends with 1/cp of them; choose a parallel.cp_size that divides them")
+    heads, tp = getattr(model_config, "num_attention_heads", None) or getattr(model_config, "n_head", None), \
+        cfg.parallel.tp_size
+    if heads is None or heads % (cp * tp):
+        raise ConfigError(f"parallel.cp_size={cp}" + (f" x parallel.tp_size={tp}" if tp > 1 else "") +
+                          f" must divide the model's attention heads ({heads}): each rank attends with 1/cp of "
+                          "them (of its tp share); choose a parallel.cp_size that divides them")
     if getattr(model_config, "sliding_window", None) or getattr(model_config, "layer_types", None) and any(
             t != "full_attention" for t in model_config.layer_types):
         raise ConfigError(f"parallel.cp_size={cp}: this model's attention is not causal over the whole sequence "

@@ -233,7 +233,11 @@ class Strategy:
 
     def where(self) -> str:
         acc = self.accelerator
-        return f"{acc.num_processes} process(es), {acc.device}, backend {acc.state.backend}"
+        return f"{acc.num_processes} process(es){self.splits()}, {acc.device}, backend {acc.state.backend}"
+
+    def splits(self) -> str:
+        """The log line's word on context parallelism, if any."""
+        return f", context parallel: {self.cp_size} processes split each sequence" if self.cp is not None else ""
 
     # -- the planner's, --suggest's and the doctor's terms ---------------------------------------------
     # this strategy's keys at the values that turn it off: a layout --suggest weighs sets every row's,

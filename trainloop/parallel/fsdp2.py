@@ -127,7 +127,8 @@ class FSDP2(Strategy):
             raise RuntimeError(f"fsdp={self.cfg.fsdp.name} but the model is not sharded ({acc.distributed_type}): "
                                "FSDP2 was not applied")
         backend = dist.get_backend()  # accelerate names none for one process: the group FSDP2 uses
-        return f"{describe_sharding(model)} ({acc.num_processes} process(es), {acc.device}, backend {backend})"
+        return (f"{describe_sharding(model)} ({acc.num_processes} process(es){self.splits()}, {acc.device}, "
+                f"backend {backend})")
 
     @staticmethod
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:

@@ -94,32 +94,50 @@ class FSDP2xTP(FSDP2):
                 "parallel.sequence_parallel": cfg.parallel.sequence_parallel}
 
     def __init__(self, cfg, accelerator):
-        super().__init__(cfg, accelerator)
         self.tp_size, processes = cfg.parallel.tp_size, accelerator.num_processes
-        if layout_problem(self.tp_size, processes):
-            raise ConfigError(layout_problem(self.tp_size, processes))
+        if layout_problem(self.tp_size * cfg.parallel.cp_size, processes):
+            raise ConfigError(layout_problem(self.tp_size, processes) or
+                              f"parallel.tp_size={self.tp_size} x parallel.cp_size={cfg.parallel.cp_size} does not "
+                              f"divide the {processes} process(es): launch a multiple of their product")
+        super().__init__(cfg, accelerator)  # a context-parallel group: its mesh is ours (_context_parallel)
+        if self.cp is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # row-major: ranks 0..tp-1 are one tp group (the fastest links on a node), as torchtitan lays it out
+            self.mesh = init_device_mesh(self.device.type, (processes // self.tp_size, self.tp_size),
+                                         mesh_dim_names=("dp_shard", "tp"))
+
+    def _context_parallel(self):
+        """A dp x cp x tp mesh (tp innermost, then cp), FSDP2 sharding over dp and cp flattened into
+        dp_shard, as torchtitan folds cp into its sharding: the tp split stays within a group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        # row-major: ranks 0..tp-1 are one tp group (the fastest links on a node), as torchtitan lays it out
-        self.mesh = init_device_mesh(self.device.type, (processes // self.tp_size, self.tp_size),
-                                     mesh_dim_names=("dp_shard", "tp"))
+        from trainloop.parallel.context import ContextParallel
+
+        cp, tp = self.cp_size, self.tp_size
+        mesh = init_device_mesh(self.device.type, (self.world_size // (cp * tp), cp, tp),
+                                mesh_dim_names=("dp", "cp", "tp"))
+        mesh["dp", "cp"]._flatten("dp_shard")
+        self.mesh = mesh["dp_shard", "tp"]
+        return ContextParallel(mesh.get_group("cp"), cp, mesh.get_local_rank("cp")), mesh.get_group("dp")
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // (self.tp_size * self.cp_size)
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp_shard")
+        return self.accelerator.process_index // (self.tp_size * self.cp_size)  # the mesh is row-major
 
     def reduce_sum(self, tensor):
-        """Summed over the dp_shard dimension: a tp group's ranks hold the same loss and units."""
+        """Summed over the data-parallel ranks: a tp group's ranks hold the same loss and units, and
+        so does a context-parallel group's."""
         import torch.distributed as dist
 
         if self.dp_size == 1:
             return tensor
         summed = tensor.clone()
-        dist.all_reduce(summed, group=self.mesh.get_group("dp_shard"))
+        dist.all_reduce(summed, group=self.dp_group if self.cp is not None else self.mesh.get_group("dp_shard"))
         return summed
 
     def shard(self, model):
@@ -168,8 +186,9 @@ class FSDP2xTP(FSDP2):
             raise RuntimeError("parallel.sequence_parallel=true but no norm computes on a sequence shard")
         if norms:
             whole += f"; sequence parallelism: {norms} norms and the residual stream on 1/{tp} of the sequence"
-        return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard x {tp} tp, {split} linear layers split "
-                f"column-/row-wise over tp{whole}; {describe_sharding(model)} ({self.world_size} process(es), "
+        folded = f" ({dp // self.cp_size} dp x {self.cp_size} cp)" if self.cp is not None else ""
+        return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard{folded} x {tp} tp, {split} linear layers "
+                f"split column-/row-wise over tp{whole}; {describe_sharding(model)} ({self.world_size} process(es), "
                 f"{self.device}, backend {dist.get_backend()})")
 
     @staticmethod
