@@ -136,6 +136,9 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                 if samples is not None:
                     metrics.samples(state.step, samples.generate(strategy, model))
             if saving:
+                # one save at a time: the one in flight commits first, recorded before the next begins
+                for record in checkpointer.wait(state.step):
+                    metrics.write(record)
                 checkpointer.save(state, model)
             if profiler is not None:  # a profiled step holds its logging, eval and save too
                 profiler.step(state.step)
