@@ -288,13 +288,13 @@ def ids_tokenizer(path: Path) -> Path:
     return path
 
 
-def pretrained_llama(path: Path, positions: int = 256) -> Path:
+def pretrained_llama(path: Path) -> Path:
     """A local model directory as a user brings one: its config and generation config keep
     Llama's defaults (bos 1, eos 2), its tokenizer says bos 256, eos 257."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=positions)
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
     LlamaForCausalLM(config).save_pretrained(path)
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
     return ids_tokenizer(path)

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    compose, conversation, grad_norms, launch, pretrained_llama, read_metrics, torchrun, train, write_rows,
-)
+from helpers import compose, conversation, grad_norms, launch, read_metrics, torchrun, train, write_rows
 from trainloop.config.compose import ConfigError, validate
 
 STEPS = 20
@@ -26,9 +24,7 @@ RUN = ["+preset=smoke", "data.seq_len=512", "data.batch_size=2", f"trainer.max_s
 TOLERANCE = 1e-5
 DATA = Path(__file__).resolve().parent / "data"
 DPO = ["data=preference", "objective=dpo", "adapter=lora", f"data.path={DATA / 'preference.jsonl'}",
-       "data.validation_fraction=0.2", "trainer.eval_batches=null", "optimizer=sgd", "optimizer.lr=0.1"]
-# (at lr 0.5 the pretrained Llama's DPO loss jumps from 0.38 to 0.96 at step 14, and that jump grows the
-# split attention's 1e-7 differences in summation order to 1e-3 in the next gradient norm)
+       "data.validation_fraction=0.2", "trainer.eval_batches=null", "optimizer=sgd", "optimizer.lr=0.5"]
 GRPO = ["data=prompts", "objective=grpo", f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]",
         f"data.path={DATA / 'prompts.jsonl'}", "objective.num_generations=4", "objective.max_new_tokens=6",
         "objective.num_iterations=2", "data.validation_fraction=0.2", "optimizer.lr=1e-2"]
@@ -123,14 +119,11 @@ def test_chat_with_the_assistant_only_loss_and_fewer_key_value_heads_than_ranks(
 
 
 @pytest.mark.slow
-def test_dpo_with_lora_on_a_pretrained_llama_sums_each_sequence_over_the_slices(tmp_path):
-    """model=hf (a local Llama directory): transformers' own model attends through trainloop's
-    function. Chosen and rejected rows padded to a multiple of 2 and split; each sequence's
-    log-probability summed over both slices before the loss; the chunked loss on each slice."""
-    llama = pretrained_llama(tmp_path / "llama", positions=512)
-    dpo = [*DPO, "model=hf", f"model.name_or_path={llama}", "data.batch_size=4"]
-    one = train(tmp_path / "one", *RUN, *dpo, small=False)
-    assert_same_run(context_parallel(tmp_path / "cp2", *dpo, "trainer.loss_chunk_tokens=16"), one)
+def test_dpo_with_lora_sums_each_sequence_over_the_slices(tmp_path):
+    """Chosen and rejected rows padded to a multiple of 2 and split; each sequence's log-probability
+    summed over both slices before the loss; the chunked loss on each slice."""
+    one = train(tmp_path / "one", *RUN, *DPO, "data.batch_size=4", small=False)
+    assert_same_run(context_parallel(tmp_path / "cp2", *DPO, "data.batch_size=4", "trainer.loss_chunk_tokens=16"), one)
 
 
 @pytest.mark.slow
