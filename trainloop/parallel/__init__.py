@@ -111,8 +111,8 @@ def check_context_model(cfg, model_config) -> None:
     cp = cfg.parallel.cp_size
     if cp == 1:
         return
-    heads, tp = getattr(model_config, "num_attention_heads", None) or getattr(model_config, "n_head", None), \
-        cfg.parallel.tp_size
+    tp = cfg.parallel.tp_size
+    heads = getattr(model_config, "num_attention_heads", None) or getattr(model_config, "n_head", None)
     if heads is None or heads % (cp * tp):
         raise ConfigError(f"parallel.cp_size={cp}" + (f" x parallel.tp_size={tp}" if tp > 1 else "") +
                           f" must divide the model's attention heads ({heads}): each rank attends with 1/cp of "

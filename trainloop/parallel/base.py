@@ -83,11 +83,12 @@ class Strategy:
 
     @property
     def dp_size(self) -> int:
-        return self.accelerator.num_processes // self.cp_size
+        return self.accelerator.num_processes // self.model_parallel(self.cfg)
 
     @property
     def dp_rank(self) -> int:
-        return self.accelerator.process_index // self.cp_size
+        """The mesh is row-major: the ranks that hold one replica together are consecutive."""
+        return self.accelerator.process_index // self.model_parallel(self.cfg)
 
     @property
     def device(self):
@@ -95,7 +96,8 @@ class Strategy:
 
     def reduce_sum(self, tensor):
         """`tensor` summed over the data-parallel ranks (itself on one process): losses, units, tokens.
-        The ranks of a context-parallel group hold the same (the whole batch's), and count once."""
+        The ranks that hold one replica together (a context-parallel or tensor-parallel group) hold the
+        same (the whole batch's), and count once: over `dp_group`, where one is set."""
         if self.dp_group is None:
             return self.sum_over_all(tensor)
         import torch.distributed as dist

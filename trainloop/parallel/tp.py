@@ -86,7 +86,7 @@ class FSDP2xTP(FSDP2):
 
     @staticmethod
     def model_parallel(cfg) -> int:
-        return cfg.parallel.tp_size
+        return cfg.parallel.tp_size * cfg.parallel.cp_size
 
     @staticmethod
     def settings(cfg) -> dict:
@@ -106,6 +106,7 @@ class FSDP2xTP(FSDP2):
             # row-major: ranks 0..tp-1 are one tp group (the fastest links on a node), as torchtitan lays it out
             self.mesh = init_device_mesh(self.device.type, (processes // self.tp_size, self.tp_size),
                                          mesh_dim_names=("dp_shard", "tp"))
+            self.dp_group = self.mesh.get_group("dp_shard")  # a tp group's ranks hold the same loss and units
 
     def _context_parallel(self):
         """A dp x cp x tp mesh (tp innermost, then cp), FSDP2 sharding over dp and cp flattened into
@@ -120,25 +121,6 @@ class FSDP2xTP(FSDP2):
         mesh["dp", "cp"]._flatten("dp_shard")
         self.mesh = mesh["dp_shard", "tp"]
         return ContextParallel(mesh.get_group("cp"), cp, mesh.get_local_rank("cp")), mesh.get_group("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.cp_size)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.accelerator.process_index // (self.tp_size * self.cp_size)  # the mesh is row-major
-
-    def reduce_sum(self, tensor):
-        """Summed over the data-parallel ranks: a tp group's ranks hold the same loss and units, and
-        so does a context-parallel group's."""
-        import torch.distributed as dist
-
-        if self.dp_size == 1:
-            return tensor
-        summed = tensor.clone()
-        dist.all_reduce(summed, group=self.dp_group if self.cp is not None else self.mesh.get_group("dp_shard"))
-        return summed
 
     def shard(self, model):
         from trainloop.parallel.sharding import shard_model
