@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import compose, train
+from helpers import compose, reset_accelerate, train
 from trainloop.data.tokenizer import IGNORE
 
 
@@ -123,3 +123,35 @@ def test_the_summed_loss_shifts_the_labels_and_compiles_with_a_whole_compiled_mo
     torch.testing.assert_close(compiled(logits, labels), sliced, rtol=1e-6, atol=0)
     assert compile_loss(compose("compile=inductor", "compile.regional=true").compile, summed_nll) is summed_nll
     assert compile_loss(compose().compile, summed_nll) is summed_nll
+
+
+def test_a_prepared_model_leaves_its_logits_in_autocasts_dtype_and_the_loss_is_unchanged():
+    """accelerate casts a prepared model's outputs to fp32 under autocast: one more copy of the
+    logits, which a compiled loss could not fuse away. The strategy drops that cast, keeping the
+    autocast; the loss upcasts what it reads, to the same sum."""
+    from accelerate.utils.operations import convert_to_fp32
+
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.objectives.chunked_loss import next_token_nll
+    from trainloop.optim.optimizers import build_optimizer
+    from trainloop.parallel import build_strategy
+    from trainloop.parallel.accelerator import build_accelerator
+
+    cfg = compose("+preset=smoke", "precision=bf16")
+    reset_accelerate()
+    strategy = build_strategy(cfg, build_accelerator(cfg))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_model_config(cfg.model, 320))
+    model, _ = strategy.prepare(model, build_optimizer(cfg.optimizer, model, on_cuda=False))
+    frozen = strategy.prepare_frozen(build_model(cfg.model, build_model_config(cfg.model, 320)))
+    ids = torch.randint(0, 320, (2, 24))
+    for prepared in (model, frozen):
+        output = prepared(input_ids=ids)
+        assert output.logits.dtype == torch.bfloat16  # autocast still on: the weights are fp32
+        assert next(prepared.parameters()).dtype == torch.float32
+    summed, output = next_token_nll(model, {"input_ids": ids}, ids, chunk=0)
+    cast = convert_to_fp32(output.logits)  # what accelerate's wrapper returned
+    assert summed.dtype == torch.float32
+    torch.testing.assert_close(summed, F.cross_entropy(cast[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                       reduction="sum"), rtol=0, atol=0)
+    reset_accelerate()
