@@ -36,23 +36,28 @@ def data_files(path: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-def read_rows(path: str, columns: dict[str, str], json_keys=()):
+def read_rows(path: str, columns: dict[str, str], json_keys=(), optional=()):
     """A `datasets.Dataset` with one row per record of the files of data.path, and only `columns`
     ({config key: column}); the columns of `json_keys` hold any JSON value (a conversation), the
-    others text."""
+    others text. A column of `optional` (config keys) that no file has is no error: json rows hold
+    null there, other files' rows leave the column out."""
     builder, files = data_files(path)
     for file in files:
         if os.path.getsize(file) == 0:
             raise ConfigError(f"data.path={path!r}: {file} is empty; remove it or fill it")
     if builder == "json":
-        return read_json_rows(path, files, columns, json_keys)
+        return read_json_rows(path, files, columns, json_keys, optional)
     if builder != "text":
+        headers = {}
         for file in files:
             try:
-                header = file_columns(builder, file)
+                headers[file] = file_columns(builder, file)
             except UNREADABLE as err:
                 raise ConfigError(f"data.path={path!r}: {file} cannot be read as {builder} "
                                   f"({root_cause(err)}); fix or remove that file") from None
+        columns = {key: column for key, column in columns.items()
+                   if key not in optional or any(column in header for header in headers.values())}
+        for file, header in headers.items():
             for key, column in columns.items():
                 if column not in header:
                     raise ConfigError(f"{key}={column!r} is not a column of {file}: its columns are "
@@ -115,7 +120,7 @@ def file_columns(builder: str, file: str) -> list[str]:
 JSON_ROWS_FORMAT = 1  # the cache below is keyed by this: change it when what read_json_rows stores changes
 
 
-def read_json_rows(path: str, files: list[str], columns: dict[str, str], json_keys=()):
+def read_json_rows(path: str, files: list[str], columns: dict[str, str], json_keys=(), optional=()):
     """json and jsonl rows, keeping only the read columns: `datasets`' json builder infers every
     column's type from the first 10 MB and refuses later rows or files whose other fields differ.
     Each read column's values are checked here, where the file and line are known; the columns are
@@ -131,7 +136,7 @@ def read_json_rows(path: str, files: list[str], columns: dict[str, str], json_ke
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial_file = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp")
         try:
-            write_json_rows(path, files, columns, json_keys, features, str(partial_file))
+            write_json_rows(path, files, columns, json_keys, features, str(partial_file), optional)
             os.replace(partial_file, cached)
         finally:
             partial_file.unlink(missing_ok=True)
@@ -139,7 +144,7 @@ def read_json_rows(path: str, files: list[str], columns: dict[str, str], json_ke
 
 
 def write_json_rows(path: str, files: list[str], columns: dict[str, str], json_keys, features,
-                    out: str) -> None:
+                    out: str, optional=()) -> None:
     from datasets.arrow_writer import ArrowWriter
 
     names = list(features)
@@ -164,7 +169,7 @@ def write_json_rows(path: str, files: list[str], columns: dict[str, str], json_k
         if first_keys is None:
             raise ConfigError(f"data.path={path!r} holds no rows: its json files have only blank lines or empty arrays")
         for key, column in columns.items():
-            if column not in found:
+            if column not in found and key not in optional:
                 raise ConfigError(f"{key}={column!r} is not a column of {path}: its columns are "
                                   f"{first_keys}; set {key}=ONE_OF_THEM")
         if batch[names[0]]:
@@ -267,3 +272,26 @@ def root_cause(err: BaseException) -> str:
     text = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
 
+
+def struct_columns_as_json(rows, columns):
+    """`rows` with those of `columns` that `datasets` read as structs (parquet's lists of objects) made
+    JSON values again. A struct has the keys of every row, null where a row lacks one (one tool's
+    schema would list the other tools' parameters as null, one call the other calls' arguments):
+    those nulls are dropped, so a null that means something is kept only in a JSON string (or json
+    rows). Text and JSON columns are left as they are."""
+    import datasets
+
+    structs = [c for c in columns if c in rows.column_names
+               and not isinstance(rows.features[c], (datasets.Json, datasets.Value))]
+    if not structs:
+        return rows
+
+    def without_nulls(value):
+        if isinstance(value, dict):
+            return {key: without_nulls(item) for key, item in value.items() if item is not None}
+        return [without_nulls(item) for item in value] if isinstance(value, list) else value
+
+    features = rows.features.copy()
+    features.update({column: datasets.Json() for column in structs})
+    return rows.map(lambda batch: {c: [without_nulls(v) for v in batch[c]] for c in structs}, batched=True,
+                    features=features, desc="read objects")
