@@ -13,15 +13,13 @@ import json
 import math
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import (
-    SMALL, compose, finish, launch, read_metrics, reset_accelerate, start, torchrun, train, wait_for_step,
-    write_rows,
+    SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, run_log, torchrun, train, write_rows,
 )
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -196,9 +194,23 @@ def test_the_advantages_are_trls_for_the_same_rewards(tmp_path, scale):
     assert ours[10] == 0.0 and ours[4:8].abs().max() <= 1e-6  # unscored: 0; a tied group: 0
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
+# (loss_type, beta, other keys of ours, TRL's attributes for them): every loss type; GSPO's
+# sequence-level ratio; the 80/20 entropy mask; cispo's cap where some ratios pass it
+LOSSES = [*((loss, beta, {}) for loss in ("dapo", "grpo", "dr_grpo") for beta in (0.0, 0.04)),
+          *((loss, 0.04, {}) for loss in ("bnpo", "sapo", "luspo", "vespo")),
+          ("cispo", 0.04, {"epsilon_high": 1.2}),
+          ("grpo", 0.04, {"importance_sampling_level": "sequence"}),
+          ("dapo", 0.0, {"importance_sampling_level": "sequence"}),
+          ("luspo", 0.0, {"importance_sampling_level": "sequence"}),
+          ("dapo", 0.04, {"top_entropy_quantile": 0.2}),
+          ("cispo", 0.0, {"epsilon_high": 1.02, "importance_sampling_level": "sequence", "top_entropy_quantile": 0.5})]
+TRL_METRIC = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}  # else clip_ratio/region_mean
+
+
+@pytest.mark.parametrize("loss_type, beta, keys", LOSSES,
+                         ids=[f"{loss}-beta{beta}" + "".join(f"-{k}={v}" for k, v in keys.items())
+                              for loss, beta, keys in LOSSES])
+def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta, keys):
     """TRL's _compute_loss and ours on the model TRL generated with, the completions and masks it
     made, its advantages, and old and reference log-probabilities away from the policy's (so that
     the ratio is clipped on some tokens and the KL is not 0)."""
@@ -211,6 +223,8 @@ def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
     trainer, generated = trl_grpo(tmp_path, loss_type, "group")
     trainer.beta = beta  # built with beta=0 (no reference model); the reference log-probs are given below
     trainer.current_gradient_accumulation_steps = 1
+    for key, value in keys.items():  # the trainer reads these from itself
+        setattr(trainer, key, value)
     prompt_ids, completion_ids = generated["prompt_ids"], generated["completion_ids"]
     mask = generated["completion_mask"]
     attention = torch.cat([generated["prompt_mask"], mask], 1)
@@ -218,8 +232,12 @@ def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
              "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": mask,
              "advantages": generated["advantages"]}
     cfg = compose("+preset=smoke", *GRPO, f"objective.loss_type={loss_type}", f"objective.beta={beta}",
-                  "objective.epsilon_high=0.28", "objective.temperature=0.7", f"objective.max_new_tokens={MAX_NEW}")
+                  "objective.epsilon_high=0.28", "objective.temperature=0.7", f"objective.max_new_tokens={MAX_NEW}",
+                  *(f"objective.{key}={value}" for key, value in keys.items()))
+    reset_accelerate()
+    strategy = build_strategy(cfg, Accelerator(cpu=True))
     objective = build_objective(cfg, "cpu")
+    objective.strategy = strategy  # the entropy mask's quantile is over every rank's tokens (start() sets it)
     model = trainer.model
     model.train()
     with torch.no_grad():
@@ -240,14 +258,42 @@ def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta):
     # the same gradient too (the KL's ratio factor moves it even where the ratio is 1)
     worst = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), trl_grads))
     assert worst <= 1e-6 * max(g.abs().max().item() for g in trl_grads), worst
-    print(f"{loss_type} beta={beta}: |loss - TRL's| = {abs(ours.item() - trl_loss.item()):.1e}, gradient {worst:.1e}")
+    print(f"{loss_type} beta={beta} {keys}: |loss - TRL's| = {abs(ours.item() - trl_loss.item()):.1e}, "
+          f"gradient {worst:.1e}")
     metrics = trainer._metrics["train"]
-    reset_accelerate()
-    window = objective.window(build_strategy(cfg, Accelerator(cpu=True)))
-    assert window["clip_ratio"] == pytest.approx(metrics["clip_ratio/region_mean"][-1], abs=1e-6)
-    assert 0 < window["clip_ratio"] < 1
+    window = objective.window(strategy)
+    if loss_type == "sapo":  # no clipping to count, in TRL's metrics and ours
+        assert "clip_ratio" not in window and not any(k.startswith("clip_ratio") for k in metrics)
+    else:
+        name = TRL_METRIC.get(loss_type, "clip_ratio/region_mean")
+        ours_name = "vespo_phi" if loss_type == "vespo" else "clip_ratio"
+        assert window[ours_name] == pytest.approx(metrics[name][-1], abs=1e-6)
+        assert 0 < window[ours_name] < (10 if loss_type == "vespo" else 1)
     if beta:
         assert window["kl"] == pytest.approx(metrics["kl"][-1], abs=1e-6) and window["kl"] > 0
+    reset_accelerate()
+
+
+def test_the_entropy_mask_keeps_the_top_share_of_the_tokens():
+    """top_entropy_quantile keeps the completion tokens at or above the (1 - q) quantile of the
+    micro-batch's completion tokens (every rank's: one rank here), padding neither kept nor counted."""
+    from accelerate import Accelerator
+
+    from trainloop.objectives import build_objective
+    from trainloop.parallel import build_strategy
+
+    cfg = compose("+preset=smoke", *GRPO, "objective.top_entropy_quantile=0.25")
+    reset_accelerate()
+    objective = build_objective(cfg, "cpu")
+    objective.strategy = build_strategy(cfg, Accelerator(cpu=True))
+    entropies = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.4]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # 7.0 is padding: never kept, never counted
+    kept = objective.high_entropy(entropies, mask)
+    # the 0.75 quantile of the 7 tokens [0.1, 0.2, 0.3, 0.4, 0.5, 0.8, 0.9] is 0.65 (linear): 0.8 and 0.9 kept
+    assert kept.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+    objective.cfg.top_entropy_quantile = 0.0  # the highest-entropy token alone
+    assert objective.high_entropy(entropies, mask).sum().item() == 1.0
+    reset_accelerate()
 
 
 # --- it learns --------------------------------------------------------------------------------
@@ -381,50 +427,52 @@ def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, requ
 
 
 def test_a_stopped_run_resumes_to_the_same_completions_and_losses(tmp_path):
-    """Stopped after step 3 (saved) and resumed: steps 4 to 6 sample the same completions (their
-    generator is seeded by the step) and give bitwise the losses and rewards of a straight run."""
-    steps = [*FULL, "trainer.max_steps=6", "trainer.eval_every=3"]
+    """objective.num_iterations=2, stopped after step 3 (saved inside the window of steps 3 and 4)
+    and resumed: step 4 trains on step 3's completions, which the checkpoint holds, and steps 5 and 6
+    sample the completions a straight run does (their generator is seeded by the step): bitwise the
+    losses and rewards of a straight run."""
+    steps = [*FULL, "trainer.max_steps=6", "trainer.eval_every=3", "objective.num_iterations=2"]
     straight = train(tmp_path / "straight", *steps)
     stopped = tmp_path / "stopped"
     train(stopped, *steps, "trainer.stop_at_step=3")
+    assert (stopped / "checkpoints" / "step_0000003" / "objective_0.pt").is_file()
     train(stopped, *steps)
 
     def lines(run_dir, after=0):
-        keys = ("loss", "reward", "reward_std", "eval_reward", "samples")
+        keys = ("loss", "reward", "reward_std", "clip_ratio", "eval_reward", "samples")
         return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r and r["step"] > after]
 
     assert [step for step, key, _ in lines(stopped) if key == "loss"] == [1, 2, 3, 4, 5, 6]  # resumed, not restarted
     assert lines(stopped, after=3) == lines(straight, after=3) and len(lines(straight, after=3)) >= 10
+    # step 4 trained on step 3's completions after an update: its ratio moved (generated anew, it would be 1)
+    assert [value > 0 for step, key, value in lines(stopped) if key == "clip_ratio"] == [False, True] * 3
 
 
 @pytest.mark.slow
 def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewards(tmp_path):
-    """Acceptance 4: SIGTERM after step 3 -> exit 75 with a checkpoint; the same command again
+    """Acceptance 4 of issue 26 and 5 of issue 38: with objective.num_iterations=3, a SIGTERM in
+    the middle of step 4 (sent by the reward function, at its second call: step 4's rollouts) ->
+    the step ends, is saved inside its window (steps 4 to 6), exit 75; the same command again
     resumes it, and the losses, rewards and completions of every later step are bitwise the ones
     of a run that was not stopped."""
-    command = ["python", "-m", "trainloop", *SMALL, *FULL, "trainer.max_steps=10", "trainer.eval_every=5"]
+    command = ["python", "-m", "trainloop", *SMALL, *FULL, "trainer.max_steps=9", "trainer.eval_every=5",
+               "objective.num_iterations=3", f"objective.rewards=[{REWARDS}:letters_then_sigterm]"]
     straight = tmp_path / "straight"
     launch([*command, f"hydra.run.dir={straight}"])
     run = tmp_path / "run"
-    args = [sys.executable, *command[1:], f"hydra.run.dir={run}"]
-    proc = start(args, tmp_path / "output.txt")
-    try:
-        wait_for_step(run, 3, proc)
-        proc.send_signal(signal.SIGTERM)
-        code = finish(proc, timeout=120)
-    finally:
-        finish(proc, timeout=0)
-    assert code == 75, (tmp_path / "output.txt").read_text()[-3000:]
-    stopped_at = max(r["step"] for r in read_metrics(run) if "loss" in r)
-    assert 3 <= stopped_at < 10
+    stopped = launch([*command, f"hydra.run.dir={run}"], check=False, env=clean_env(GRPO_SIGTERM_AT_CALL="2"))
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert max(r["step"] for r in read_metrics(run) if "loss" in r) == 4
+    assert (run / "checkpoints" / "step_0000004" / "objective_0.pt").is_file()
     launch([*command, f"hydra.run.dir={run}"])
 
     def after(run_dir, step):
-        keys = ("loss", "reward", "reward_std", "completion_length", "eval_reward", "samples")
+        keys = ("loss", "reward", "reward_std", "clip_ratio", "completion_length", "eval_reward", "samples")
         return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys
                 if key in r and r["step"] > step]
 
-    assert after(run, stopped_at) == after(straight, stopped_at) and len(after(straight, stopped_at)) >= 12
+    assert after(run, 4) == after(straight, 4) and len(after(straight, 4)) >= 12
+    assert "generating a new one" not in run_log(run)
 
 
 # --- a reward function that fails -------------------------------------------------------------------

@@ -72,7 +72,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
                 reply = topics[key][:150]
                 f.write(json.dumps({"messages": [{"role": "user", "content": key[:4]}, {"role": "assistant", "content": reply}],
                                     "other": [{"role": "user", "content": reply[:4]},
-                                              {"role": "assistant", "content": key}]}) + "\n")
+                                              {"role": "assistant", "content": key}],
+                                    "functions": [{"name": "f"}] if key == part[0] else None}) + "\n")
     for name, part in (("pairs_a", keys[:15]), ("pairs_b", keys[15:])):
         with (root / f"{name}.jsonl").open("w") as f:
             for key in part:
@@ -143,7 +144,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "adapter.modules_to_save": ["norm"],
         "data.path": files[f"{CORPUS.get(data_option, 'corpus')}_b"], "data.text_field": "other",
         "data.sources": f"[{{path: {files[CORPUS.get(data_option, 'corpus') + '_b']}, weight: 1}}]",
-        "data.messages_field": "other", "data.chat_template": files["chat.jinja"],
+        "data.messages_field": "other", "data.tools_field": "functions", "data.chat_template": files["chat.jinja"],
         "data.prompt_field": "question", "data.completion_field": "answer",
         "data.chosen_field": "better", "data.rejected_field": "worse",
         "data.train_on": "all" if fine_tuning else "assistant", "data.packing": "stream",
@@ -168,7 +169,10 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.rewards": [f"{files['rewards.py']}:printable"], "objective.reward_weights": [1.0, 3.0],
         "objective.num_generations": 3, "objective.temperature": 0.7, "objective.top_p": 0.5,
         "objective.max_new_tokens": 3, "objective.scale_rewards": "batch", "objective.epsilon": 0.05,
-        "objective.epsilon_high": 0.5, "objective.num_iterations": 2,
+        "objective.epsilon_high": 0.5, "objective.num_iterations": 2, "objective.importance_sampling_level": "sequence",
+        "objective.top_entropy_quantile": 0.5, "objective.sapo_temperature_pos": 0.5,
+        "objective.sapo_temperature_neg": 2.0, "objective.vespo_k_pos": 1.0, "objective.vespo_lambda_pos": 1.5,
+        "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5,
     }
 
 
@@ -312,6 +316,7 @@ def generated_loss(cfg):
 
         strategy = build_strategy(cfg, build_accelerator(cfg))
         objective = build_objective(cfg, "cpu")
+        objective.strategy = strategy  # as start() sets it in a run (the entropy mask's collective)
         if cfg.adapter.name != "none":
             move(0.2)
         generated = objective.step_batches(strategy, model, [batch], 0)

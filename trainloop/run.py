@@ -67,6 +67,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     if built.batch_search is not None:
         recorded = with_batch(cfg, built.batch_size, built.accumulation)
     checkpointer.record_config(recorded)
+    checkpointer.objective = built.objective
 
     n_params, n_trained = strategy.count_parameters(model)
     experts = getattr(model_config, "num_local_experts", None)  # a mixture of experts (model.arch=mixtral)

@@ -1,10 +1,24 @@
 """Reward functions of the toy task that tests/test_grpo.py trains on, loaded by file path
 (objective.rewards=[tests/data/grpo_rewards.py:letters]), as a user's own file would be."""
 
+import os
+import signal
+
+CALLS = {"letters_then_sigterm": 0}
+
 
 def letters(prompts, completions, **columns):
     """The share of the completion's characters that are lowercase letters (0.0 for an empty one)."""
     return [sum("a" <= ch <= "z" for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+def letters_then_sigterm(prompts, completions, **columns):
+    """letters; and at its call numbered $GRPO_SIGTERM_AT_CALL (when set), a SIGTERM to this process,
+    mid-step, as a scheduler's preemption would send it at any moment."""
+    CALLS["letters_then_sigterm"] += 1
+    if str(CALLS["letters_then_sigterm"]) == os.environ.get("GRPO_SIGTERM_AT_CALL"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return letters(prompts, completions)
 
 
 def fails(prompts, completions, **columns):

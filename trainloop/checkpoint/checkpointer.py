@@ -50,6 +50,7 @@ class Checkpointer:
         self.root = self.run_dir / "checkpoints"
         self.data_fingerprint: dict = {}  # set by check_data once the data is built
         self.resuming: tuple[Path, dict] | None = None  # (checkpoint, its fingerprint) once found
+        self.objective = None  # the run's objective (trainloop.objectives), once built: its rank_state is saved too
         # DCP (trainloop.parallel.dcp) writes in the background
         self.async_saves = (AsyncSaves(self.accelerator, cfg.trainer.collective_timeout_s)
                             if strategy.saves_async and cfg.checkpoint.async_save else None)
@@ -97,8 +98,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         if self.async_saves is not None:
-            self._agree_saved(attempt(self.async_saves.start, tmp, final, model, self.adapter_only,
-                                      state.state_dict(), self.fingerprint), tmp, final)
+            self._agree_saved(attempt(self._start_async, tmp, final, model, state.state_dict(), self.fingerprint),
+                              tmp, final)
             log.info("saving checkpoint %s in the background after step %d; training goes on", final, state.step)
             return final
         self._agree_saved(attempt(self._save_state, tmp, model), tmp, final)
@@ -154,8 +155,35 @@ class Checkpointer:
         return self.cfg.adapter.name != "none"
 
     def _save_state(self, directory: Path, model) -> None:
+        self._save_objective(directory)
         self.strategy.save_state(directory, model, self.adapter_only)
         record_rank_files(directory, self.accelerator.process_index)
+
+    def _start_async(self, tmp: Path, final: Path, model, state: dict, fingerprint: dict) -> None:
+        self._save_objective(tmp)
+        self.async_saves.start(tmp, final, model, self.adapter_only, state, fingerprint)
+
+    def _save_objective(self, directory: Path) -> None:
+        """This rank's objective state (e.g. GRPO's completions inside a num_iterations window), if any."""
+        import torch
+
+        held = self.objective.rank_state() if self.objective is not None else None
+        if held is not None:
+            torch.save(held, directory / f"objective_{self.accelerator.process_index}.pt")
+
+    def _load_objective(self, path: Path, saved_fingerprint: dict) -> None:
+        """The objective's state of this rank, where the checkpoint has it and was saved by as many
+        data-parallel ranks (each held its own share of the batch); else the objective starts without."""
+        import torch
+
+        file = path / f"objective_{self.accelerator.process_index}.pt"
+        if self.objective is None or not file.is_file():
+            return
+        if saved_fingerprint.get("world_size") != self.fingerprint.get("world_size"):
+            log.warning("%s holds each rank's objective state of %s data-parallel ranks, not %s: not loaded",
+                        path.name, saved_fingerprint.get("world_size"), self.fingerprint.get("world_size"))
+            return
+        self.objective.load_rank_state(torch.load(file, map_location=self.strategy.device, weights_only=True))
 
     def _load_state(self, path: Path, model) -> None:
         self.strategy.load_state(path, model, self.adapter_only)
@@ -319,7 +347,9 @@ class Checkpointer:
             log.warning("optimizer.lr changed since %s (%s -> %s): the learning-rate schedule goes on from it",
                         path.name, saved[0] if len(set(saved)) == 1 else saved,
                         configured[0] if len(set(configured)) == 1 else configured)
-        state.load_state_dict(read_state(path)["state"])
+        saved_state = read_state(path)
+        state.load_state_dict(saved_state["state"])
+        self._load_objective(path, saved_state["fingerprint"])
         log.info("resumed from %s at step %d (epoch %d, batch %d): sample %d of the epoch's order", path,
                  state.step, state.epoch, state.samples_in_epoch // global_batch(self.fingerprint),
                  state.samples_in_epoch)

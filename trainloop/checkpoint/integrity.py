@@ -28,8 +28,9 @@ STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp_"  # a save being written, or a folder being removed
 KEY = "crc32"  # trainer_state.json: {file: checksum}
 PENDING = ".checksums"  # the ranks' records, until the commit gathers them
-# files a rank writes for itself: DeepSpeed's [bf16_]zero_pp_rank_R_..., accelerate's random_states_R.pkl
-RANK_FILE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_|^random_states_(\d+)\.pkl$")
+# files a rank writes for itself: DeepSpeed's [bf16_]zero_pp_rank_R_..., accelerate's random_states_R.pkl,
+# the objective's objective_R.pt (trainloop.checkpoint.checkpointer)
+RANK_FILE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_|^random_states_(\d+)\.pkl$|^objective_(\d+)\.pt$")
 CHUNK = 1 << 22
 
 
@@ -52,7 +53,7 @@ def record(directory: Path, names: list[str], who: str) -> None:
 def record_rank_files(directory: Path, rank: int) -> None:
     """After a synchronous save: the files named for this rank."""
     mine = [str(f.relative_to(directory)) for f in sorted(directory.rglob("*"))
-            if f.is_file() and (m := RANK_FILE.search(f.name)) and int(m.group(1) or m.group(2)) == rank]
+            if f.is_file() and (m := RANK_FILE.search(f.name)) and int(next(filter(None, m.groups()))) == rank]
     if mine:
         record(directory, mine, f"rank_{rank}")
 

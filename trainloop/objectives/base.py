@@ -76,6 +76,15 @@ class Objective:
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         """Called once the run is built, before any step: `frozen` is frozen_copy's, prepared."""
+
+    def rank_state(self) -> dict | None:
+        """What this rank's objective holds that the next steps read and a resume must give back
+        (tensors, lists and dicts of them), saved with each checkpoint as objective_<rank>.pt; None: nothing."""
+        return None
+
+    def load_rank_state(self, state: dict) -> None:
+        """Back from a checkpoint saved at the same world size: what rank_state returned."""
+
     def draws(self, step: int) -> bool:
         """Whether step `step` (the steps taken before it) reads new micro-batches from the data."""
         return True

@@ -106,22 +106,30 @@ def _summed(hidden, weight, bias, targets: torch.Tensor, chunk: int) -> torch.Te
     return SummedNLL.apply(h, weight, bias, kept, chunk, *_wanted(h, weight, bias))
 
 
-def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int, temperature: float = 1.0) -> torch.Tensor:
+def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int, temperature: float = 1.0,
+                entropy: bool = False):
     """Each position's log-probability of the next target token, (batch, seq - 1) in fp32, 0 where
     labels[:, t + 1] is IGNORE, from one forward of `model(**inputs)`, at the sampling `temperature`
     (the logits divided by it, as TRL scores its completions). chunk 0: the full logits. Under
-    context parallelism, the whole rows' from this rank's slice and the others'."""
+    context parallelism, the whole rows' from this rank's slice and the others'. entropy (chunk 0):
+    also each position's entropy of the next token's distribution, in nats, with no gradient:
+    (log-probabilities, entropies)."""
     length = labels.shape[1]
     inputs, targets, cp = _this_rank(model, inputs, labels)
+    entropies = None
     if not chunk:
         logits = model(**inputs).logits.float()
         if temperature != 1.0:
             logits = logits / temperature
         per_token = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                      reduction="none").view(targets.shape)
+        if entropy:
+            with torch.no_grad():
+                logp = logits.log_softmax(-1)
+                entropies = -(logp.exp() * logp).sum(-1)
     else:
-        if temperature != 1.0:
-            raise ValueError(f"{KEY}: the chunked log-probabilities are at temperature 1, not {temperature}")
+        if temperature != 1.0 or entropy:
+            raise ValueError(f"{KEY}: the chunked log-probabilities are at temperature 1 and without entropies")
 
         def logps(hidden, weight, bias):
             h, kept, keep = _kept(hidden, targets)
@@ -131,7 +139,8 @@ def token_logps(model, inputs: dict, labels: torch.Tensor, chunk: int, temperatu
         per_token = _through_output_layer(model, inputs, logps).logits
     if cp is not None:
         per_token = cp.gather(per_token, length)
-    return per_token[:, :-1]
+        entropies = None if entropies is None else cp.gather(entropies, length)
+    return per_token[:, :-1] if not entropy else (per_token[:, :-1], entropies[:, :-1])
 
 
 def output_layer(model) -> torch.nn.Linear:

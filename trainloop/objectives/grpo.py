@@ -8,14 +8,16 @@ within its group of the same prompt (objective.scale_rewards: by the group's std
 global batch's, or none). The loss is the clipped policy ratio times the advantage per completion
 token, plus beta x the KL to the reference (the model with its LoRA adapters disabled, or a full
 fine-tune's frozen copy of the starting model, sharded like the policy), summed as
-objective.loss_type says: dapo over the tokens of the global batch, grpo over each completion's
-tokens then the completions, dr_grpo over the completions x max_new_tokens.
+objective.loss_type says (TRL's names and definitions, policy_loss and summed_loss below); the ratio
+is per token or, objective.importance_sampling_level=sequence (GSPO), one per completion; and
+objective.top_entropy_quantile keeps only the step's highest-entropy tokens in the policy term.
 
 The loop hands a step's prompt micro-batches to step_batches, which returns the completion
 micro-batches trained on; with objective.num_iterations = k, each generated batch is trained on
 for k steps (the ratio to the log-probabilities it was sampled with then moves from 1). Sampling
 draws from a generator seeded by (trainer.seed, step, rank, micro-batch): a resumed run samples the
-completions a straight one did, without a state to save.
+completions a straight one did, without a state to save; one resumed inside a num_iterations window
+trains on the window's completions, which each rank's checkpoint holds (rank_state).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ if TYPE_CHECKING:  # imported where used: config checks read the table without l
 
 log = logging.getLogger("trainloop")
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+# the losses that clip the policy ratio to [1 - epsilon, 1 + epsilon_high] (PPO's surrogate), then the others
+CLIPPED = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
+LOSS_TYPES = (*CLIPPED, "cispo", "sapo", "vespo")
+LEVELS = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 SHOWN = 2  # completions (with their rewards) in each log interval's event=samples record
 
@@ -51,9 +56,23 @@ class GRPOConfig:
     top_p: float = 1.0  # nucleus sampling's probability mass, in (0, 1]
     max_new_tokens: int = 128  # the longest completion; a longer one is cut (truncated)
     scale_rewards: str = "group"  # divide the advantages by the std of the group's rewards, the batch's, or none
-    loss_type: str = "dapo"  # dapo (TRL 1.16's default), grpo or dr_grpo, as TRL defines them
-    epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: Optional[float] = None  # null: epsilon
+    # as TRL 1.16 defines them: dapo (its default), grpo, dr_grpo, bnpo, luspo (the clipped ratio, each summed its own
+    # way); cispo (the ratio capped at epsilon_high, detached, weighting the log-probability); sapo (a soft gate
+    # around ratio 1); vespo (a gamma weight of the completion's ratio)
+    loss_type: str = "dapo"
+    epsilon: float = 0.2  # the clipped losses' ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # null: epsilon; loss_type=cispo: the cap of the ratio (TRL suggests 5.0)
+    # token: a ratio per token; sequence: one per completion, the exp of its tokens' mean log-ratio (GSPO)
+    importance_sampling_level: str = "token"
+    # the share of the completion tokens, by entropy, that the policy term keeps (the top ones over every rank's
+    # micro-batch, as TRL's): 1.0 keeps all, 0.2 the 80/20 paper's; 0 the highest-entropy token alone
+    top_entropy_quantile: float = 1.0
+    sapo_temperature_pos: float = 1.0  # loss_type=sapo: the gate's temperature where the advantage is positive
+    sapo_temperature_neg: float = 1.05  # loss_type=sapo: the gate's temperature where the advantage is not positive
+    vespo_k_pos: float = 2.0  # loss_type=vespo: the gamma weight's power k where the advantage is 0 or more
+    vespo_lambda_pos: float = 3.0  # loss_type=vespo: the gamma weight's decay lambda where the advantage is 0 or more
+    vespo_k_neg: float = 3.0  # loss_type=vespo: the gamma weight's power k where the advantage is negative
+    vespo_lambda_neg: float = 2.0  # loss_type=vespo: the gamma weight's decay lambda where the advantage is negative
     # the weight of the KL penalty to the reference (adapter=lora: the model with its adapters disabled); 0: none,
     # and no reference is built
     beta: float = 0.0
@@ -119,39 +138,82 @@ def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
     return variance.sqrt().squeeze(dim) if dim is not None else variance.sqrt().squeeze()
 
 
-def policy_loss(logps, old_logps, advantages, mask, epsilon: float, epsilon_high: float, beta: float,
-                ref_logps=None) -> tuple[torch.Tensor, dict]:
-    """The per-token loss (TRL's, importance_sampling_level=token): -min(r A, clip(r) A) with r the
-    ratio to the sampling policy, plus beta x r x the k3 estimate of the KL to the reference; and
-    the clipped tokens and the KL, per token (detached)."""
+def policy_loss(logps, old_logps, advantages, mask, o, epsilon_high: float, ref_logps=None,
+                kept=None) -> tuple[torch.Tensor, dict]:
+    """The per-token loss of objective.loss_type (`o`: the objective's config), TRL 1.16's
+    _compute_loss: the policy term times `kept` (the top_entropy_quantile tokens; None: all), plus
+    beta x the ratio x the k3 estimate of the KL to the reference. The ratio to the sampling policy
+    is per token, or (importance_sampling_level=sequence) one per completion, (completions, 1).
+    Also, detached: "clipped" (per token or completion: where a clipped loss's ratio left its
+    range, or cispo's exceeded its cap, on the side the advantage pushes), "kl" (per token) and
+    vespo's "phi" (per completion)."""
     import torch
 
     advantages = advantages[:, None]
-    ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
-    parts = {"clipped": (((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0)))
-             .float()}
-    if beta != 0.0:  # times the ratio, TRL's default (use_bias_correction_kl): the unbiased reverse-KL gradient
+    log_ratio = logps - old_logps
+    if o.importance_sampling_level == "sequence":
+        ratio = torch.exp((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+    else:
+        ratio = torch.exp(log_ratio)
+    parts = {}
+    if o.loss_type == "cispo":  # the capped ratio weighs the log-probability's gradient; none flows through it
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+        parts["clipped"] = ((ratio > epsilon_high) & (advantages > 0)).float()
+    elif o.loss_type == "sapo":  # sigmoid(t (r - 1)) x 4 / t: slope 1 at r = 1, as the plain ratio's
+        t = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+        per_token = -torch.sigmoid(t * (ratio - 1)) * 4 / t * advantages
+    elif o.loss_type == "vespo":
+        parts["phi"] = gamma_weights(log_ratio, advantages, mask, o)
+        per_token = -parts["phi"] * advantages * logps
+    else:
+        clipped = torch.clamp(ratio, 1 - o.epsilon, 1 + epsilon_high)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+        parts["clipped"] = (((ratio < 1 - o.epsilon) & (advantages < 0))
+                            | ((ratio > 1 + epsilon_high) & (advantages > 0))).float()
+    if kept is not None:
+        per_token = per_token * kept
+    if o.beta != 0.0:  # times the ratio, TRL's default (use_bias_correction_kl): the unbiased reverse-KL gradient
         kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
-        per_token = per_token + beta * kl
+        per_token = per_token + o.beta * kl
         parts["kl"] = kl.detach()
     return per_token, parts
 
 
+def gamma_weights(log_ratio, advantages, mask, o) -> torch.Tensor:
+    """VESPO's weight of each completion, (completions, 1), no gradient: phi(w) = e^lambda w^k e^(-lambda w)
+    (1 at w = 1) of its whole ratio w (the exp of its summed log-ratio, each clamped as TRL does), k and
+    lambda those of the advantage's sign."""
+    import math
+
+    import torch
+
+    floor = math.log(1e-8)
+    with torch.no_grad():
+        log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(1, keepdim=True), floor, 20.0)
+        upward = advantages >= 0
+        k = torch.where(upward, o.vespo_k_pos, o.vespo_k_neg)
+        lam = torch.where(upward, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def summed_loss(per_token, mask, loss_type: str, max_new_tokens: int) -> torch.Tensor:
-    """The batch's loss summed over its units (count): completion tokens for dapo, completions for
-    grpo (each one's token mean) and dr_grpo (its token sum / max_new_tokens)."""
-    if loss_type == "dapo":
-        return (per_token * mask).sum()
-    if loss_type == "grpo":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
-    return (per_token * mask).sum() / max_new_tokens
+    """The batch's loss summed over its units (GRPO.count): completion tokens for dapo, cispo and
+    vespo; completions for grpo and sapo (each one's token mean), luspo (its token sum) and dr_grpo
+    (its token sum / max_new_tokens); the micro-batch for bnpo (its token mean)."""
+    masked = per_token * mask  # a completion's one ratio (sequence level) counts on each of its tokens
+    if loss_type in ("grpo", "sapo"):
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return masked.sum() / max_new_tokens
+    return masked.sum()
 
 
-def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
+def completion_logps(model, batch: dict, temperature: float, entropy: bool = False):
     """Each completion token's log-probability [completions, tokens] at the sampling temperature
-    (TRL divides the logits by it), from one forward of prompt + completion."""
+    (TRL divides the logits by it), from one forward of prompt + completion; entropy: and each
+    one's entropy, at the same temperature and without gradient (a pair)."""
     from trainloop.data.tokenizer import IGNORE
     from trainloop.objectives.chunked_loss import token_logps
 
@@ -159,7 +221,8 @@ def completion_logps(model, batch: dict, temperature: float) -> torch.Tensor:
     labels = batch["input_ids"].clone()
     labels[:, :-width] = IGNORE  # the prompt's tokens are no one's target
     inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")} | {"use_cache": False}
-    return token_logps(model, inputs, labels, 0, temperature)[:, -width:]
+    out = token_logps(model, inputs, labels, 0, temperature, entropy)
+    return tuple(t[:, -width:] for t in out) if entropy else out[:, -width:]
 
 
 class GRPO(Objective):
@@ -167,9 +230,27 @@ class GRPO(Objective):
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")
     keys = GRPOConfig
-    # the ratio to the policy that generated is 1 on the one update of a generated batch: nothing to clip
-    read_when = {key: (lambda c: c.objective.num_iterations > 1, "objective.num_iterations > 1")
-                 for key in ("objective.epsilon", "objective.epsilon_high")}
+    # the ratio to the policy that generated is 1 on the one update of a generated batch: nothing to clip;
+    # cispo caps the ratio at epsilon_high (null: epsilon) whatever it is
+    read_when = {
+        "objective.epsilon": (lambda c: c.objective.loss_type in CLIPPED and c.objective.num_iterations > 1
+                              or c.objective.loss_type == "cispo" and c.objective.epsilon_high is None,
+                              f"objective.loss_type in {'/'.join(CLIPPED)} with objective.num_iterations > 1, or "
+                              "loss_type=cispo with epsilon_high null"),
+        "objective.epsilon_high": (lambda c: c.objective.loss_type in CLIPPED and c.objective.num_iterations > 1
+                                   or c.objective.loss_type == "cispo",
+                                   f"objective.loss_type in {'/'.join(CLIPPED)} with objective.num_iterations > 1, "
+                                   "or loss_type=cispo"),
+        # at ratio 1 a completion's one ratio has its tokens' gradient: read where the ratio moves, and by the
+        # KL's ratio factor; vespo weighs by the completion's summed log-ratio, whatever the level
+        "objective.importance_sampling_level": (
+            lambda c: c.objective.num_iterations > 1 and c.objective.loss_type != "vespo" or c.objective.beta != 0,
+            "objective.num_iterations > 1 (loss_type other than vespo), or objective.beta > 0"),
+        **{f"objective.sapo_{key}": (lambda c: c.objective.loss_type == "sapo", "objective.loss_type=sapo")
+           for key in ("temperature_pos", "temperature_neg")},
+        **{f"objective.vespo_{key}": (lambda c: c.objective.loss_type == "vespo", "objective.loss_type=vespo")
+           for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
+    }
 
     def __init__(self, cfg, device):
         import torch
@@ -201,8 +282,9 @@ class GRPO(Objective):
         import torch
 
         # completions, scored ones, reward sum and squares; per function: sum, count; length sum,
-        # truncated; trained tokens, clipped ones, KL sum
-        return torch.zeros(4 + 2 * len(self.rewards.names) + 5, dtype=torch.float64, device=self.device)
+        # truncated; trained tokens, the units of the clip ratio (or of vespo's weight: tokens, or
+        # completions where each has one value) and their sum, KL sum
+        return torch.zeros(4 + 2 * len(self.rewards.names) + 6, dtype=torch.float64, device=self.device)
 
     @staticmethod
     def problems(cfg) -> list[str]:
@@ -212,6 +294,15 @@ class GRPO(Objective):
         problems += reward_problems(o.rewards, o.reward_weights)
         if o.loss_type not in LOSS_TYPES:
             problems.append(f"objective.loss_type={o.loss_type} is not one of objective=grpo's: {', '.join(LOSS_TYPES)}")
+        if o.importance_sampling_level not in LEVELS:
+            problems.append(f"objective.importance_sampling_level={o.importance_sampling_level} is not one of: "
+                            f"{', '.join(LEVELS)}")
+        if not 0 <= o.top_entropy_quantile <= 1:
+            problems.append(f"objective.top_entropy_quantile={o.top_entropy_quantile} must be in [0, 1] "
+                            "(1: every token)")
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(o, key) > 0:
+                problems.append(f"objective.{key}={getattr(o, key)} must be greater than 0")
         if o.scale_rewards not in SCALES:
             problems.append(f"objective.scale_rewards={o.scale_rewards} is not one of: {', '.join(SCALES)}")
         if o.num_generations < 2:
@@ -240,15 +331,25 @@ class GRPO(Objective):
     # --- the step: prompts in, completions out ---------------------------------------------------
 
     def draws(self, step: int) -> bool:
-        """A new batch of prompts every num_iterations steps; a run resumed inside such a window (its
-        generated batch was not saved) draws anew, and says so."""
+        """A new batch of prompts every num_iterations steps. A run resumed inside such a window trains
+        on the window's completions, which the checkpoint holds (rank_state); one resumed at another
+        world size has none for its ranks: it draws anew, and says so."""
         if step % self.cfg.num_iterations == 0:
             return True
         if self.generated is None:
             log.warning("resumed at step %d, inside a window of objective.num_iterations=%d steps whose generated "
-                        "batch is not in the checkpoint: generating a new one", step, self.cfg.num_iterations)
+                        "batch the checkpoint does not hold for this rank: generating a new one", step,
+                        self.cfg.num_iterations)
             return True
         return False
+
+    def rank_state(self) -> dict | None:
+        """The completion micro-batches a num_iterations window trains on (with their advantages and
+        log-probabilities from before its first update): a resume inside it goes on with them."""
+        return None if self.generated is None else {"generated": self.generated}
+
+    def load_rank_state(self, state: dict) -> None:
+        self.generated = state["generated"]
 
     def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
         """The completion micro-batches of a step: generated for the prompts of `group`, or, inside a
@@ -434,25 +535,57 @@ class GRPO(Objective):
     # --- the loss ---------------------------------------------------------------------------------
 
     def count(self, batch: dict) -> torch.Tensor:
-        mask = batch["completion_mask"]
-        if self.cfg.loss_type == "dapo":
-            return mask.sum()
+        """The units summed_loss sums over, which the step divides by once (over every micro-batch and rank)."""
         import torch
 
-        return torch.tensor(mask.shape[0], device=mask.device)
+        mask = batch["completion_mask"]
+        if self.cfg.loss_type in ("dapo", "cispo", "vespo"):
+            return mask.sum()
+        return torch.tensor(1 if self.cfg.loss_type == "bnpo" else mask.shape[0], device=mask.device)
 
     def batch_loss(self, model, batch: dict) -> BatchLoss:
         import torch
 
-        logps = completion_logps(model, batch, self.cfg.temperature)
+        o, mask = self.cfg, batch["completion_mask"]
+        if o.top_entropy_quantile < 1:
+            logps, entropies = completion_logps(model, batch, o.temperature, entropy=True)
+            kept = self.high_entropy(entropies, mask)
+        else:
+            logps, kept = completion_logps(model, batch, o.temperature), None
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
-        mask = batch["completion_mask"]
-        per_token, parts = policy_loss(logps, old, batch["advantages"], mask, self.cfg.epsilon, self.epsilon_high,
-                                       self.cfg.beta, batch.get("ref_logps"))
-        tokens = mask.sum().double()
-        kl = (parts["kl"] * mask).sum().double() if "kl" in parts else tokens.new_zeros(())
-        self.sums[-3:] += torch.stack([tokens, (parts["clipped"] * mask).sum().double(), kl]).to(self.sums.device)
-        return BatchLoss(summed_loss(per_token, mask, self.cfg.loss_type, self.cfg.max_new_tokens))
+        per_token, parts = policy_loss(logps, old, batch["advantages"], mask, o, self.epsilon_high,
+                                       batch.get("ref_logps"), kept)
+        # the units of the clip ratio or vespo's mean weight: tokens, or completions where there is one value each
+        tokens, zero = mask.sum().double(), mask.new_zeros((), dtype=torch.float64)
+        per_unit = parts.get("clipped", parts.get("phi"))
+        if per_unit is None:  # sapo: neither
+            units, counted = zero, zero
+        elif per_unit.shape[1] == 1:
+            units, counted = mask.new_tensor(mask.shape[0]).double(), per_unit.sum().double()
+        else:
+            units, counted = tokens, (per_unit * mask).sum().double()
+        kl = (parts["kl"] * mask).sum().double() if "kl" in parts else zero
+        self.sums[-4:] += torch.stack([tokens, units, counted, kl]).to(self.sums.device)
+        return BatchLoss(summed_loss(per_token, mask, o.loss_type, o.max_new_tokens))
+
+    def high_entropy(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """TRL's entropy mask (get_high_entropy_mask): the completion tokens whose entropy is at least the
+        (1 - top_entropy_quantile) quantile of every data-parallel rank's completion tokens in this
+        micro-batch, as 1.0 (0.0 elsewhere)."""
+        import torch
+
+        strategy, local = self.strategy, entropies[mask.bool()]
+        counts = torch.zeros(strategy.dp_size, device=local.device)
+        counts[strategy.dp_rank] = local.numel()
+        counts = strategy.reduce_sum(counts).long().tolist()
+        table = torch.zeros(strategy.dp_size, max(counts), device=local.device)
+        table[strategy.dp_rank, :local.numel()] = local
+        table = strategy.reduce_sum(table)
+        every = torch.cat([table[r, :n] for r, n in enumerate(counts)])
+        if not every.numel():
+            return torch.zeros_like(entropies)
+        threshold = torch.quantile(every, 1 - self.cfg.top_entropy_quantile)
+        return ((entropies * mask >= threshold) & mask.bool()).float()
 
     def window(self, strategy) -> dict:
         """The train line's values since the last one, over every rank."""
@@ -464,7 +597,7 @@ class GRPO(Objective):
         longest, generating_s = strategy.reduce_sum(ranks).max(0).values.tolist()
         self.sums, self.longest, self.generating_s = self.zero_sums(), 0, 0.0
         completions, scored, reward, squares = total[:4]
-        lengths, truncated, tokens, clipped, kl = total[-5:]
+        lengths, truncated, tokens, units, counted, kl = total[-6:]
         values = {}
         if completions:  # none inside a num_iterations window: its steps train on earlier completions
             values["unscored"] = int(completions - scored)  # no function applied: advantage 0
@@ -478,7 +611,10 @@ class GRPO(Objective):
             values.update({"completion_length": lengths / completions, "completion_length_max": longest,
                            "truncated_share": truncated / completions, "generation_s": generating_s,
                            "generated_tokens_per_s": lengths / max(generating_s, 1e-9)})
-        values["clip_ratio"] = clipped / max(tokens, 1)
+        if self.cfg.loss_type in (*CLIPPED, "cispo"):  # TRL's clip_ratio/region_mean, cispo's cispo_clip_ratio
+            values["clip_ratio"] = counted / max(units, 1)
+        elif self.cfg.loss_type == "vespo":  # TRL's vespo/phi_seq_mean
+            values["vespo_phi"] = counted / max(units, 1)
         if self.cfg.beta != 0.0:
             values["kl"] = kl / max(tokens, 1)
         return values
