@@ -16,6 +16,15 @@ its end-of-text token, so both generate the full --max-new-tokens in every step.
 
     python scripts/bench_grpo.py                   # CPU: 2 rounds x 20 steps, about 4 minutes on 2 cores
     python scripts/bench_grpo.py --rounds 3 --json /tmp/grpo_bench.json
+
+--generation compares the rollout engines alone (objective.generation, issue 38 item 5), in this
+process on the same model and prompts: generated tokens/s of `generate` with its KV cache (as
+objective=grpo runs it), of `generate` without one (as it ran before: the tiny model's config says
+use_cache=false, so generate recomputed every prefix), and of `continuous` (transformers' continuous
+batching), sampling as objective=grpo samples, each round running the three in turn from one seed;
+the ratios are printed first.
+
+    python scripts/bench_grpo.py --generation --rounds 5  # CPU: about a minute on 2 cores
 """
 
 from __future__ import annotations
@@ -122,6 +131,65 @@ def run_variant(name: str, args, folder: Path, prompts: Path, rewards: Path) -> 
             "steps_timed": len(durations), "wall_s": time.time() - started}
 
 
+ENGINES = {"generate": ("generate", {"use_cache": True}), "generate_uncached": ("generate", {"use_cache": False}),
+           "continuous": ("continuous", {})}
+
+
+def generation_rates(args) -> list[dict]:
+    """Each round: the three engines in turn on the bench's model and prompts, from one seed."""
+    import torch
+
+    from trainloop.config.compose import compose_config
+    from trainloop.data.loaders import byte_level_tokenizer
+    from trainloop.model.builder import build_model, build_model_config, special_token_ids
+    from trainloop.objectives.generation import complete
+    from trainloop.objectives.grpo import completion_mask, generation_config
+
+    cfg = compose_config(MODEL, check=False)
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer), special_token_ids(tokenizer))).eval()
+    prompts = [tokenizer(f"Write {w}:")["input_ids"] for w in WORDS[:args.prompts]]
+    width, eos = max(len(p) for p in prompts), tokenizer.eos_token_id
+    prompt_ids = torch.full((len(prompts), width), eos).repeat_interleave(args.generations, 0)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row in range(prompt_ids.shape[0]):
+        ids = prompts[row // args.generations]
+        prompt_ids[row, width - len(ids):], prompt_mask[row, width - len(ids):] = torch.tensor(ids), 1
+    results = []
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for name, (engine, extra) in ENGINES.items():
+            # objective=grpo's sampling settings (GRPO.__init__)
+            settings = generation_config(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=eos,
+                                         eos_token_id=eos, max_new_tokens=args.max_new_tokens, **extra)
+            with torch.no_grad(), torch.random.fork_rng():
+                torch.manual_seed(round_)
+                started = time.perf_counter()
+                out = complete(model, prompt_ids, prompt_mask, settings, engine, synced_gpus=False)
+                seconds = time.perf_counter() - started
+            tokens = int(completion_mask(out[:, width:], eos).sum())
+            if round_:
+                results.append({"round": round_, "engine": name, "tokens": tokens, "seconds": seconds,
+                                "tokens_per_s": tokens / seconds})
+    return results
+
+
+def report_generation(args, results: list[dict]) -> None:
+    by = {name: [r for r in results if r["engine"] == name] for name in ENGINES}
+    rate = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in by.items()}
+    paired = {name: [c["tokens_per_s"] / r["tokens_per_s"] for c, r in zip(by["continuous"], rs)]
+              for name, rs in by.items() if name != "continuous"}
+    for name, ratios in paired.items():
+        print(f"generated tokens/s continuous / {name}: x{rate['continuous'] / rate[name]:.2f} (ratio of medians); "
+              f"paired per round {', '.join(f'x{p:.2f}' for p in ratios)}")
+    for name, rs in by.items():
+        print(f"{name:16s} {rate[name]:8.1f} tokens/s (median of {len(rs)} rounds; "
+              f"{rs[0]['tokens']} tokens a round, {statistics.median(r['seconds'] for r in rs):.2f} s)")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "tokens_per_s": rate, "paired": paired}, indent=1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -131,6 +199,8 @@ def main(argv=None) -> int:
     parser.add_argument("--generations", type=int, default=8, help="completions a prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--generation", action="store_true",
+                        help="compare the rollout engines' generated tokens/s alone (objective.generation)")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_child:
@@ -139,6 +209,12 @@ def main(argv=None) -> int:
     import torch
 
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    if args.generation:
+        print(f"{where}; torch {torch.__version__}; {args.prompts} prompts x {args.generations} completions of "
+              f"{args.max_new_tokens} tokens, sampled; {args.rounds} rounds (and one warm-up); "
+              f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
+        report_generation(args, generation_rates(args))
+        return 0
     print(f"{where}; torch {torch.__version__}; {args.prompts} prompts x {args.generations} completions of "
           f"{args.max_new_tokens} tokens a step, {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds; "
           f"load average {os.getloadavg()[0]:.1f} at start")

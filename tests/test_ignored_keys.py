@@ -28,6 +28,10 @@ NOT_PROBED = {
     "data.pin_memory": "takes effect only on a CUDA device; configs stay portable to CPU",
     "precision.tf32": "takes effect only on an Ampere or newer GPU; warns elsewhere",
     "precision.fp8_emulate": "takes effect only on a GPU (a CPU always emulates float8); warns elsewhere",
+    "objective.tools": "a random model calls no tool; tests/test_grpo_tools.py: the schemas rendered into the "
+                       "prompts, the calls answered",
+    "objective.max_tool_calls": "a random model calls no tool; tests/test_grpo_tools.py: the rounds it allows",
+    "objective.tool_timeout_s": "a random model calls no tool; tests/test_grpo_tools.py: a hung tool answered at it",
     "objective.precompute_reference": "when dpo's reference is computed, not the loss (tests/test_dpo.py: the same "
                                       "losses within 1e-6, read back on a resume; test_plan.py: the copy freed)",
 }
@@ -172,7 +176,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.epsilon_high": 0.5, "objective.num_iterations": 2, "objective.importance_sampling_level": "sequence",
         "objective.top_entropy_quantile": 0.5, "objective.sapo_temperature_pos": 0.5,
         "objective.sapo_temperature_neg": 2.0, "objective.vespo_k_pos": 1.0, "objective.vespo_lambda_pos": 1.5,
-        "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5,
+        "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5, "objective.generation": "continuous",
     }
 
 

@@ -67,7 +67,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.attention import training_attention, use as use_attention
     from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
     from trainloop.model.compile import compile_model
-    from trainloop.objectives import build_objective
+    from trainloop.objectives import build_objective, prompt_tools
     from trainloop.observe.flops import flops_per_token, trained_matmul_params
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler
@@ -87,11 +87,11 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
         train_set, valid_set = blocks
     elif run_dir is not None:  # not inside a collective: tokenizing a large corpus outlasts trainer.collective_timeout_s
         train_set, valid_set, data_print = build_once_per_node(
-            strategy, run_dir, partial(build_training_data, cfg.data, tokenizer, cfg.trainer.seed))
+            strategy, run_dir, partial(build_training_data, cfg.data, tokenizer, cfg.trainer.seed, prompt_tools(cfg)))
         if checkpointer is not None:
             checkpointer.check_data(data_print)
     else:
-        train_set, valid_set, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed)
+        train_set, valid_set, _ = build_training_data(cfg.data, tokenizer, cfg.trainer.seed, prompt_tools(cfg))
 
     if before_model is not None:
         before_model()

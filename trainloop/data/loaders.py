@@ -36,9 +36,13 @@ def tokenize_examples(cfg: DataConfig, tokenizer, examples, desc: str = "tokeniz
     return data_format(cfg.name).tokenize(cfg, tokenizer, examples, desc)
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int):
+def build_datasets(cfg: DataConfig, tokenizer, seed: int, tools: list[dict] | None = None):
     """The train and validation blocks of data.path (or the built-in corpus), as its format builds
-    them: tokenized by the run and packed (DataFormat.build), or prepared shards memory-mapped."""
+    them: tokenized by the run and packed (DataFormat.build), or prepared shards memory-mapped.
+    `tools`: the JSON schemas of the tools the objective lets the model call, which data=prompts
+    renders into its conversations (None for every other objective and format)."""
+    if tools:
+        return data_format(cfg.name).build(cfg, tokenizer, seed, tools=tools)
     return data_format(cfg.name).build(cfg, tokenizer, seed)
 
 

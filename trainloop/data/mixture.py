@@ -135,13 +135,13 @@ def build_source_datasets(cfg, tokenizer, seed: int) -> tuple[MixtureBlocks, Mix
     return train, valid, parts
 
 
-def build_training_data(cfg, tokenizer, seed: int) -> tuple[Dataset, Dataset, dict]:
+def build_training_data(cfg, tokenizer, seed: int, tools: list[dict] | None = None) -> tuple[Dataset, Dataset, dict]:
     """The run's training and validation datasets and their fingerprint: a mixture when
-    data.sources is set, else data.path's (or the built-in corpus's) blocks."""
+    data.sources is set, else data.path's (or the built-in corpus's) blocks. `tools`: build_datasets'."""
     from trainloop.data.loaders import build_datasets, data_fingerprint
 
     if not cfg.sources:
-        train, valid = build_datasets(cfg, tokenizer, seed)
+        train, valid = build_datasets(cfg, tokenizer, seed, tools)
         return train, valid, data_fingerprint(tokenizer, train, valid)
     train, valid, parts = build_source_datasets(cfg, tokenizer, seed)
     prints = [data_fingerprint(tokenizer, t, v) for t, v in parts]

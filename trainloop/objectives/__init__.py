@@ -21,12 +21,19 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "grpo": GRPO,
 }
 
-__all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "read_only_by"]
+__all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "prompt_tools",
+           "read_only_by"]
 
 
 def build_objective(cfg, device) -> Objective:
     """The objective the config names (`objective.name`, one of OBJECTIVES: trainloop.config.compose checks it)."""
     return OBJECTIVES[cfg.objective.name](cfg, device)
+
+
+def prompt_tools(cfg) -> list[dict] | None:
+    """The JSON schemas of the tools the objective lets the model call, which data=prompts renders into
+    its conversations (objective=grpo's objective.tools); None for none."""
+    return OBJECTIVES[cfg.objective.name].prompt_tools(cfg)
 
 
 def keys_read(cfg) -> tuple[str, ...]:

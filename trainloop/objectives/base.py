@@ -77,6 +77,11 @@ class Objective:
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         """Called once the run is built, before any step: `frozen` is frozen_copy's, prepared."""
 
+    @staticmethod
+    def prompt_tools(cfg) -> list[dict] | None:
+        """The JSON schemas of the tools the model may call, rendered into the prompts; None: none."""
+        return None
+
     def rank_state(self) -> dict | None:
         """What this rank's objective holds that the next steps read and a resume must give back
         (tensors, lists and dicts of them), saved with each checkpoint as objective_<rank>.pt; None: nothing."""

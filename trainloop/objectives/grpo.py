@@ -22,6 +22,7 @@ trains on the window's completions, which each rank's checkpoint holds (rank_sta
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.dpo import reference_model
+from trainloop.objectives.generation import complete
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -77,6 +79,42 @@ class GRPOConfig:
     # and no reference is built
     beta: float = 0.0
     num_iterations: int = 1  # optimizer steps on each generated batch
+    # what writes the completions: generate (Hugging Face's, a padded batch with a KV cache) or continuous
+    # (transformers' continuous batching: precision=fp32, unsharded weights); generate wrote 2.6x to 2.9x the
+    # tokens/s of continuous on the 2-core CPU (BENCHMARKS.md)
+    generation: str = "generate"
+    # tools the model may call in a rollout, [module:function, ...] or [path/to/file.py:function, ...]: plain functions
+    # with type hints and a docstring, whose JSON schemas the prompts carry (trainloop/objectives/tools.py)
+    tools: list[str] = field(default_factory=list)
+    max_tool_calls: Optional[int] = None  # rounds of tool calls in a rollout; null: as many as max_new_tokens holds
+    tool_timeout_s: float = 10.0  # a tool call running longer is answered with an error (and left to finish alone)
+
+
+def generation_problems(cfg) -> list[str]:
+    """objective.generation's: continuous batching keeps its cache in the weights' dtype (no autocast over
+    fp32 weights) and runs each rank on its own schedule (no weights gathered in every forward)."""
+    from trainloop.objectives.generation import ENGINES
+    from trainloop.parallel import chosen
+
+    o = cfg.objective
+    if o.generation not in ENGINES:
+        return [f"objective.generation={o.generation} is not one of: {', '.join(ENGINES)}"]
+    if o.generation != "continuous":
+        return []
+    problems = []
+    if cfg.precision.name != "fp32":
+        problems.append(f"objective.generation=continuous keeps its KV cache in the weights' dtype, and "
+                        f"precision={cfg.precision.name} computes in another: set precision=fp32, or "
+                        "objective.generation=generate")
+    sharded = {"fsdp2": "FSDP2 (fsdp=full_shard)", "fsdp2_tp": "tensor parallelism (parallel.tp_size > 1)",
+               "pipeline": "a pipeline (parallel.pp_size > 1)"}.get(chosen(cfg))
+    if sharded is None and cfg.deepspeed.stage == 3:
+        sharded = "DeepSpeed ZeRO-3"
+    if sharded:
+        problems.append(f"objective.generation=continuous runs each process on its own schedule, and {sharded} "
+                        "gathers the weights in every forward of every rank together: set "
+                        "objective.generation=generate")
+    return problems
 
 
 def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
@@ -250,6 +288,8 @@ class GRPO(Objective):
            for key in ("temperature_pos", "temperature_neg")},
         **{f"objective.vespo_{key}": (lambda c: c.objective.loss_type == "vespo", "objective.loss_type=vespo")
            for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
+        **{f"objective.{key}": (lambda c: bool(c.objective.tools), "objective.tools names some")
+           for key in ("max_tool_calls", "tool_timeout_s")},
     }
 
     def __init__(self, cfg, device):
@@ -264,11 +304,21 @@ class GRPO(Objective):
         self.eos, self.pad = self.tokenizer.eos_token_id, pad_id(self.tokenizer)
         # sampling as configured here, whatever a pretrained model's generation_config.json says
         # (a repetition penalty there would sample from another distribution than the loss's), as TRL does
+        # with a KV cache whatever the model's config says (the tiny models' say use_cache=False, for training):
+        # without, every new token recomputes the whole prefix (7.3x slower on bench_grpo's model)
         self.sampling = generation_config(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0,
-                                          max_new_tokens=o.max_new_tokens, pad_token_id=self.pad, eos_token_id=self.eos)
+                                          max_new_tokens=o.max_new_tokens, pad_token_id=self.pad, eos_token_id=self.eos,
+                                          use_cache=True)
         self.greedy = generation_config(do_sample=False, max_new_tokens=o.max_new_tokens, pad_token_id=self.pad,
-                                        eos_token_id=self.eos)
+                                        eos_token_id=self.eos, use_cache=True)
         self.epsilon_high = o.epsilon if o.epsilon_high is None else o.epsilon_high
+        self.tools = None  # {name: function} of objective.tools, and the template their replies are rendered with
+        if o.tools:
+            from trainloop.data.formats.chat import chat_template
+            from trainloop.objectives.tools import load_tools
+
+            self.tools = load_tools(o.tools)
+            self.template = chat_template(cfg.data, self.tokenizer)
         self.adapted, self.frozen = cfg.adapter.name != "none", None  # frozen: a full fine-tune's reference
         self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
         self.device = torch.device(device)
@@ -282,9 +332,9 @@ class GRPO(Objective):
         import torch
 
         # completions, scored ones, reward sum and squares; per function: sum, count; length sum,
-        # truncated; trained tokens, the units of the clip ratio (or of vespo's weight: tokens, or
-        # completions where each has one value) and their sum, KL sum
-        return torch.zeros(4 + 2 * len(self.rewards.names) + 6, dtype=torch.float64, device=self.device)
+        # truncated, tool calls, failed ones; trained tokens, the units of the clip ratio (or of vespo's
+        # weight: tokens, or completions where each has one value) and their sum, KL sum
+        return torch.zeros(4 + 2 * len(self.rewards.names) + 8, dtype=torch.float64, device=self.device)
 
     @staticmethod
     def problems(cfg) -> list[str]:
@@ -321,6 +371,16 @@ class GRPO(Objective):
             problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
                             f"{o.max_new_tokens} is longer than model.max_position_embeddings="
                             f"{cfg.model.max_position_embeddings}; lower one of them")
+        problems += generation_problems(cfg)
+        if o.tools:
+            from trainloop.objectives.tools import tool_problems
+
+            problems += tool_problems(o.tools)
+            if o.max_tool_calls is not None and o.max_tool_calls < 1:
+                problems.append(f"objective.max_tool_calls={o.max_tool_calls} must be 1 or more (null: no limit but "
+                                "objective.max_new_tokens); objective.tools=[] calls none")
+            if not o.tool_timeout_s > 0:
+                problems.append(f"objective.tool_timeout_s={o.tool_timeout_s} must be greater than 0")
         if cfg.trainer.auto_batch_size:
             problems.append("objective=grpo does not search a batch size yet: set trainer.auto_batch_size=false")
         if cfg.compile.backend != "none":
@@ -390,21 +450,76 @@ class GRPO(Objective):
         module = strategy.accelerator.unwrap_model(model)
         eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
         devices = [strategy.device.index or 0] if strategy.device.type == "cuda" else []
+        rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
         module.eval()
         try:
             with torch.no_grad(), eager, torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)  # inside fork_rng: training's own random numbers are not drawn from
-                out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.sampling,
-                                      synced_gpus=strategy.world_size > 1)
+                out = complete(module, prompt_ids, prompt_mask, self.sampling, self.cfg.generation,
+                               synced_gpus=self.synced(strategy))
+                if self.tools is not None:
+                    return self.tool_rollout(strategy, module, prompt_ids, prompt_mask, out, self.sampling, rows)
         finally:
             module.train()
         completion_ids = out[:, prompt_ids.shape[1]:]
         mask = completion_mask(completion_ids, self.eos)
         attention = torch.cat([prompt_mask, mask], 1)
-        rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
         return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention,
                 "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": mask, "rows": rows,
                 "truncated": ~(completion_ids == self.eos).any(1)}
+
+    def tool_rollout(self, strategy, module, prompt_ids, prompt_mask, out, settings, rows: list[dict]) -> dict:
+        """The rollouts with their tool calls answered and the model asked again (trainloop.objectives.tools),
+        from the first turns in `out`: completion_mask is 1 on the model's tokens only (the loss's and the
+        advantage's), the attention mask on every token; the completions as messages, for the rewards."""
+        import torch
+
+        from trainloop.objectives.tools import take_turns
+
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        first = [self.first_turn(row) for row in out[:, prompt_ids.shape[1]:].tolist()]
+
+        def generate(rows: list[list[int]], room: list[int]) -> list[list[int]]:
+            stand_in = not rows  # every rank generates together: one with nothing left takes a token of its first
+            rows, room = (prompts[:1], [1]) if stand_in else (rows, room)
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), self.pad, dtype=prompt_ids.dtype, device=prompt_ids.device)
+            mask = torch.zeros_like(ids)
+            for i, row in enumerate(rows):
+                ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+            limited = copy.deepcopy(settings)
+            limited.max_new_tokens = max(room)
+            turn = complete(module, ids, mask, limited, self.cfg.generation,
+                            synced_gpus=self.synced(strategy))[:, width:].tolist()
+            return [] if stand_in else [self.first_turn(t)[:r] for t, r in zip(turn, room)]
+
+        def agree(going: int) -> bool:
+            return bool(strategy.sum_over_all(torch.tensor([float(going)], device=strategy.device)).item())
+
+        turns = take_turns(prompts, first, generate, agree, self.tokenizer, self.template, self.tools,
+                           self.cfg.max_tool_calls, self.cfg.tool_timeout_s, self.cfg.max_new_tokens)
+        width = max(len(t.ids) for t in turns)
+        completion = torch.full((len(turns), width), self.pad, dtype=prompt_ids.dtype, device=prompt_ids.device)
+        present, trained = torch.zeros_like(completion), torch.zeros_like(completion)
+        for i, t in enumerate(turns):
+            completion[i, :len(t.ids)] = torch.tensor(t.ids)
+            present[i, :len(t.ids)], trained[i, :len(t.ids)] = 1, torch.tensor(t.trained)
+        attention = torch.cat([prompt_mask, present], 1)
+        return {"input_ids": torch.cat([prompt_ids, completion], 1), "attention_mask": attention,
+                "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": trained, "rows": rows,
+                "truncated": torch.tensor([not t.ids or t.ids[-1] != self.eos for t in turns],
+                                          device=completion.device),
+                "messages": [t.messages for t in turns],
+                "tool_calls": torch.tensor([[t.calls, t.failed] for t in turns], dtype=torch.float64).sum(0)}
+
+    def first_turn(self, ids: list[int]) -> list[int]:
+        """A generated row's tokens up to and with its first end-of-text (the padding after it cut)."""
+        return ids[:ids.index(self.eos) + 1] if self.eos in ids else ids
+
+    def synced(self, strategy) -> bool:
+        """generate's synced_gpus: every rank takes part in every forward (sharded weights are gathered in
+        each); continuous batching runs each rank alone (refused where weights are sharded)."""
+        return strategy.world_size > 1 and self.cfg.generation == "generate"
 
     def score(self, rollout: dict):
         """[completions, functions] rewards (NaN for None), or the ConfigError a function raised."""
@@ -414,10 +529,16 @@ class GRPO(Objective):
 
         rows, mask = rollout["rows"], rollout["completion_mask"]
         ids = rollout["input_ids"][:, -mask.shape[1]:]
-        texts = [self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True) for i in range(len(rows))]
         prompts = [row[self.prompt_field] for row in rows]
-        chat = not isinstance(prompts[0], str)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        if "messages" in rollout:  # with tools: the model's turns and the tools' replies, as TRL passes them
+            from trainloop.objectives.rewards import text_of
+
+            completions = rollout["messages"]
+            texts = [text_of(m) for m in completions]
+        else:
+            texts = [self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True) for i in range(len(rows))]
+            chat = not isinstance(prompts[0], str)
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         keys = dict.fromkeys(key for row in rows for key in row if key != self.prompt_field)
         columns = {key: [row.get(key) for row in rows] for key in keys}
         columns["completion_ids"] = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
@@ -495,6 +616,15 @@ class GRPO(Objective):
         if cfg.objective.beta != 0.0 and cfg.adapter.name == "none":
             plan_copy(plan, "objective=grpo with objective.beta > 0")
 
+    @staticmethod
+    def prompt_tools(cfg) -> list[dict] | None:
+        """objective.tools' JSON schemas, which the prompts' chat template renders."""
+        if not cfg.objective.tools:
+            return None
+        from trainloop.objectives.tools import load_tools, schema
+
+        return [schema(f) for f in load_tools(cfg.objective.tools).values()]
+
     def frozen_copy(self, model):
         """With beta > 0, a full fine-tune's reference: the model as built, frozen (an adapter's
         reference is the policy with its adapters disabled; beta 0 needs none)."""
@@ -521,9 +651,10 @@ class GRPO(Objective):
         scored = ~torch.isnan(summed)
         per_function = [torch.stack([torch.nansum(rewards[:, f].double()), (~torch.isnan(rewards[:, f])).sum().double()])
                         for f in range(rewards.shape[1])]
+        calls = sum((r["tool_calls"] for r in rollouts if "tool_calls" in r), torch.zeros(2, dtype=torch.float64))
         values = torch.stack([torch.tensor(float(len(summed)), dtype=torch.float64, device=summed.device),
                               scored.sum().double(), summed[scored].double().sum(), (summed[scored].double() ** 2).sum(),
-                              *torch.cat(per_function), mask.sum(), truncated.sum()])
+                              *torch.cat(per_function), mask.sum(), truncated.sum(), *calls.to(summed.device)])
         self.sums[:len(values)] += values.to(self.sums.device)
         self.longest = max(self.longest, int(mask.max().item()))
         first = rollouts[0]
@@ -597,7 +728,7 @@ class GRPO(Objective):
         longest, generating_s = strategy.reduce_sum(ranks).max(0).values.tolist()
         self.sums, self.longest, self.generating_s = self.zero_sums(), 0, 0.0
         completions, scored, reward, squares = total[:4]
-        lengths, truncated, tokens, units, counted, kl = total[-6:]
+        lengths, truncated, calls, failed, tokens, units, counted, kl = total[-8:]
         values = {}
         if completions:  # none inside a num_iterations window: its steps train on earlier completions
             values["unscored"] = int(completions - scored)  # no function applied: advantage 0
@@ -611,6 +742,9 @@ class GRPO(Objective):
             values.update({"completion_length": lengths / completions, "completion_length_max": longest,
                            "truncated_share": truncated / completions, "generation_s": generating_s,
                            "generated_tokens_per_s": lengths / max(generating_s, 1e-9)})
+            if self.tools is not None:  # TRL's tools/call_frequency and tools/failure_frequency
+                values.update({"tool_calls_per_completion": calls / completions,
+                               "tool_failure_share": failed / max(calls, 1)})
         if self.cfg.loss_type in (*CLIPPED, "cispo"):  # TRL's clip_ratio/region_mean, cispo's cispo_clip_ratio
             values["clip_ratio"] = counted / max(units, 1)
         elif self.cfg.loss_type == "vespo":  # TRL's vespo/phi_seq_mean
@@ -634,11 +768,14 @@ class GRPO(Objective):
         strategy = self.strategy
         keep = batch["prompt_mask"].any(0)
         ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
-        out = strategy.accelerator.unwrap_model(model).generate(
-            input_ids=ids, attention_mask=mask, generation_config=self.greedy, synced_gpus=strategy.world_size > 1)
-        completion_ids = out[:, ids.shape[1]:]
-        rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": [json.loads(r) for r in batch["row"]],
-                   "completion_mask": completion_mask(completion_ids, self.eos)}
+        module, rows = strategy.accelerator.unwrap_model(model), [json.loads(r) for r in batch["row"]]
+        out = complete(module, ids, mask, self.greedy, self.cfg.generation, synced_gpus=self.synced(strategy))
+        if self.tools is not None:
+            rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows)
+        else:
+            completion_ids = out[:, ids.shape[1]:]
+            rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": rows,
+                       "completion_mask": completion_mask(completion_ids, self.eos)}
         scores = self.agreed_scores(strategy, [rollout]).cpu()
         summed = (scores * torch.tensor(self.rewards.weights)[None]).nansum(1)
         summed[torch.isnan(scores).all(1)] = torch.nan

@@ -116,29 +116,34 @@ class Prompts(DataFormat):
                               "one kind, all text or all lists of {role, content} messages; fix or remove that row")
         return rows
 
-    def prompt_tokens(self, cfg: DataConfig, tokenizer):
-        """A prompt (text or messages) -> its token ids."""
+    def prompt_tokens(self, cfg: DataConfig, tokenizer, tools: list[dict] | None = None):
+        """A prompt (text or messages) -> its token ids; a conversation rendered with the JSON schemas of
+        the `tools` the objective lets the model call (objective.tools), as TRL renders it."""
         template = None
 
         def tokens(prompt) -> list[int]:
             nonlocal template
             if isinstance(prompt, str):
+                if tools:
+                    raise ConfigError("objective.tools: a text prompt has no place for the tools' schemas, which the "
+                                      f"chat template renders: give conversations ({cfg.prompt_field}: [{{role, "
+                                      "content}, ...]), or no tools")
                 return tokenizer(prompt)["input_ids"]
             template = template or chat_template(cfg, tokenizer)
             text = tokenizer.apply_chat_template(prompt, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, tools=tools or None)
             return tokenizer(text, add_special_tokens=False)["input_ids"]
         return tokens
 
-    def build(self, cfg: DataConfig, tokenizer, seed: int):
+    def build(self, cfg: DataConfig, tokenizer, seed: int, tools: list[dict] | None = None):
         """One item per prompt, padded on the left to data.seq_len; whole rows held out for validation
-        (data.validation_fraction, drawn from the seed)."""
+        (data.validation_fraction, drawn from the seed). `tools`: prompt_tokens'."""
         import torch
 
         from trainloop.data.packing import PromptRows, split_documents
         from trainloop.data.tokenizer import pad_id
 
-        rows, tokens = self.load(cfg, tokenizer), self.prompt_tokens(cfg, tokenizer)
+        rows, tokens = self.load(cfg, tokenizer), self.prompt_tokens(cfg, tokenizer, tools)
         L, kept, ids = cfg.seq_len, [], []
         for _, row in rows:
             prompt_ids = tokens(row[cfg.prompt_field])

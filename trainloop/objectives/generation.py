@@ -1,0 +1,159 @@
+"""The engine that writes GRPO's completions (objective.generation): `generate`, Hugging Face's
+padded batch with a dynamic cache, or `continuous`, transformers' continuous batching (the engine
+behind `generate_batch`): unpadded requests in a paged KV cache, scheduled token by token, so a row
+that has finished leaves the batch instead of being padded along.
+
+Both return what `generate` returns: the left-padded prompts, then each row's completion padded on
+the right with the pad token after its end-of-text, up to the longest row's (at most max_new_tokens).
+
+Continuous batching, as this module runs it:
+- uses the model's own attention (eager runs as transformers' paged eager for the call, then is put
+  back; sdpa and flash_attention_2 are used as they are): greedy completions equal `generate`'s
+  wherever the two kernels' sums do not tip an argmax (tests/test_generation.py checks token for token);
+- samples with the same logits processors as `generate` (the effective settings: the caller's, the
+  model's generation_config.json, then transformers' defaults), from a seed drawn from torch's
+  generator: every request is queued before the loop starts and the cache is sized to hold all of
+  them, so the schedule, and the draws, repeat; the draws are not `generate`'s (other rows, other order);
+- keeps its cache in the weights' dtype, so it refuses autocast over fp32 weights (precision=bf16,
+  fp16 or fp8 on one process or DDP): precision=fp32 (or weights in the compute dtype) only;
+- runs each process on its own: no rank waits for another, so it cannot serve sharded weights that
+  every forward gathers (FSDP2, DeepSpeed ZeRO-3, tensor parallelism: synced_gpus=True is refused).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING
+
+from trainloop.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+ENGINES = ("generate", "continuous")
+KEY = "objective.generation"
+MAX_BATCH_TOKENS = 8192  # transformers' default: the most prompt tokens a prefill forward takes
+
+
+def complete(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, engine: str,
+             synced_gpus: bool) -> torch.Tensor:
+    """`module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, ...)`'s output, [n, prompt
+    length + the longest completion], written by `engine`. `module`: the unwrapped model (a peft
+    model too); the caller sets eval mode, no_grad and the random seed as for `generate`."""
+    if engine == "generate":
+        return module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+                               synced_gpus=synced_gpus)
+    if engine != "continuous":
+        raise ConfigError(f"{KEY}={engine!r} is not one of: {', '.join(ENGINES)}")
+    if synced_gpus:
+        raise ConfigError(f"{KEY}=continuous runs each process's requests on their own schedule and cannot keep the "
+                          "processes in step, which sharded weights gathered in every forward need (FSDP2, DeepSpeed "
+                          f"ZeRO-3, tensor parallelism): use {KEY}=generate")
+    model = module.get_base_model() if hasattr(module, "get_base_model") else module  # peft: the LoRA-injected model
+    settings = continuous_settings(model, generation_config)
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+    completions = run_continuous(model, prompts, settings)
+    pad = settings.pad_token_id
+    if pad is None:  # as generate: the (first) end-of-text token pads
+        eos = settings.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+    return padded(prompt_ids, completions, pad)
+
+
+def continuous_settings(model, generation_config):
+    """The settings `generate` would sample with (the caller's, the model's own, transformers'
+    defaults), refused where continuous batching would not apply them the same way."""
+    if not hasattr(model, "generate_batch"):
+        raise ConfigError(f"{KEY}=continuous needs a transformers model with continuous batching (generate_batch); "
+                          f"{type(model).__name__} has none: use {KEY}=generate")
+    settings = model._prepare_generation_config(copy.deepcopy(generation_config))[0]
+    refused = []
+    if (settings.num_beams or 1) != 1:
+        refused.append(f"num_beams={settings.num_beams}")
+    if (settings.num_return_sequences or 1) != 1:
+        refused.append(f"num_return_sequences={settings.num_return_sequences}")
+    if settings.max_new_tokens is None:
+        refused.append("max_new_tokens unset (continuous batching stops only at it or at end-of-text)")
+    for key in ("stop_strings", "max_time"):
+        if getattr(settings, key, None) is not None:
+            refused.append(f"{key}={getattr(settings, key)!r}")
+    # the processors continuous batching drops (or keeps untested) would sample from another distribution
+    refused += [type(p).__name__ for p in model._get_logits_processor(settings)
+                if getattr(p, "supports_continuous_batching", None) is not True]
+    if refused:
+        raise ConfigError(f"{KEY}=continuous cannot apply these generation settings as generate does: "
+                          f"{', '.join(refused)}; use {KEY}=generate")
+    return settings
+
+
+def run_continuous(model, prompts: list[list[int]], settings) -> list[list[int]]:
+    """Each prompt's generated tokens (with its end-of-text, if it wrote one), in order."""
+    import torch
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens
+    page = ContinuousBatchingConfig.page_size
+    prompt_tokens = sum(len(p) for p in prompts)
+    # greedy draws nothing from the caller's generator, as generate; sampling draws its seed from it
+    seed = int(torch.randint(0, 2**31 - 1, ()).item()) if settings.do_sample else 0
+    # room for every request at once: none waits or is offloaded, so the schedule (and the draws) repeat
+    blocks = sum(math.ceil((len(p) + settings.max_new_tokens) / page) for p in prompts)
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, num_blocks=blocks, max_batch_tokens=max(len(prompts), min(prompt_tokens, MAX_BATCH_TOKENS)),
+        safety_margin=0.0, auto_switch_to_flash=False, seed=seed,  # the model's own attention: generate's numbers
+        use_cuda_graph=False)  # a manager lives for one call: graphs captured for it would not be replayed
+    hints = WorkloadHints(max_prompt_length=longest - settings.max_new_tokens,
+                          max_generated_length=settings.max_new_tokens, num_requests=len(prompts))
+    attention, training = model.config._attn_implementation, model.training
+    router_logits = getattr(model.config, "output_router_logits", False)
+    if router_logits:  # an MoE's load-balancing loss reads a padded mask, which a paged batch has not
+        model.config.output_router_logits = False
+    devices = [model.device.index or 0] if model.device.type == "cuda" else []
+    # the loop seeds torch's generators with `seed`: the caller's stream goes on as if it had not run
+    with torch.random.fork_rng(devices=devices):
+        manager = model.init_continuous_batching(generation_config=settings, continuous_batching_config=cb_config,
+                                                 workload_hints=hints)
+        try:
+            manager.warmup()  # builds the cache (and seeds) here, before any request
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=settings.max_new_tokens)
+            manager.start()  # after the requests: the first batch holds them all, every time
+            results = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    break
+        finally:
+            manager.stop(block=True)  # puts a switched attention back, once started
+            manager.destroy()
+            if model.config._attn_implementation != attention:
+                model.set_attn_implementation(attention)
+            if router_logits:
+                model.config.output_router_logits = True
+            model.train(training)
+    failed = [f"{i}: {results[i].error}" for i in ids if i in results and results[i].error is not None]
+    missing = [i for i in ids if i not in results]
+    if any("expected to have the same dtype" in f for f in failed):
+        raise ConfigError(f"{KEY}=continuous keeps its paged cache in the weights' dtype ({model.dtype}), which "
+                          "autocast's 16-bit keys and values do not match: use precision=fp32, or "
+                          f"{KEY}=generate")
+    if failed or missing:
+        raise RuntimeError(f"{KEY}=continuous: {len(failed) + len(missing)} of {len(ids)} requests did not finish "
+                           f"({'; '.join(failed[:3]) or 'the generation loop stopped'}); {KEY}=generate may work")
+    return [results[i].generated_tokens for i in ids]
+
+
+def padded(prompt_ids: torch.Tensor, completions: list[list[int]], pad: int) -> torch.Tensor:
+    """generate's layout: the prompts as given, then the completions padded on the right to the longest."""
+    import torch
+
+    width = max(len(c) for c in completions)
+    out = torch.full((prompt_ids.shape[0], prompt_ids.shape[1] + width), pad, dtype=prompt_ids.dtype,
+                     device=prompt_ids.device)
+    out[:, :prompt_ids.shape[1]] = prompt_ids
+    for row, tokens in enumerate(completions):
+        out[row, prompt_ids.shape[1]:prompt_ids.shape[1] + len(tokens)] = torch.tensor(tokens, dtype=prompt_ids.dtype)
+    return out

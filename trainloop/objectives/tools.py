@@ -1,0 +1,180 @@
+"""Tools a GRPO rollout calls (objective.tools), as TRL 1.16's GRPOTrainer(tools=...) calls them.
+
+A tool is a plain Python function with type hints and a docstring (its JSON schema, made as
+transformers makes it, goes into the prompt through the chat template), named as a reward
+function is: `module:function` or `path/to/file.py:function`. A rollout generates; where the
+model's turn ends with tool calls (parse_tool_calls: `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`, the built-in template's and Hermes/Qwen's form), each call is run and its
+reply appended, rendered by the template (a tool turn, then the header of the model's next turn),
+and the model generates again: until a turn makes no call, objective.max_tool_calls rounds, or
+the completion's budget (objective.max_new_tokens, for the model's turns and the replies
+together). A call that raises, names no tool, takes other arguments, or runs past
+objective.tool_timeout_s is answered with {'error': ...}: a reply, never a crash. The replies are
+no one's target: no loss and no advantage on their tokens (TRL's tool_mask).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trainloop.errors import ConfigError
+
+
+def tool_problems(specs, functions_out: list | None = None) -> list[str]:
+    """objective.tools, checked when the config is: each loads, the names are distinct, and each has
+    the type hints and docstring its JSON schema is made from."""
+    from trainloop.objectives.rewards import load_reward
+
+    problems, names = [], {}
+    for i, spec in enumerate(specs):
+        try:
+            function = load_reward(spec)
+        except ConfigError as err:
+            problems.append(f"objective.tools[{i}]={err}")
+            continue
+        try:
+            schema(function)
+        except ConfigError as err:
+            problems.append(f"objective.tools[{i}]={spec!r}: {err}")
+            continue
+        if function.__name__ in names:
+            problems.append(f"objective.tools[{i}]={spec!r}: a second tool named {function.__name__} "
+                            f"(objective.tools[{names[function.__name__]}]); the model calls tools by name")
+        names[function.__name__] = i
+        if functions_out is not None:
+            functions_out.append(function)
+    return problems
+
+
+def load_tools(specs) -> dict[str, Callable]:
+    """{name: function} of objective.tools (checked by tool_problems)."""
+    functions: list = []
+    problems = tool_problems(specs, functions)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return {f.__name__: f for f in functions}
+
+
+def schema(function: Callable) -> dict:
+    """The function's JSON schema, as transformers makes it for a chat template's `tools`."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as err:  # noqa: BLE001 - transformers' parsing errors, named with the tool
+        raise ConfigError(f"no JSON schema can be made of {function.__name__} ({err}); give it type hints and a "
+                          "docstring with an Args: line per argument") from None
+
+
+def call_tool(functions: dict[str, Callable], call: dict, timeout_s: float) -> str:
+    """The reply to one call, as text: str() of what the tool returned, or of {'error': ...} where it
+    raised, is not one of the tools, or ran past `timeout_s` (then it is left to finish on its own, in
+    a daemon thread: a hung tool costs its thread, not the run), as TRL's replies read."""
+    function = functions.get(call["name"])
+    if function is None:
+        return str({"error": f"Tool {call['name']} not found."})
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            done["value"] = function(**call["arguments"])
+        except Exception as err:  # noqa: BLE001 - whatever the tool raises is its reply
+            done["error"] = str(err)
+
+    worker = threading.Thread(target=run, name=f"tool {call['name']}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return str({"error": f"Tool {call['name']} did not answer within objective.tool_timeout_s={timeout_s} s."})
+    return str({"error": done["error"]}) if "error" in done else str(done["value"])
+
+
+def reply_ids(tokenizer, template: str, replies: list[dict]) -> list[int]:
+    """The tokens that follow a model's turn ending in tool calls: the replies as the template renders
+    them, and the header of the model's next turn (TRL's _get_tool_suffix_ids: the difference of two
+    renderings of a stand-in conversation, cut after the turn's end-of-text)."""
+    calls = [{"type": "function", "function": {"name": replies[0]["name"], "arguments": {}}}]
+    before = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = tokenizer.apply_chat_template(before, chat_template=template, tokenize=True, return_dict=False)
+    whole = tokenizer.apply_chat_template(before + replies, chat_template=template, tokenize=True,
+                                          add_generation_prompt=True, return_dict=False)
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[:ends[-1] + 1]
+    if whole[:len(prefix)] != prefix:
+        raise ConfigError("the chat template renders a tool's reply by changing the turn before it, so the reply "
+                          "cannot follow the model's tokens as they are: choose a template that renders a "
+                          "conversation turn by turn (data.chat_template=FILE)")
+    return whole[len(prefix):]
+
+
+@dataclass
+class Turns:
+    """One rollout's completion: the model's turns and the tools' replies between them."""
+
+    ids: list[int]  # every token after the prompt
+    trained: list[int]  # 1 on the model's tokens, 0 on the replies' (no loss, no advantage)
+    messages: list[dict] = field(default_factory=list)  # as TRL hands them to the reward functions
+    calls: int = 0  # tool calls made
+    failed: int = 0  # of them answered with an error
+    ended: bool = False  # no room left for the replies to its last calls: the completion ends with them unanswered
+
+    def add_model_turn(self, ids: list[int], tokenizer, eos: int) -> None:
+        from trainloop.data.formats.chat import parse_tool_calls
+
+        self.ids += ids
+        self.trained += [1] * len(ids)
+        text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+        content, calls = parse_tool_calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls and ids and ids[-1] == eos:  # a turn cut short makes no call
+            message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+        self.messages.append(message)
+
+    def pending(self) -> list[dict]:
+        """The calls the last turn made (and left unanswered)."""
+        last = self.messages[-1]
+        return [c["function"] for c in last.get("tool_calls", [])] if not self.ended and last["role"] == "assistant" \
+            else []
+
+
+def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree, tokenizer, template: str,
+               functions: dict[str, Callable], max_rounds: int | None, timeout_s: float, budget: int) -> list[Turns]:
+    """Each rollout's turns, from the model's first turns (`first`, one per prompt): its calls
+    answered and the model asked again, until no call, `max_rounds` rounds (None: no limit but the
+    budget) or the `budget` of completion tokens. `generate(rows, room)`: the model's next turn for
+    each row (prompt + completion so far), at most `room` tokens each, with every rank taking part
+    (an empty list where this rank has none left); `agree(n)`: whether any rank has rows left."""
+    eos = tokenizer.eos_token_id
+    turns = []
+    for ids in first:
+        turns.append(Turns([], []))
+        turns[-1].add_model_turn(ids, tokenizer, eos)
+    rounds = 0
+    while max_rounds is None or rounds < max_rounds:
+        going = []
+        for i, turn in enumerate(turns):
+            calls = turn.pending()
+            if not calls:
+                continue
+            replies = [{"role": "tool", "name": c["name"], "content": call_tool(functions, c, timeout_s)}
+                       for c in calls]
+            after = reply_ids(tokenizer, template, replies)
+            if len(turn.ids) + len(after) >= budget:  # no room for the replies and a token more: it ends here
+                turn.ended = True
+                continue
+            turn.calls += len(calls)
+            turn.failed += sum(r["content"].startswith("{'error':") for r in replies)
+            turn.messages += replies
+            turn.ids += after
+            turn.trained += [0] * len(after)
+            going.append(i)
+        if not agree(len(going)):
+            break
+        for i, ids in zip(going, generate([prompts[i] + turns[i].ids for i in going],
+                                          [budget - len(turns[i].ids) for i in going])):
+            turns[i].add_model_turn(ids, tokenizer, eos)
+        rounds += 1
+    return turns
