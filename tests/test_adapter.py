@@ -109,11 +109,13 @@ def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero2", "1e-6"), ("zero3", "1e-6")])
+# ZeRO-2 is not among them: it shards no parameter (the adapter needs no gather), and its resume
+# within 1e-6 is test_resume.py's (full fine-tune); ZeRO-3 is the DeepSpeed case LoRA changes
+@pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero3", "1e-6")])
 def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, strategy, rtol, deepspeed_ops):
-    """LoRA on 2 processes: DDP under torchrun (bitwise), ZeRO-2 and ZeRO-3 under accelerate launch
-    (within 1e-6). The adapter, gathered under ZeRO-3, is complete in the export, and the merged
-    model agrees with base + adapter."""
+    """LoRA on 2 processes: DDP under torchrun (bitwise), ZeRO-3 under accelerate launch (within
+    1e-6). The adapter, gathered under ZeRO-3, is complete in the export, and the merged model
+    agrees with base + adapter."""
     if strategy == "ddp":
         launcher, extra = ["--nproc", "2"], []
     else:
@@ -125,7 +127,7 @@ def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, str
     code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
     assert code == 0, out[-4000:]
     log = (tmp_path / "runs" / "second_half.log").read_text()
-    engaged = {"ddp": "DistributedType.MULTI_CPU (2 process", "zero2": "ZeRO-2 engaged", "zero3": "ZeRO-3 engaged"}
+    engaged = {"ddp": "DistributedType.MULTI_CPU (2 process", "zero3": "ZeRO-3 engaged"}
     assert "resumed from" in log and engaged[strategy] in log, log[-3000:]
     final = tmp_path / "runs" / "resumed" / "final"
     adapter = adapter_tensors(final)
