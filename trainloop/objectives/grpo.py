@@ -444,6 +444,8 @@ class GRPO(Objective):
         every rank taking part in every forward (trainloop.observe.samples says why)."""
         import torch
 
+        from trainloop.model.attention import generating
+
         keep = batch["prompt_mask"].any(0)  # the columns where some prompt has a token: the rest is padding
         prompt_ids = batch["prompt_ids"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
         prompt_mask = batch["prompt_mask"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
@@ -453,7 +455,8 @@ class GRPO(Objective):
         rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
         module.eval()
         try:
-            with torch.no_grad(), eager, torch.random.fork_rng(devices=devices):
+            # sdpa's own masks and a cache: the training attention (trainloop.model.attention) attends whole rows
+            with torch.no_grad(), eager, generating(module), torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)  # inside fork_rng: training's own random numbers are not drawn from
                 out = complete(module, prompt_ids, prompt_mask, self.sampling, self.cfg.generation,
                                synced_gpus=self.synced(strategy))
@@ -768,11 +771,14 @@ class GRPO(Objective):
         strategy = self.strategy
         keep = batch["prompt_mask"].any(0)
         ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
+        from trainloop.model.attention import generating
+
         module, rows = strategy.accelerator.unwrap_model(model), [json.loads(r) for r in batch["row"]]
-        out = complete(module, ids, mask, self.greedy, self.cfg.generation, synced_gpus=self.synced(strategy))
-        if self.tools is not None:
-            rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows)
-        else:
+        with generating(module):
+            out = complete(module, ids, mask, self.greedy, self.cfg.generation, synced_gpus=self.synced(strategy))
+            if self.tools is not None:
+                rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows)
+        if self.tools is None:
             completion_ids = out[:, ids.shape[1]:]
             rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": rows,
                        "completion_mask": completion_mask(completion_ids, self.eos)}
