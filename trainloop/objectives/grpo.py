@@ -778,10 +778,10 @@ class GRPO(Objective):
             out = complete(module, ids, mask, self.greedy, self.cfg.generation, synced_gpus=self.synced(strategy))
             if self.tools is not None:
                 rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows)
-        if self.tools is None:
-            completion_ids = out[:, ids.shape[1]:]
-            rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": rows,
-                       "completion_mask": completion_mask(completion_ids, self.eos)}
+            else:
+                completion_ids = out[:, ids.shape[1]:]
+                rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": rows,
+                           "completion_mask": completion_mask(completion_ids, self.eos)}
         scores = self.agreed_scores(strategy, [rollout]).cpu()
         summed = (scores * torch.tensor(self.rewards.weights)[None]).nansum(1)
         summed[torch.isnan(scores).all(1)] = torch.nan
