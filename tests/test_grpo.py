@@ -427,14 +427,18 @@ def test_zero3_gives_ddps_rewards(ddp, tmp_path, deepspeed_ops):
 def test_lora_sharded_generates_and_takes_its_reference(tmp_path, sharding, request):
     """A PEFT model's generate reaches the inner model past FSDP2's root hooks: trainloop.parallel.sharding marks
     generate as a forward, so its embeddings are gathered; the KL's reference is the same sharded
-    model with its adapters disabled (under ZeRO-3, the engine's module)."""
+    model with its adapters disabled (under ZeRO-3, the engine's module). An environment (Echo) on each
+    rank gives each rollout its own instance, reset with its row, whose reward is a column of its own."""
     if sharding.startswith("deepspeed"):
         request.getfixturevalue("deepspeed_ops")
     run_dir = tmp_path / "lora"
     on_two_processes(run_dir, *TASK, "adapter=lora", "objective.beta=0.04", sharding,
-                       "data.batch_size=2", "optimizer.lr=1e-2", "trainer.max_steps=3", "trainer.eval_every=3")
-    kl = [r["kl"] for r in read_metrics(run_dir) if "kl" in r]
+                     f"objective.environment={REWARDS}:Echo", "data.batch_size=2", "optimizer.lr=1e-2",
+                     "trainer.max_steps=3", "trainer.eval_every=3")
+    lines = [r for r in read_metrics(run_dir) if "kl" in r]
+    kl = [r["kl"] for r in lines]
     assert len(kl) == 3 and kl[0] == 0.0 < kl[-1]
+    assert [r["rewards/Echo"] for r in lines] == [1.0] * 3
     assert [r for r in read_metrics(run_dir) if "eval_reward" in r]
 
 

@@ -146,7 +146,7 @@ def test_the_model_is_asked_again_until_it_calls_nothing_or_the_rounds_or_the_bu
         return [call[:r] for r in room]
 
     turns = take_turns([[1, 2, 3]], [call], generate, lambda going: going > 0, tokenizer, BUILTIN_CHAT_TEMPLATE,
-                       load_tools([f"{TOOLS}:lookup"]), max_rounds, 1.0, budget=4 * len(call) + 60)
+                       [load_tools([f"{TOOLS}:lookup"])], max_rounds, 1.0, budget=4 * len(call) + 60)
     turn = turns[0]
     assert asked == [1] * rounds and turn.calls == rounds
     assert [m["role"] for m in turn.messages] == ["assistant", "tool"] * rounds + ["assistant"]
@@ -154,3 +154,91 @@ def test_the_model_is_asked_again_until_it_calls_nothing_or_the_rounds_or_the_bu
     cut = max_rounds is None  # the budget cut the last turn short: no end-of-text, so no call
     assert (turn.ids[-1] != tokenizer.eos_token_id) == cut
     assert ("tool_calls" in turn.messages[-1]) == (not cut)  # at the rounds' limit its call is left unanswered
+
+
+# --- environments (objective.environment, TRL's environment_factory) --------------------------------
+
+VAULT = f"{TOOLS}:Vault"
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ([f"objective.environment={TOOLS}:NoReset"], r"objective.environment='.*:NoReset': NoReset has no reset method"),
+    ([f"objective.environment={TOOLS}:Undocumented"],
+     r"objective.environment='.*:Undocumented': method peek: no JSON schema can be made of peek"),
+    ([f"objective.environment={TOOLS}:Clash", f"objective.tools=[{TOOLS}:lookup]"],
+     r"objective.environment=.*: its method lookup has the name of a tool of objective.tools"),
+    ([f"objective.environment={TOOLS}:Unmakeable"],
+     r"objective.environment=.*: making an instance raised RuntimeError: no database"),
+    ([f"objective.environment={TOOLS}:Missing"], r"objective.environment='.*:Missing': .* has no function Missing"),
+    ([f"objective.environment={TOOLS}:Quiet", "objective.rewards=[]"], r"objective.rewards=\[\] names no reward"),
+    ([f"objective.environment={VAULT}", "objective.reward_weights=[1,2,3]"],
+     r"objective.reward_weights has 3 weights for 1 reward functions: give one per function, then optionally "
+     r"the environment Vault's"),
+])
+def test_an_environment_that_cannot_work_is_refused_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=rf"\n  {says}"):
+        validate(compose("+preset=smoke", *GRPO, *overrides, f"data.path={DATA / 'prompts.jsonl'}"))
+
+
+def test_each_rollout_has_its_own_environment_reset_with_its_row():
+    """Four rollouts of two rows: each its own Vault, reset with its row (whose text is appended to the
+    prompt, rendered again with the vault's schema); the model's call (written here) is answered by its
+    own vault with its row's secret; get_reward is a reward column named Vault, weighted 1.0 after the
+    functions'; the reward functions get the instances. The next step reuses the instances."""
+    from accelerate import Accelerator
+
+    from trainloop.model.builder import build_model, build_model_config
+    from trainloop.objectives import build_objective
+    from trainloop.parallel import build_strategy
+
+    cfg = compose("+preset=smoke", *GRPO[:2], "objective.rewards=[trainloop.objectives.rewards:exact_answer]",
+                  f"objective.environment={VAULT}", "objective.max_new_tokens=160",
+                  "objective.num_generations=2", "data.seq_len=300")
+    reset_accelerate()
+    strategy = build_strategy(cfg, Accelerator(cpu=True))
+    objective = build_objective(cfg, "cpu")
+    tokenizer = objective.tokenizer
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).eval()
+    rows = [{"prompt": [{"role": "user", "content": "Open the vault."}], "secret": secret}
+            for secret in (417, 92) for _ in range(2)]
+    stale = objective.render(rows[0]["prompt"])  # as the data rendered it, before reset
+    prompt_ids = torch.tensor([stale] * 4)
+    objective.environments.start()
+    ids, mask, vaults = objective.reset(strategy, rows, prompt_ids, torch.ones_like(prompt_ids))
+    assert len({id(v) for v in vaults}) == 4 and [v.secret for v in vaults] == ["417", "417", "92", "92"]
+    assert tokenizer.decode(ids[0][mask[0].bool()]).endswith(
+        "Open the vault. (the vault is locked)<|endoftext|>\n<|assistant|>\n")
+    assert '"name": "vault"' in tokenizer.decode(ids[0])  # the environment's method is a tool in the prompt
+    assert rows[0]["prompt"][-1]["content"] == "Open the vault. (the vault is locked)"  # as the rewards see it
+    call = tokenizer('<tool_call>{"name": "vault", "arguments": {}}</tool_call>', add_special_tokens=False)
+    out = torch.cat([ids, torch.tensor([call["input_ids"] + [tokenizer.eos_token_id]] * 4)], 1)
+    with torch.no_grad():
+        rollout = objective.tool_rollout(strategy, model, ids, mask, out, objective.sampling, rows, vaults)
+    assert [m[1] for m in rollout["messages"]] == [{"role": "tool", "name": "vault", "content": s}
+                                                   for s in ("417", "417", "92", "92")]
+    assert [v.opened for v in vaults] == [1, 1, 1, 1]
+    assert objective.rewards.names == ["exact_answer", "Vault"] and objective.rewards.weights == [1.0, 1.0]
+    scores = objective.score(rollout)
+    assert scores[:, 1].tolist() == [1.0] * 4  # each vault was opened once (the rows have no answer: NaN)
+    objective.environments.start()
+    assert objective.environments.draw(4) == vaults  # made once, reset often
+    reset_accelerate()
+
+
+def test_a_reset_that_fails_stops_the_run_in_one_line(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Open the vault."}]}] * 8  # no secret: reset's argument
+    with pytest.raises(ConfigError, match=r"objective.environment=.*:Vault: reset raised TypeError: .*secret"):
+        train(tmp_path / "run", *GRPO, f"data.path={write_rows(tmp_path / 'p.jsonl', rows)}",
+              f"objective.environment={VAULT}", "data.seq_len=300", "trainer.max_steps=1")
+
+
+def test_a_run_rewarded_by_its_environment_alone(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Open the vault."}], "secret": n} for n in range(16)]
+    run = train(tmp_path / "run", *GRPO[:2], "objective.rewards=[]", f"objective.environment={VAULT}",
+                f"data.path={write_rows(tmp_path / 'p.jsonl', rows)}", "objective.num_generations=2",
+                "objective.max_new_tokens=8", "data.seq_len=300", "data.batch_size=2", "trainer.max_steps=2",
+                "trainer.eval_every=2", "checkpoint.save_final_model=false")
+    lines = [r for r in read_metrics(run) if "reward" in r]
+    assert len(lines) == 2 and all(r["rewards/Vault"] == 0.0 and "tool_calls_per_completion" in r for r in lines)
+    assert [r["eval_reward"] for r in read_metrics(run) if "eval_reward" in r] == [0.0]

@@ -30,6 +30,8 @@ NOT_PROBED = {
     "precision.fp8_emulate": "takes effect only on a GPU (a CPU always emulates float8); warns elsewhere",
     "objective.tools": "a random model calls no tool; tests/test_grpo_tools.py: the schemas rendered into the "
                        "prompts, the calls answered",
+    "objective.environment": "a random model calls no tool; tests/test_grpo_tools.py: an instance per rollout, reset "
+                             "with its row, its methods the tools, its reward a column",
     "objective.max_tool_calls": "a random model calls no tool; tests/test_grpo_tools.py: the rounds it allows",
     "objective.tool_timeout_s": "a random model calls no tool; tests/test_grpo_tools.py: a hung tool answered at it",
     "objective.precompute_reference": "when dpo's reference is computed, not the loss (tests/test_dpo.py: the same "

@@ -42,3 +42,17 @@ def none(prompts, completions, **columns):
 
 def infinite_last(prompts, completions, **columns):
     return [0.5] * (len(completions) - 1) + [float("inf")]
+
+
+class Echo:
+    """An environment for text prompts (objective.environment=tests/data/grpo_rewards.py:Echo): reset appends
+    ' Go:' to the prompt; get_reward is 1.0 where the instance was reset since its last reward (0.0 where two
+    rollouts shared it)."""
+
+    def reset(self, prompt, **row) -> str:
+        self.prompt = prompt
+        return " Go:"
+
+    def get_reward(self) -> float:
+        prompt, self.prompt = getattr(self, "prompt", None), None
+        return float(prompt is not None)

@@ -86,6 +86,10 @@ class GRPOConfig:
     # tools the model may call in a rollout, [module:function, ...] or [path/to/file.py:function, ...]: plain functions
     # with type hints and a docstring, whose JSON schemas the prompts carry (trainloop/objectives/tools.py)
     tools: list[str] = field(default_factory=list)
+    # module:Class or path/to/file.py:Class, as TRL's environment_factory: one instance per rollout, reset(**row)
+    # before it (a text it returns is appended to the prompt's last message), its public methods the rollout's tools
+    # beside objective.tools, get_reward() (if it has one) a reward column named after the class
+    environment: Optional[str] = None
     max_tool_calls: Optional[int] = None  # rounds of tool calls in a rollout; null: as many as max_new_tokens holds
     tool_timeout_s: float = 10.0  # a tool call running longer is answered with an error (and left to finish alone)
 
@@ -288,7 +292,8 @@ class GRPO(Objective):
            for key in ("temperature_pos", "temperature_neg")},
         **{f"objective.vespo_{key}": (lambda c: c.objective.loss_type == "vespo", "objective.loss_type=vespo")
            for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
-        **{f"objective.{key}": (lambda c: bool(c.objective.tools), "objective.tools names some")
+        **{f"objective.{key}": (lambda c: bool(c.objective.tools) or c.objective.environment is not None,
+                                "objective.tools names some, or objective.environment is set")
            for key in ("max_tool_calls", "tool_timeout_s")},
     }
 
@@ -299,7 +304,14 @@ class GRPO(Objective):
         from trainloop.objectives.rewards import Rewards
 
         o = self.cfg = cfg.objective
-        self.rewards = Rewards(o.rewards, o.reward_weights)
+        self.environments = None  # objective.environment's instances, one per rollout of a step
+        if o.environment is not None:
+            from trainloop.objectives.tools import Environments
+
+            self.environments = Environments(o.environment, o.tools)
+        rewarded = self.environments is not None and self.environments.rewarded
+        self.rewards = Rewards(o.rewards, o.reward_weights,
+                               (self.environments.name, self.environments.reward) if rewarded else None)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)  # decodes the completions
         self.eos, self.pad = self.tokenizer.eos_token_id, pad_id(self.tokenizer)
         # sampling as configured here, whatever a pretrained model's generation_config.json says
@@ -312,13 +324,22 @@ class GRPO(Objective):
         self.greedy = generation_config(do_sample=False, max_new_tokens=o.max_new_tokens, pad_token_id=self.pad,
                                         eos_token_id=self.eos, use_cache=True)
         self.epsilon_high = o.epsilon if o.epsilon_high is None else o.epsilon_high
-        self.tools = None  # {name: function} of objective.tools, and the template their replies are rendered with
+        # {name: function} of objective.tools; whether a rollout has turns (tools, or an environment's methods); the
+        # template the tools' replies are rendered with
+        self.tools, self.multi_turn = {}, bool(o.tools) or bool(self.environments and self.environments.methods)
         if o.tools:
-            from trainloop.data.formats.chat import chat_template
             from trainloop.objectives.tools import load_tools
 
             self.tools = load_tools(o.tools)
+        if self.multi_turn:
+            from trainloop.data.formats.chat import chat_template
+
             self.template = chat_template(cfg.data, self.tokenizer)
+        if self.environments is not None:  # a prompt that reset() adds to is rendered again, as the data's were
+            from trainloop.data.formats.prompts import Prompts
+
+            self.render = Prompts().prompt_tokens(cfg.data, self.tokenizer, self.prompt_tools(cfg))
+            self.seq_len = cfg.data.seq_len
         self.adapted, self.frozen = cfg.adapter.name != "none", None  # frozen: a full fine-tune's reference
         self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
         self.device = torch.device(device)
@@ -341,7 +362,17 @@ class GRPO(Objective):
         from trainloop.objectives.rewards import reward_problems
 
         o, problems = cfg.objective, []
-        problems += reward_problems(o.rewards, o.reward_weights)
+        environment = None
+        if o.environment is not None:
+            from trainloop.errors import ConfigError
+            from trainloop.objectives.tools import Environments
+
+            try:
+                made = Environments(o.environment, o.tools)
+                environment = made.name if made.rewarded else None
+            except ConfigError as err:
+                problems.append(str(err))
+        problems += reward_problems(o.rewards, o.reward_weights, environment)
         if o.loss_type not in LOSS_TYPES:
             problems.append(f"objective.loss_type={o.loss_type} is not one of objective=grpo's: {', '.join(LOSS_TYPES)}")
         if o.importance_sampling_level not in LEVELS:
@@ -376,6 +407,7 @@ class GRPO(Objective):
             from trainloop.objectives.tools import tool_problems
 
             problems += tool_problems(o.tools)
+        if o.tools or o.environment is not None:
             if o.max_tool_calls is not None and o.max_tool_calls < 1:
                 problems.append(f"objective.max_tool_calls={o.max_tool_calls} must be 1 or more (null: no limit but "
                                 "objective.max_new_tokens); objective.tools=[] calls none")
@@ -419,6 +451,8 @@ class GRPO(Objective):
         import torch
 
         started = time.perf_counter()
+        if self.environments is not None:
+            self.environments.start()
         rollouts = [self.generate(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
                     for i, batch in enumerate(group)]
         self.generating_s += time.perf_counter() - started
@@ -453,6 +487,7 @@ class GRPO(Objective):
         eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
         devices = [strategy.device.index or 0] if strategy.device.type == "cuda" else []
         rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
+        prompt_ids, prompt_mask, environments = self.reset(strategy, rows, prompt_ids, prompt_mask)
         module.eval()
         try:
             # sdpa's own masks and a cache: the training attention (trainloop.model.attention) attends whole rows
@@ -460,8 +495,9 @@ class GRPO(Objective):
                 torch.manual_seed(seed)  # inside fork_rng: training's own random numbers are not drawn from
                 out = complete(module, prompt_ids, prompt_mask, self.sampling, self.cfg.generation,
                                synced_gpus=self.synced(strategy))
-                if self.tools is not None:
-                    return self.tool_rollout(strategy, module, prompt_ids, prompt_mask, out, self.sampling, rows)
+                if self.multi_turn:
+                    return self.tool_rollout(strategy, module, prompt_ids, prompt_mask, out, self.sampling, rows,
+                                             environments)
         finally:
             module.train()
         completion_ids = out[:, prompt_ids.shape[1]:]
@@ -469,12 +505,59 @@ class GRPO(Objective):
         attention = torch.cat([prompt_mask, mask], 1)
         return {"input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": attention,
                 "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": mask, "rows": rows,
-                "truncated": ~(completion_ids == self.eos).any(1)}
+                "truncated": ~(completion_ids == self.eos).any(1), "environments": environments}
 
-    def tool_rollout(self, strategy, module, prompt_ids, prompt_mask, out, settings, rows: list[dict]) -> dict:
+    def reset(self, strategy, rows: list[dict], prompt_ids, prompt_mask):
+        """With objective.environment: an instance for each rollout, reset with its row (reset(**row), as
+        TRL calls it); a text it returns is appended to the row's last message (or text prompt), which
+        is rendered again (the rollout's row then holds that prompt, as the reward functions see it).
+        The prompts, left-padded to their longest, and the instances (None without an environment).
+        A reset that raises, returns other than text or None, or makes a prompt longer than data.seq_len
+        stops every rank together, the one it happened on naming it and the row."""
+        if self.environments is None:
+            return prompt_ids, prompt_mask, None
+        import torch
+
+        from trainloop.errors import ConfigError
+
+        instances = self.environments.draw(len(rows))
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        where, error = f"objective.environment={self.environments.spec}", None
+        for i, (row, instance) in enumerate(zip(rows, instances)):
+            try:
+                observation = instance.reset(**row)
+            except Exception as err:  # noqa: BLE001 - the user's code: name it and the row, in one line
+                error = ConfigError(f"{where}: reset raised {type(err).__name__}: {err} (on the row "
+                                    f"{json.dumps(row, default=str)[:80]})")
+                break
+            if observation is None:
+                continue
+            if not isinstance(observation, str):
+                error = ConfigError(f"{where}: reset returned {type(observation).__name__}; return text (appended to "
+                                    "the prompt's last message) or None")
+                break
+            prompt = row[self.prompt_field]
+            row[self.prompt_field] = prompt + observation if isinstance(prompt, str) else \
+                prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+            prompts[i] = self.render(row[self.prompt_field])
+            if len(prompts[i]) > self.seq_len:
+                error = ConfigError(f"{where}: reset's text makes a prompt of {len(prompts[i])} tokens, longer than "
+                                    f"data.seq_len={self.seq_len}: raise data.seq_len")
+                break
+        self.agree_failed(strategy, [error] if error else [], "objective.environment's reset")
+        width = max(len(ids) for ids in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=prompt_ids.dtype, device=prompt_ids.device)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(prompts):
+            ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+        return ids, mask, instances
+
+    def tool_rollout(self, strategy, module, prompt_ids, prompt_mask, out, settings, rows: list[dict],
+                     environments: list | None = None) -> dict:
         """The rollouts with their tool calls answered and the model asked again (trainloop.objectives.tools),
         from the first turns in `out`: completion_mask is 1 on the model's tokens only (the loss's and the
-        advantage's), the attention mask on every token; the completions as messages, for the rewards."""
+        advantage's), the attention mask on every token; the completions as messages, for the rewards.
+        Each rollout calls objective.tools and its own environment's methods."""
         import torch
 
         from trainloop.objectives.tools import take_turns
@@ -499,7 +582,9 @@ class GRPO(Objective):
         def agree(going: int) -> bool:
             return bool(strategy.sum_over_all(torch.tensor([float(going)], device=strategy.device)).item())
 
-        turns = take_turns(prompts, first, generate, agree, self.tokenizer, self.template, self.tools,
+        functions = [{**self.tools, **self.environments.tools(e)} for e in environments] if environments \
+            else [self.tools] * len(prompts)
+        turns = take_turns(prompts, first, generate, agree, self.tokenizer, self.template, functions,
                            self.cfg.max_tool_calls, self.cfg.tool_timeout_s, self.cfg.max_new_tokens)
         width = max(len(t.ids) for t in turns)
         completion = torch.full((len(turns), width), self.pad, dtype=prompt_ids.dtype, device=prompt_ids.device)
@@ -512,7 +597,7 @@ class GRPO(Objective):
                 "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": trained, "rows": rows,
                 "truncated": torch.tensor([not t.ids or t.ids[-1] != self.eos for t in turns],
                                           device=completion.device),
-                "messages": [t.messages for t in turns],
+                "messages": [t.messages for t in turns], "environments": environments,
                 "tool_calls": torch.tensor([[t.calls, t.failed] for t in turns], dtype=torch.float64).sum(0)}
 
     def first_turn(self, ids: list[int]) -> list[int]:
@@ -545,6 +630,8 @@ class GRPO(Objective):
         keys = dict.fromkeys(key for row in rows for key in row if key != self.prompt_field)
         columns = {key: [row.get(key) for row in rows] for key in keys}
         columns["completion_ids"] = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
+        if rollout.get("environments") is not None:  # each completion's instance, as TRL passes them
+            columns["environments"] = rollout["environments"]
         rollout["texts"] = texts
         try:
             values = self.rewards.score(prompts, completions, columns)
@@ -558,14 +645,21 @@ class GRPO(Objective):
         failed on naming it and the row."""
         import torch
 
+        scores = [self.score(r) for r in rollouts]
+        self.agree_failed(strategy, [s for s in scores if isinstance(s, Exception)], "a reward function")
+        return torch.cat(scores)
+
+    @staticmethod
+    def agree_failed(strategy, errors: list[Exception], what: str) -> None:
+        """Every rank stops together where `what` failed on any (no rank is left waiting in a collective):
+        the one it failed on raises its error, the others say where it is."""
+        import torch
+
         from trainloop.errors import ConfigError
 
-        scores = [self.score(r) for r in rollouts]
-        failed = torch.tensor([float(sum(isinstance(s, Exception) for s in scores))], device=strategy.device)
-        if strategy.sum_over_all(failed).item():
-            raise next((s for s in scores if isinstance(s, Exception)), None) or ConfigError(
-                "a reward function failed on another rank: its message is in that rank's output")
-        return torch.cat(scores)
+        if strategy.sum_over_all(torch.tensor([float(len(errors))], device=strategy.device)).item():
+            raise errors[0] if errors else ConfigError(f"{what} failed on another rank: its message is in that "
+                                                       "rank's output")
 
     def require_scored(self, strategy, summed: torch.Tensor, step: int) -> None:
         """Stop (every rank) when no function scored any completion of the step: every advantage
@@ -621,12 +715,15 @@ class GRPO(Objective):
 
     @staticmethod
     def prompt_tools(cfg) -> list[dict] | None:
-        """objective.tools' JSON schemas, which the prompts' chat template renders."""
-        if not cfg.objective.tools:
-            return None
-        from trainloop.objectives.tools import load_tools, schema
+        """The JSON schemas of objective.tools, then of objective.environment's methods, which the prompts'
+        chat template renders (as TRL renders its tools and an environment's)."""
+        from trainloop.objectives.tools import Environments, load_tools, schema
 
-        return [schema(f) for f in load_tools(cfg.objective.tools).values()]
+        o = cfg.objective
+        schemas = [schema(f) for f in load_tools(o.tools).values()]
+        if o.environment is not None:
+            schemas += Environments(o.environment, o.tools).schemas()
+        return schemas or None
 
     def frozen_copy(self, model):
         """With beta > 0, a full fine-tune's reference: the model as built, frozen (an adapter's
@@ -745,7 +842,7 @@ class GRPO(Objective):
             values.update({"completion_length": lengths / completions, "completion_length_max": longest,
                            "truncated_share": truncated / completions, "generation_s": generating_s,
                            "generated_tokens_per_s": lengths / max(generating_s, 1e-9)})
-            if self.tools is not None:  # TRL's tools/call_frequency and tools/failure_frequency
+            if self.multi_turn:  # TRL's tools/call_frequency and tools/failure_frequency
                 values.update({"tool_calls_per_completion": calls / completions,
                                "tool_failure_share": failed / max(calls, 1)})
         if self.cfg.loss_type in (*CLIPPED, "cispo"):  # TRL's clip_ratio/region_mean, cispo's cispo_clip_ratio
@@ -774,14 +871,17 @@ class GRPO(Objective):
         from trainloop.model.attention import generating
 
         module, rows = strategy.accelerator.unwrap_model(model), [json.loads(r) for r in batch["row"]]
+        if self.environments is not None:
+            self.environments.start()
+        ids, mask, environments = self.reset(strategy, rows, ids, mask)
         with generating(module):
             out = complete(module, ids, mask, self.greedy, self.cfg.generation, synced_gpus=self.synced(strategy))
-            if self.tools is not None:
-                rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows)
+            if self.multi_turn:
+                rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows, environments)
             else:
                 completion_ids = out[:, ids.shape[1]:]
                 rollout = {"input_ids": torch.cat([ids, completion_ids], 1), "rows": rows,
-                           "completion_mask": completion_mask(completion_ids, self.eos)}
+                           "completion_mask": completion_mask(completion_ids, self.eos), "environments": environments}
         scores = self.agreed_scores(strategy, [rollout]).cpu()
         summed = (scores * torch.tensor(self.rewards.weights)[None]).nansum(1)
         summed[torch.isnan(scores).all(1)] = torch.nan

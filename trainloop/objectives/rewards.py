@@ -7,7 +7,8 @@ no function scores gets no advantage, and is counted on the train line as `unsco
 which no completion is scored stops the run). `prompts` and `completions` are text, or, for
 conversational prompts (data=prompts), lists of messages and [{"role": "assistant", "content":
 TEXT}]. `columns` are the rows' other columns (data=prompts keeps them all), one value per
-completion; a function takes the ones it needs and **kwargs for the rest.
+completion; a function takes the ones it needs and **kwargs for the rest. With
+objective.environment, `environments` is one of them: each completion's instance, as TRL passes it.
 
 A function is named `module:function` (importable, e.g. `trainloop.objectives.rewards:exact_answer`) or
 `path/to/file.py:function` (a file of your own, loaded by its path). A name that cannot be loaded
@@ -91,36 +92,48 @@ def reward_name(spec: str) -> str:
     return spec.rpartition(":")[2]
 
 
-def reward_problems(specs, weights) -> list[str]:
+def reward_problems(specs, weights, environment: str | None = None) -> list[str]:
     """objective.rewards and objective.reward_weights, checked when the config is: each function
-    loads, the names are distinct, and the weights (if given) are one number per function."""
+    loads, the names are distinct, and the weights (if given) are one number per function (and, where
+    objective.environment gives a reward column named `environment`, optionally one more, its weight:
+    1.0 where left out, as TRL weighs it)."""
     problems = []
-    if not specs:
+    if not specs and environment is None:
         return ["objective.rewards=[] names no reward function: give [module:function, ...] "
-                "(e.g. trainloop.objectives.rewards:exact_answer, or path/to/file.py:function)"]
+                "(e.g. trainloop.objectives.rewards:exact_answer, or path/to/file.py:function), or an "
+                "objective.environment with a get_reward method"]
     for i, spec in enumerate(specs):
         try:
             load_reward(spec)
         except ConfigError as err:
             problems.append(f"objective.rewards[{i}]={err}")
-    names = [reward_name(s) for s in specs]
+    names = [reward_name(s) for s in specs] + ([environment] if environment is not None else [])
     if len(set(names)) < len(names):
         problems.append(f"objective.rewards names functions {names} that share a name: their metrics "
                         "(rewards/NAME) would mix; rename one")
-    if weights is not None and len(weights) != len(specs):
+    allowed = (len(specs),) if environment is None else (len(specs), len(specs) + 1)
+    if weights is not None and len(weights) not in allowed:
+        extra = f", then optionally the environment {environment}'s" if environment is not None else ""
         problems.append(f"objective.reward_weights has {len(weights)} weights for {len(specs)} reward functions: "
-                        "give one per function, or null (each 1.0)")
+                        f"give one per function{extra}, or null (each 1.0)")
     return problems
 
 
 class Rewards:
-    """The reward functions of objective.rewards, loaded, with their weights."""
+    """The reward functions of objective.rewards, loaded, with their weights; and, where objective.environment
+    has get_reward, its column last (`environment`: (its name, the function), weight 1.0 unless given)."""
 
-    def __init__(self, specs, weights=None):
+    def __init__(self, specs, weights=None, environment: tuple[str, Callable] | None = None):
         self.specs = list(specs)
         self.names = [reward_name(s) for s in self.specs]
         self.functions = [load_reward(s) for s in self.specs]
-        self.weights = list(weights) if weights is not None else [1.0] * len(self.specs)
+        if environment is not None:
+            name, function = environment
+            self.specs.append(f"{name}.get_reward")
+            self.names.append(name)
+            self.functions.append(function)
+        weights = list(weights) if weights is not None else []
+        self.weights = weights + [1.0] * (len(self.specs) - len(weights))
 
     def score(self, prompts: list, completions: list, columns: dict[str, list]) -> list[list[float]]:
         """Each function's values for the completions ([functions][completions], NaN for None).

@@ -11,10 +11,17 @@ the completion's budget (objective.max_new_tokens, for the model's turns and the
 together). A call that raises, names no tool, takes other arguments, or runs past
 objective.tool_timeout_s is answered with {'error': ...}: a reply, never a crash. The replies are
 no one's target: no loss and no advantage on their tokens (TRL's tool_mask).
+
+An environment (objective.environment=module:Class, TRL's environment_factory) is a class whose
+instances keep a rollout's state: one instance per rollout (made once, reused by later steps),
+`reset(**row)` before the rollout (a text it returns is appended to the prompt's last message), its
+public methods the rollout's tools beside objective.tools, and `get_reward()` (if it has one) a
+reward column named after the class, read once the rollout is done.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -117,7 +124,7 @@ class Turns:
     ids: list[int]  # every token after the prompt
     trained: list[int]  # 1 on the model's tokens, 0 on the replies' (no loss, no advantage)
     messages: list[dict] = field(default_factory=list)  # as TRL hands them to the reward functions
-    calls: int = 0  # tool calls made
+    calls: int = 0  # tool calls run (also those whose replies did not fit)
     failed: int = 0  # of them answered with an error
     ended: bool = False  # no room left for the replies to its last calls: the completion ends with them unanswered
 
@@ -128,7 +135,7 @@ class Turns:
         self.trained += [1] * len(ids)
         text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
         content, calls = parse_tool_calls(text)
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": content.strip()}  # as TRL's parse_response gives it
         if calls and ids and ids[-1] == eos:  # a turn cut short makes no call
             message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
         self.messages.append(message)
@@ -141,12 +148,14 @@ class Turns:
 
 
 def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree, tokenizer, template: str,
-               functions: dict[str, Callable], max_rounds: int | None, timeout_s: float, budget: int) -> list[Turns]:
+               functions: list[dict[str, Callable]], max_rounds: int | None, timeout_s: float,
+               budget: int) -> list[Turns]:
     """Each rollout's turns, from the model's first turns (`first`, one per prompt): its calls
-    answered and the model asked again, until no call, `max_rounds` rounds (None: no limit but the
-    budget) or the `budget` of completion tokens. `generate(rows, room)`: the model's next turn for
-    each row (prompt + completion so far), at most `room` tokens each, with every rank taking part
-    (an empty list where this rank has none left); `agree(n)`: whether any rank has rows left."""
+    answered from its own tools (`functions[i]`: objective.tools and its environment's methods) and
+    the model asked again, until no call, `max_rounds` rounds (None: no limit but the budget) or the
+    `budget` of completion tokens. `generate(rows, room)`: the model's next turn for each row (prompt
+    + completion so far), at most `room` tokens each, with every rank taking part (an empty list where
+    this rank has none left); `agree(n)`: whether any rank has rows left."""
     eos = tokenizer.eos_token_id
     turns = []
     for ids in first:
@@ -159,14 +168,14 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
             calls = turn.pending()
             if not calls:
                 continue
-            replies = [{"role": "tool", "name": c["name"], "content": call_tool(functions, c, timeout_s)}
+            replies = [{"role": "tool", "name": c["name"], "content": call_tool(functions[i], c, timeout_s)}
                        for c in calls]
+            turn.calls += len(calls)  # run, whether or not their replies fit (as TRL counts them)
+            turn.failed += sum(r["content"].startswith("{'error':") for r in replies)
             after = reply_ids(tokenizer, template, replies)
             if len(turn.ids) + len(after) >= budget:  # no room for the replies and a token more: it ends here
                 turn.ended = True
                 continue
-            turn.calls += len(calls)
-            turn.failed += sum(r["content"].startswith("{'error':") for r in replies)
             turn.messages += replies
             turn.ids += after
             turn.trained += [0] * len(after)
@@ -178,3 +187,66 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
             turns[i].add_model_turn(ids, tokenizer, eos)
         rounds += 1
     return turns
+
+
+class Environments:
+    """objective.environment's instances, one per rollout of a step, made as they are first needed and
+    reused (TRL's "construct once, reset often"). The constructor checks the class as TRL does: it makes
+    an instance, which must have `reset`; its public methods (not reset, get_reward or _private) must
+    each give a JSON schema and be named unlike objective.tools (`tools`); a ConfigError lists what is wrong."""
+
+    def __init__(self, spec: str, tools=()):
+        from trainloop.objectives.rewards import load_reward
+
+        self.spec = spec
+        try:
+            self.factory = load_reward(spec)
+        except ConfigError as err:
+            raise ConfigError(f"objective.environment={err}") from None
+        where = f"objective.environment={spec!r}"
+        try:
+            probe = self.factory()
+        except Exception as err:  # noqa: BLE001 - the user's constructor: name it in one line
+            raise ConfigError(f"{where}: making an instance raised {type(err).__name__}: {err}") from None
+        kind = type(probe)
+        self.name = kind.__name__
+        self.methods = [name for name, _ in inspect.getmembers(kind, inspect.isfunction)
+                        if name not in ("reset", "get_reward") and not name.startswith("_")]
+        problems = []
+        if not callable(getattr(probe, "reset", None)):
+            problems.append(f"{where}: {self.name} has no reset method; give it reset(self, **row) -> str | None")
+        for name in self.methods:
+            try:
+                schema(getattr(probe, name))
+            except ConfigError as err:
+                problems.append(f"{where}: method {name}: {err}")
+            if name in {tool.rpartition(":")[2] for tool in tools}:  # objective.tools' names
+                problems.append(f"{where}: its method {name} has the name of a tool of objective.tools; the model "
+                                "calls tools by name: rename one")
+        self.rewarded = callable(getattr(probe, "get_reward", None))  # the environment gives a reward column
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.pool, self.used = [probe], 0
+
+    def schemas(self) -> list[dict]:
+        """The methods' JSON schemas, for the prompts' chat template (after objective.tools')."""
+        return [schema(getattr(self.pool[0], name)) for name in self.methods]
+
+    def start(self) -> None:
+        """A step (or an evaluation batch) begins: its rollouts draw the pool from the start again."""
+        self.used = 0
+
+    def draw(self, n: int) -> list:
+        """Instances for the next `n` rollouts, none shared with another rollout of the step."""
+        while len(self.pool) < self.used + n:
+            self.pool.append(self.factory())
+        self.used += n
+        return self.pool[self.used - n:self.used]
+
+    def tools(self, instance) -> dict[str, Callable]:
+        """{name: bound method} of an instance's tools."""
+        return {name: getattr(instance, name) for name in self.methods}
+
+    def reward(self, prompts, completions, environments, **columns) -> list:
+        """The reward column of an environment with get_reward: one call per finished rollout."""
+        return [environment.get_reward() for environment in environments]
