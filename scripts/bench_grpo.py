@@ -25,6 +25,15 @@ batching), sampling as objective=grpo samples, each round running the three in t
 the ratios are printed first.
 
     python scripts/bench_grpo.py --generation --rounds 5  # CPU: about a minute on 2 cores
+
+--tools MODEL_DIR times multi-turn rollouts (issue 38, item 7): a model that calls tools (make one
+with `python scripts/toy_agent.py --out DIR`: DIR/sft/final), chat prompts asking what is in a vault,
+one tool `vault` (the same plain function in both: objective.tools, GRPOTrainer(tools=...)), one
+round of calls (objective.max_tool_calls=1, max_tool_calling_iterations=1), the reward 1.0 where the
+completion holds a tool reply. TRL parses the built-in template's turns with
+trainloop.data.formats.chat.BUILTIN_RESPONSE_TEMPLATE. Each line adds the tool calls a completion.
+
+    python scripts/bench_grpo.py --tools /tmp/agent/sft/final --steps 12  # CPU: about 5 minutes
 """
 
 from __future__ import annotations
@@ -48,18 +57,33 @@ WORDS = ("apple river stone cloud green quick seven maple lantern copper ocean v
          "ember frost grove harbor island jade kettle lemon meadow north olive pepper quartz raven").split()
 
 
-def write_task(folder: Path) -> tuple[Path, Path]:
+TOOLS = '''def vault() -> str:
+    """The number in the vault."""
+    return "#417"
+
+
+def opened(prompts, completions, **columns):
+    return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+'''
+QUESTION = [{"role": "user", "content": "What is in the vault?"}]
+
+
+def write_task(folder: Path, tools: bool = False) -> tuple[Path, Path]:
     prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Write {w}:"}) + "\n" for w in WORDS))
+    rows = [{"prompt": QUESTION if tools else f"Write {w}:"} for w in WORDS]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     rewards = folder / "rewards.py"
-    rewards.write_text(REWARD)
+    rewards.write_text(TOOLS if tools else REWARD)
     return prompts, rewards
 
 
 def trainloop_command(args, folder: Path, prompts: Path, rewards: Path) -> list[str]:
-    return [sys.executable, "-m", "trainloop", *MODEL, "data=prompts", f"data.path={prompts}", "data.seq_len=16",
+    model, task = (["model=hf", f"model.name_or_path={args.tools}"], [
+        f"objective.rewards=[{rewards}:opened]", f"objective.tools=[{rewards}:vault]", "objective.max_tool_calls=1",
+        "data.seq_len=300"]) if args.tools else (MODEL, [f"objective.rewards=[{rewards}:letters]", "data.seq_len=16"])
+    return [sys.executable, "-m", "trainloop", *model, "data=prompts", f"data.path={prompts}", *task,
             f"data.batch_size={args.prompts}", "data.validation_fraction=0.05", "objective=grpo",
-            f"objective.rewards=[{rewards}:letters]", f"objective.num_generations={args.generations}",
+            f"objective.num_generations={args.generations}",
             f"objective.max_new_tokens={args.max_new_tokens}", "objective.loss_type=dapo", "optimizer=adamw",
             "optimizer.lr=1e-5", "scheduler=constant", "trainer.seed=0", f"trainer.max_steps={args.steps}",
             "trainer.log_every=1", f"trainer.eval_every={args.steps * 10}", "trainer.eval_batches=1",
@@ -79,12 +103,25 @@ def trl_child(args, folder: Path) -> None:
     from trainloop.model.builder import build_model, build_model_config
 
     sys.path.insert(0, str(folder))
-    from rewards import letters  # noqa: E402 - the same file trainloop loads by its path
+    import rewards  # noqa: E402 - the same file trainloop loads by its path
 
-    cfg = compose_config(MODEL, check=False)
-    tokenizer = byte_level_tokenizer()
-    torch.manual_seed(0)
-    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+    if args.tools:  # the tool-calling model, read as trainloop's model=hf reads it
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from trainloop.data.formats.chat import BUILTIN_RESPONSE_TEMPLATE
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tools)
+        tokenizer.response_template = BUILTIN_RESPONSE_TEMPLATE  # TRL parses the model's turns with it
+        model = AutoModelForCausalLM.from_pretrained(args.tools, dtype=torch.float32)
+        task = {"reward_funcs": [rewards.opened], "tools": [rewards.vault]}
+        rows = [{"prompt": QUESTION} for _ in WORDS]
+    else:
+        cfg = compose_config(MODEL, check=False)
+        tokenizer = byte_level_tokenizer()
+        torch.manual_seed(0)
+        model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
+        task = {"reward_funcs": [rewards.letters]}
+        rows = [{"prompt": f"Write {w}:"} for w in WORDS]
     steps_file = open(folder / "trl_steps.jsonl", "w")
     started = time.time()
 
@@ -93,14 +130,18 @@ def trl_child(args, folder: Path) -> None:
             steps_file.write(json.dumps({"step": state.global_step, "time": time.time() - started}) + "\n")
             steps_file.flush()
 
+        def on_log(self, args_, state, control, logs=None, **kwargs):  # TRL's tools/call_frequency
+            if logs and "tools/call_frequency" in logs:
+                steps_file.write(json.dumps({"calls": logs["tools/call_frequency"]}) + "\n")
+
     config = GRPOConfig(output_dir=str(folder / "trl"), report_to=[], use_cpu=not torch.cuda.is_available(),
                         bf16=False, num_generations=args.generations, max_completion_length=args.max_new_tokens,
                         per_device_train_batch_size=args.prompts * args.generations, loss_type="dapo", beta=0.0,
                         learning_rate=1e-5, lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1,
-                        save_strategy="no", seed=0, top_k=0, disable_tqdm=True)
-    rows = datasets.Dataset.from_list([{"prompt": f"Write {w}:"} for w in WORDS])
-    trainer = GRPOTrainer(model=model, reward_funcs=[letters], args=config, train_dataset=rows,
-                          processing_class=tokenizer, callbacks=[StepTimes()])
+                        save_strategy="no", seed=0, top_k=0, disable_tqdm=True,
+                        **({"max_tool_calling_iterations": 1} if args.tools else {}))
+    trainer = GRPOTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=[StepTimes()], **task)
     trainer.train()
 
 
@@ -123,12 +164,15 @@ def run_variant(name: str, args, folder: Path, prompts: Path, rewards: Path) -> 
     done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    lines = [json.loads(line) for line in steps.read_text().splitlines()]
-    lines = [r for r in lines if "loss" in r] if name == "trainloop" else lines
+    every = [json.loads(line) for line in steps.read_text().splitlines()]
+    lines = [r for r in every if ("loss" if name == "trainloop" else "step") in r]
     durations = step_times(lines, args.warmup)
     median = statistics.median(durations)
+    calls = [r["tool_calls_per_completion" if name == "trainloop" else "calls"] for r in every
+             if ("tool_calls_per_completion" if name == "trainloop" else "calls") in r]
     return {"variant": name, "median_step_s": median, "completions_per_s": args.prompts * args.generations / median,
-            "steps_timed": len(durations), "wall_s": time.time() - started}
+            "steps_timed": len(durations), "wall_s": time.time() - started,
+            **({"tool_calls_per_completion": statistics.mean(calls)} if calls else {})}
 
 
 ENGINES = {"generate": ("generate", {"use_cache": True}), "generate_uncached": ("generate", {"use_cache": False}),
@@ -201,8 +245,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--generation", action="store_true",
                         help="compare the rollout engines' generated tokens/s alone (objective.generation)")
+    parser.add_argument("--tools", metavar="MODEL_DIR",
+                        help="multi-turn rollouts of this tool-calling model (scripts/toy_agent.py's sft/final)")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.tools:
+        args.tools = str(Path(args.tools).resolve())  # the variants run in folders of their own
     if args.trl_child:
         trl_child(args, Path(args.trl_child))
         return 0
@@ -216,19 +264,21 @@ def main(argv=None) -> int:
         report_generation(args, generation_rates(args))
         return 0
     print(f"{where}; torch {torch.__version__}; {args.prompts} prompts x {args.generations} completions of "
-          f"{args.max_new_tokens} tokens a step, {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds; "
+          f"{args.max_new_tokens} tokens a step{' (a tool call, its reply, an answer)' if args.tools else ''}, "
+          f"{args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds; "
           f"load average {os.getloadavg()[0]:.1f} at start")
     results = []
     for round_ in range(args.rounds):
         for name in ("trainloop", "trl"):
             with tempfile.TemporaryDirectory() as tmp:
                 folder = Path(tmp)
-                prompts, rewards = write_task(folder)
+                prompts, rewards = write_task(folder, tools=bool(args.tools))
                 result = {"round": round_ + 1, **run_variant(name, args, folder, prompts, rewards)}
             results.append(result)
             print(f"round {result['round']}  {name:9s}  step {result['median_step_s']:.3f} s (median of "
                   f"{result['steps_timed']})  {result['completions_per_s']:7.1f} completions/s  "
-                  f"(process {result['wall_s']:.0f} s)", flush=True)
+                  + (f"{result['tool_calls_per_completion']:.2f} tool calls a completion  " if args.tools else "")
+                  + f"(process {result['wall_s']:.0f} s)", flush=True)
     by = {name: [r for r in results if r["variant"] == name] for name in ("trainloop", "trl")}
     medians = {name: statistics.median(r["median_step_s"] for r in rs) for name, rs in by.items()}
     paired = [t["median_step_s"] / h["median_step_s"] for t, h in zip(by["trainloop"], by["trl"])]

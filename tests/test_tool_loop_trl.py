@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import compose
 
-from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE, BUILTIN_RESPONSE_TEMPLATE
 
 TOOLS = Path(__file__).resolve().parent / "data" / "grpo_tools.py"
 # The completion's tokens (TRL's max_completion_length), well away from every case's boundary: at exactly the
@@ -31,19 +31,6 @@ TOOLS = Path(__file__).resolve().parent / "data" / "grpo_tools.py"
 # generates nothing; trainloop ends the rollout where the replies leave no room for one more token), pinned by
 # the last test.
 BUDGET = 320
-
-# TRL's parse_response reads the tokenizer's response template: qwen3's (trl.chat_template_utils.qwen3_template)
-# for the built-in template, whose model turns open with `<|assistant|>\n` and end with `<|endoftext|>`.
-RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|assistant|>\n",
-    "fields": {
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
-                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
-        "content": {"close_pattern": r"<\|endoftext\|>\s*", "content": "text"},
-    },
-}
-
 
 def written(*calls: tuple[str, dict]) -> str:
     """A model turn that makes these calls, as the built-in template writes them."""
@@ -59,7 +46,7 @@ def parts():
     from trainloop.objectives.tools import load_tools
 
     tokenizer = byte_level_tokenizer()
-    tokenizer.response_template = RESPONSE_TEMPLATE
+    tokenizer.response_template = BUILTIN_RESPONSE_TEMPLATE  # TRL's parse_response reads it
     cfg = compose("+preset=smoke")
     torch.manual_seed(0)
     model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).eval()

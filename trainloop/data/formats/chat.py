@@ -59,6 +59,18 @@ BUILTIN_CHAT_TEMPLATE = (
     "</tool_call>{% endfor %}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# The same model turns read back by transformers' tokenizer.parse_response (a tokenizer's
+# `response_template`, in the form of TRL's qwen3_template): what TRL's GRPOTrainer needs to parse
+# the built-in template's tool calls (tests/test_tool_loop_trl.py, scripts/bench_grpo.py --tools).
+BUILTIN_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|endoftext\|>\s*", "content": "text"},
+    },
+}
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
