@@ -33,7 +33,7 @@ round of calls (objective.max_tool_calls=1, max_tool_calling_iterations=1), the 
 completion holds a tool reply. TRL parses the built-in template's turns with
 trainloop.data.formats.chat.BUILTIN_RESPONSE_TEMPLATE. Each line adds the tool calls a completion.
 
-    python scripts/bench_grpo.py --tools /tmp/agent/sft/final --steps 12  # CPU: about 5 minutes
+    python scripts/bench_grpo.py --tools /tmp/agent/sft/final --steps 6 --rounds 1  # CPU: about a minute
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ def run_variant(name: str, args, folder: Path, prompts: Path, rewards: Path) -> 
         command = trainloop_command(args, folder, prompts, rewards)
         steps = folder / "trainloop" / "metrics.jsonl"
     else:
-        command = [sys.executable, __file__, "--trl-child", str(folder), *sys.argv[1:]]
+        command = [sys.executable, __file__, "--trl-child", str(folder), *sys.argv[1:],
+                   *(["--tools", args.tools] if args.tools else [])]  # resolved: the child runs in `folder`
         steps = folder / "trl_steps.jsonl"
     started = time.time()
     done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True)
@@ -241,7 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts a step (data.batch_size)")
     parser.add_argument("--generations", type=int, default=8, help="completions a prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="the completion's budget (default 32; 96 with --tools: a call, its reply, an answer)")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--generation", action="store_true",
                         help="compare the rollout engines' generated tokens/s alone (objective.generation)")
@@ -249,6 +251,7 @@ def main(argv=None) -> int:
                         help="multi-turn rollouts of this tool-calling model (scripts/toy_agent.py's sft/final)")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.max_new_tokens = args.max_new_tokens or (96 if args.tools else 32)
     if args.tools:
         args.tools = str(Path(args.tools).resolve())  # the variants run in folders of their own
     if args.trl_child:
