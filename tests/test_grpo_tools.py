@@ -27,16 +27,20 @@ CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "alpha"}}</tool_call>
 def test_a_tool_that_raises_hangs_takes_other_arguments_or_is_not_one_is_answered():
     from trainloop.objectives.tools import call_tool, load_tools
 
-    tools = load_tools([f"{TOOLS}:lookup", f"{TOOLS}:broken", f"{TOOLS}:hangs"])
-    assert call_tool(tools, {"name": "lookup", "arguments": {"key": "alpha"}}, 1.0) == "417"
-    assert call_tool(tools, {"name": "broken", "arguments": {"key": "a"}}, 1.0) == str({"error": "'no table for a'"})
+    tools = load_tools([f"{TOOLS}:lookup", f"{TOOLS}:broken", f"{TOOLS}:hangs", f"{TOOLS}:reports"])
+    assert call_tool(tools, {"name": "lookup", "arguments": {"key": "alpha"}}, 1.0) == ("417", False)
+    assert call_tool(tools, {"name": "broken", "arguments": {"key": "a"}}, 1.0) == (
+        str({"error": "'no table for a'"}), True)
     started = time.monotonic()
     reply = call_tool(tools, {"name": "hangs", "arguments": {"key": "a"}}, 0.5)
     assert time.monotonic() - started < 5, "the hung tool was waited for"
-    assert reply == str({"error": "Tool hangs did not answer within objective.tool_timeout_s=0.5 s."})
-    assert call_tool(tools, {"name": "nope", "arguments": {}}, 1.0) == str({"error": "Tool nope not found."})
-    reply = call_tool(tools, {"name": "lookup", "arguments": {"name": "alpha"}}, 1.0)
-    assert reply.startswith("{'error':") and "unexpected keyword argument 'name'" in reply
+    assert reply == (str({"error": "Tool hangs did not answer within objective.tool_timeout_s=0.5 s."}), True)
+    assert call_tool(tools, {"name": "nope", "arguments": {}}, 1.0) == (str({"error": "Tool nope not found."}), True)
+    reply, failed = call_tool(tools, {"name": "lookup", "arguments": {"name": "alpha"}}, 1.0)
+    assert failed and reply.startswith("{'error':") and "unexpected keyword argument 'name'" in reply
+    # a tool whose answer is an error of its own has not failed (TRL counts what raised)
+    reply = call_tool(tools, {"name": "reports", "arguments": {"key": "a"}}, 1.0)
+    assert reply == (str({"error": "not stored"}), False)
 
 
 @pytest.mark.parametrize("overrides, says", [

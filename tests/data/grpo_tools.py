@@ -94,3 +94,12 @@ class Quiet:
 
     def reset(self, **row):
         pass
+
+
+def reports(key: str) -> dict:
+    """A tool whose answer is an error of its own (it has not failed).
+
+    Args:
+        key: the name to look up
+    """
+    return {"error": "not stored"}

@@ -75,13 +75,14 @@ def schema(function: Callable) -> dict:
                           "docstring with an Args: line per argument") from None
 
 
-def call_tool(functions: dict[str, Callable], call: dict, timeout_s: float) -> str:
-    """The reply to one call, as text: str() of what the tool returned, or of {'error': ...} where it
-    raised, is not one of the tools, or ran past `timeout_s` (then it is left to finish on its own, in
-    a daemon thread: a hung tool costs its thread, not the run), as TRL's replies read."""
+def call_tool(functions: dict[str, Callable], call: dict, timeout_s: float) -> tuple[str, bool]:
+    """The reply to one call, as text, and whether the call failed: str() of what the tool returned, or
+    of {'error': ...} where it raised, is not one of the tools, or ran past `timeout_s` (then it is left
+    to finish on its own, in a daemon thread: a hung tool costs its thread, not the run), as TRL's
+    replies read and its tools/failure_frequency counts them."""
     function = functions.get(call["name"])
     if function is None:
-        return str({"error": f"Tool {call['name']} not found."})
+        return str({"error": f"Tool {call['name']} not found."}), True
     done: dict = {}
 
     def run() -> None:
@@ -94,8 +95,9 @@ def call_tool(functions: dict[str, Callable], call: dict, timeout_s: float) -> s
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        return str({"error": f"Tool {call['name']} did not answer within objective.tool_timeout_s={timeout_s} s."})
-    return str({"error": done["error"]}) if "error" in done else str(done["value"])
+        late = f"Tool {call['name']} did not answer within objective.tool_timeout_s={timeout_s} s."
+        return str({"error": late}), True
+    return (str({"error": done["error"]}), True) if "error" in done else (str(done["value"]), False)
 
 
 def reply_ids(tokenizer, template: str, replies: list[dict]) -> list[int]:
@@ -168,10 +170,10 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
             calls = turn.pending()
             if not calls:
                 continue
-            replies = [{"role": "tool", "name": c["name"], "content": call_tool(functions[i], c, timeout_s)}
-                       for c in calls]
+            answers = [call_tool(functions[i], c, timeout_s) for c in calls]
+            replies = [{"role": "tool", "name": c["name"], "content": text} for c, (text, _) in zip(calls, answers)]
             turn.calls += len(calls)  # run, whether or not their replies fit (as TRL counts them)
-            turn.failed += sum(r["content"].startswith("{'error':") for r in replies)
+            turn.failed += sum(failed for _, failed in answers)
             after = reply_ids(tokenizer, template, replies)
             if len(turn.ids) + len(after) >= budget:  # no room for the replies and a token more: it ends here
                 turn.ended = True
