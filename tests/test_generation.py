@@ -137,6 +137,7 @@ def test_continuous_refuses_autocast_over_fp32_weights(llama):
     """precision=bf16 on one process or DDP: accelerate runs the fp32 model's forward under autocast,
     whose bf16 keys and values the paged cache (in the weights' fp32) cannot take."""
     model, tokenizer = llama
+    model.eval()  # as GRPO generates (the module fixture's mode depends on which test ran before on this worker)
     prompt_ids, prompt_mask = left_padded(tokenizer)
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # as accelerate wraps it
     try:
