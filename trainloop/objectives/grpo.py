@@ -133,6 +133,18 @@ def generation_config(**settings):
     return GenerationConfig(**settings)
 
 
+def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded on the left to the longest, and their attention mask, as `like`'s dtype and device."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=like.dtype, device=like.device)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+    return ids, mask
+
+
 def completion_mask(completion_ids: torch.Tensor, eos: int) -> torch.Tensor:
     """1 on each completion's tokens up to and with its first EOS (TRL's), 0 after."""
     import torch
@@ -516,8 +528,6 @@ class GRPO(Objective):
         stops every rank together, the one it happened on naming it and the row."""
         if self.environments is None:
             return prompt_ids, prompt_mask, None
-        import torch
-
         from trainloop.errors import ConfigError
 
         instances = self.environments.draw(len(rows))
@@ -545,12 +555,7 @@ class GRPO(Objective):
                                     f"data.seq_len={self.seq_len}: raise data.seq_len")
                 break
         self.agree_failed(strategy, [error] if error else [], "objective.environment's reset")
-        width = max(len(ids) for ids in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=prompt_ids.dtype, device=prompt_ids.device)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(prompts):
-            ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
-        return ids, mask, instances
+        return (*left_padded(prompts, self.pad, prompt_ids), instances)
 
     def tool_rollout(self, strategy, module, prompt_ids, prompt_mask, out, settings, rows: list[dict],
                      environments: list | None = None) -> dict:
@@ -568,11 +573,8 @@ class GRPO(Objective):
         def generate(rows: list[list[int]], room: list[int]) -> list[list[int]]:
             stand_in = not rows  # every rank generates together: one with nothing left takes a token of its first
             rows, room = (prompts[:1], [1]) if stand_in else (rows, room)
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), self.pad, dtype=prompt_ids.dtype, device=prompt_ids.device)
-            mask = torch.zeros_like(ids)
-            for i, row in enumerate(rows):
-                ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+            ids, mask = left_padded(rows, self.pad, prompt_ids)
+            width = ids.shape[1]
             limited = copy.deepcopy(settings)
             limited.max_new_tokens = max(room)
             turn = complete(module, ids, mask, limited, self.cfg.generation,
