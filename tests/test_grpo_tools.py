@@ -69,24 +69,31 @@ def test_text_prompts_have_no_place_for_the_tools(tmp_path):
               "trainer.max_steps=1")
 
 
-def test_tool_replies_and_the_prompt_get_no_loss_and_no_advantage():
-    """The model's first turn calls the tool (written here: a random model rarely would); the tool's
-    reply and the header of the model's next turn follow, untrained; the model writes that turn.
-    The loss's gradient reaches each of the model's tokens and none of the reply's."""
+def built(cfg):
+    """The strategy (one process), the objective and a tiny model (eval mode) of `cfg`."""
     from accelerate import Accelerator
 
     from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
-    from trainloop.objectives.grpo import GRPO as Objective, policy_loss, summed_loss
     from trainloop.parallel import build_strategy
 
-    cfg = compose("+preset=smoke", *GRPO, f"objective.tools=[{TOOLS}:lookup]", "objective.max_new_tokens=160")
     reset_accelerate()
     strategy = build_strategy(cfg, Accelerator(cpu=True))
     objective = build_objective(cfg, "cpu")
-    tokenizer = objective.tokenizer
     torch.manual_seed(0)
-    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).eval()
+    model = build_model(cfg.model, build_model_config(cfg.model, len(objective.tokenizer))).eval()
+    return strategy, objective, model
+
+
+def test_tool_replies_and_the_prompt_get_no_loss_and_no_advantage():
+    """The model's first turn calls the tool (written here: a random model rarely would); the tool's
+    reply and the header of the model's next turn follow, untrained; the model writes that turn.
+    The loss's gradient reaches each of the model's tokens and none of the reply's."""
+    from trainloop.objectives.grpo import GRPO as Objective, policy_loss, summed_loss
+
+    cfg = compose("+preset=smoke", *GRPO, f"objective.tools=[{TOOLS}:lookup]", "objective.max_new_tokens=160")
+    strategy, objective, model = built(cfg)
+    tokenizer = objective.tokenizer
     messages = [{"role": "user", "content": "What is stored under alpha?"}]
     prompt = tokenizer.apply_chat_template(messages, chat_template=objective.template,
                                            tools=Objective.prompt_tools(cfg), add_generation_prompt=True,
@@ -189,21 +196,11 @@ def test_each_rollout_has_its_own_environment_reset_with_its_row():
     prompt, rendered again with the vault's schema); the model's call (written here) is answered by its
     own vault with its row's secret; get_reward is a reward column named Vault, weighted 1.0 after the
     functions'; the reward functions get the instances. The next step reuses the instances."""
-    from accelerate import Accelerator
-
-    from trainloop.model.builder import build_model, build_model_config
-    from trainloop.objectives import build_objective
-    from trainloop.parallel import build_strategy
-
     cfg = compose("+preset=smoke", *GRPO[:2], "objective.rewards=[trainloop.objectives.rewards:exact_answer]",
                   f"objective.environment={VAULT}", "objective.max_new_tokens=160",
                   "objective.num_generations=2", "data.seq_len=300")
-    reset_accelerate()
-    strategy = build_strategy(cfg, Accelerator(cpu=True))
-    objective = build_objective(cfg, "cpu")
+    strategy, objective, model = built(cfg)
     tokenizer = objective.tokenizer
-    torch.manual_seed(0)
-    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer))).eval()
     rows = [{"prompt": [{"role": "user", "content": "Open the vault."}], "secret": secret}
             for secret in (417, 92) for _ in range(2)]
     stale = objective.render(rows[0]["prompt"])  # as the data rendered it, before reset
