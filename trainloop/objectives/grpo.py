@@ -350,7 +350,10 @@ class GRPO(Objective):
         if self.environments is not None:  # a prompt that reset() adds to is rendered again, as the data's were
             from trainloop.data.formats.prompts import Prompts
 
-            self.render = Prompts().prompt_tokens(cfg.data, self.tokenizer, self.prompt_tools(cfg))
+            from trainloop.objectives.tools import tool_schemas
+
+            # the tools and the environment already loaded above, not loaded again
+            self.render = Prompts().prompt_tokens(cfg.data, self.tokenizer, tool_schemas(self.tools, self.environments))
             self.seq_len = cfg.data.seq_len
         self.adapted, self.frozen = cfg.adapter.name != "none", None  # frozen: a full fine-tune's reference
         self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
@@ -719,13 +722,11 @@ class GRPO(Objective):
     def prompt_tools(cfg) -> list[dict] | None:
         """The JSON schemas of objective.tools, then of objective.environment's methods, which the prompts'
         chat template renders (as TRL renders its tools and an environment's)."""
-        from trainloop.objectives.tools import Environments, load_tools, schema
+        from trainloop.objectives.tools import Environments, load_tools, tool_schemas
 
         o = cfg.objective
-        schemas = [schema(f) for f in load_tools(o.tools).values()]
-        if o.environment is not None:
-            schemas += Environments(o.environment, o.tools).schemas()
-        return schemas or None
+        environments = Environments(o.environment, o.tools) if o.environment is not None else None
+        return tool_schemas(load_tools(o.tools), environments)
 
     def frozen_copy(self, model):
         """With beta > 0, a full fine-tune's reference: the model as built, frozen (an adapter's

@@ -191,6 +191,12 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
     return turns
 
 
+def tool_schemas(functions: dict[str, Callable], environments: "Environments | None") -> list[dict] | None:
+    """The prompts' tools: objective.tools' JSON schemas, then the environment's methods' (None for none)."""
+    schemas = [schema(f) for f in functions.values()] + (environments.schemas() if environments else [])
+    return schemas or None
+
+
 class Environments:
     """objective.environment's instances, one per rollout of a step, made as they are first needed and
     reused (TRL's "construct once, reset often"). The constructor checks the class as TRL does: it makes
