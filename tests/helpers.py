@@ -54,6 +54,7 @@ NEEDS = {  # options whose required keys the user must give
     ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],
     ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
     ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
+    ("objective", "reward"): ["data=preference", "data.path=/some/pairs.jsonl"],
     ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
                           "objective.rewards=[trainloop.objectives.rewards:exact_answer]"],
     ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
@@ -65,6 +66,7 @@ OBJECTIVE_NEEDS = {
     "causal_lm": [],
     "dpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}", "adapter=lora", "optimizer.lr=1e-2"],
     "simpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
+    "reward": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
     "grpo": ["data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "optimizer.lr=1e-2",
              f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]", "objective.num_generations=4",
              "objective.max_new_tokens=6", "data.validation_fraction=0.2"]}

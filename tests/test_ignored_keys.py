@@ -179,6 +179,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.top_entropy_quantile": 0.5, "objective.sapo_temperature_pos": 0.5,
         "objective.sapo_temperature_neg": 2.0, "objective.vespo_k_pos": 1.0, "objective.vespo_lambda_pos": 1.5,
         "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5, "objective.generation": "continuous",
+        "objective.center_rewards_coefficient": 0.5,
     }
 
 
@@ -272,9 +273,10 @@ def objective_loss(cfg):
     if OBJECTIVES[cfg.objective.name].prompts:
         return generated_loss(cfg)
     torch.manual_seed(0)
-    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
+    head = OBJECTIVES[cfg.objective.name].head
+    model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257), head=head)
     if cfg.adapter.name != "none":
-        model = apply_adapter(cfg, model)
+        model = apply_adapter(cfg, model, head)
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.data.normal_(0, 0.2)

@@ -29,8 +29,9 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     batch = {key: torch.stack([item[key] for item in items]) if isinstance(items[0][key], torch.Tensor)
              else [item[key] for item in items] for key in items[0]}
     torch.manual_seed(0)
-    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
-    model = apply_adapter(cfg, model) if cfg.adapter.name != "none" else model
+    head = OBJECTIVES[objective_name].head
+    model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)), head=head)
+    model = apply_adapter(cfg, model, head) if cfg.adapter.name != "none" else model
     if OBJECTIVES[cfg.objective.name].prompts:  # its batch: completions it generates for the prompts
         from accelerate import Accelerator
 

@@ -76,11 +76,14 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     accelerator = strategy.accelerator
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     carry_chat_template(tokenizer, trained_chat_template(cfg.data, tokenizer))  # final/ is prompted as trained
+    objective = build_objective(cfg, strategy.device)
+    if objective.head == "score" and tokenizer.pad_token is None:  # where the score is read: as TRL sets it
+        tokenizer.pad_token = tokenizer.eos_token
     model_config = build_model_config(cfg.model, len(tokenizer), special_token_ids(tokenizer))
     if cfg.data.seq_len > context_length(model_config):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
-    check_targets(cfg.adapter, model_config)
+    check_targets(cfg.adapter, model_config, objective.head)
     check_context_model(cfg, model_config)
     samples = Samples.for_config(cfg, tokenizer, context_length(model_config))  # its prompts checked before compute
     if blocks is not None:
@@ -98,15 +101,14 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     set_seed(cfg.trainer.seed)
     shapes_only = strategy.builds_on_meta()  # its weights come from the main process when sharded
     with torch.device("meta") if shapes_only else nullcontext():
-        model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only)
+        model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only, objective.head)
         if (attention := training_attention(cfg, model_config)) is not None:  # what the rows are
             use_attention(model, attention, f"parallel.cp_size={cfg.parallel.cp_size}" if cfg.parallel.cp_size > 1
                           else f"data.packing={cfg.data.packing}")
         if cfg.adapter.name != "none":
-            model = apply_adapter(cfg, model)
+            model = apply_adapter(cfg, model, objective.head)
         if fp8.enabled(cfg):  # before compile and sharding, as torchtitan converts
             fp8.convert(cfg, model, strategy.device)
-    objective = build_objective(cfg, strategy.device)
     frozen = objective.frozen_copy(model)  # a reference copy of the model as built: sharded like it below
     flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
                             trained_matmul_params=trained_matmul_params(model) if cfg.adapter.name != "none" else None)

@@ -83,15 +83,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def check_token_ids(directory: Path, tokenizer) -> None:
+def check_token_ids(directory: Path, tokenizer, generates: bool = True) -> None:
     """config.json and generation_config.json name the tokenizer's own bos/eos/pad ids, each
     inside the vocabulary: an id the model cannot emit, or one naming another token, makes
-    `generate` run on past the end of the text or stop in the middle of it."""
+    `generate` run on past the end of the text or stop in the middle of it (or a score head read
+    its score at another token). A model that does not generate (a score head) has no
+    generation_config.json."""
     from trainloop.model.builder import SPECIAL_TOKENS
 
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
     wanted = {key: getattr(tokenizer, key) for key in SPECIAL_TOKENS}
-    for name in ("config.json", "generation_config.json"):
+    for name in ("config.json", "generation_config.json")[:2 if generates else 1]:
         written = json.loads((directory / name).read_text())
         for key, value in wanted.items():
             ids = written.get(key)
@@ -153,7 +155,7 @@ def export_full(model, state_dict: dict, tokenizer, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
     count = check_export(directory, live_shapes(model))
     check_values(directory, state_dict)
-    check_token_ids(directory, tokenizer)
+    check_token_ids(directory, tokenizer, generates=getattr(model, "generation_config", None) is not None)
     log.info("saved the final model (%s parameters) to %s", f"{count:,}", directory)
 
 
@@ -180,7 +182,7 @@ def export_adapter_run(cfg, peft_model, state_dict: dict, tokenizer, directory: 
     for_inference(merged).save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     count = check_export(directory, live_shapes(merged))
-    check_token_ids(directory, tokenizer)
+    check_token_ids(directory, tokenizer, generates=getattr(merged, "generation_config", None) is not None)
     log.info("saved the merged model (%s parameters) to %s and its adapter (%s parameters) to %s",
              f"{count:,}", directory, f"{sum(v.numel() for v in live.values()):,}", directory / "adapter")
 
@@ -205,25 +207,27 @@ def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dic
     original pretrained weights: the merged export is the unquantized base plus the adapter."""
     import torch
     from peft.utils import set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     from trainloop.model.adapter import wrap_lora
-    from trainloop.model.builder import SPECIAL_TOKENS, carry_token_ids
+    from trainloop.model.builder import SPECIAL_TOKENS, auto_class, carry_token_ids
+    from trainloop.objectives import OBJECTIVES
 
-    live_config = peft_model.get_base_model().config
+    live_config, head = peft_model.get_base_model().config, OBJECTIVES[cfg.objective.name].head
     if cfg.model.quantization != "none":
-        base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
+        base = auto_class(head).from_pretrained(cfg.model.name_or_path, dtype=torch.float32,
+                                                **({"num_labels": 1} if head == "score" else {}))
         if base.get_input_embeddings().num_embeddings < live_config.vocab_size:
             base.resize_token_embeddings(live_config.vocab_size)
-        model = wrap_lora(base, cfg.adapter)
+        model = wrap_lora(base, cfg.adapter, head)
         set_peft_model_state_dict(model, adapter_state)
     else:
-        base = AutoModelForCausalLM.from_config(live_config, dtype=torch.float32)
-        model = wrap_lora(base, cfg.adapter)
+        base = auto_class(head).from_config(live_config, dtype=torch.float32)
+        model = wrap_lora(base, cfg.adapter, head)
         _load_full(model, state_dict)
     ids = {key: getattr(live_config, key, None) for key in SPECIAL_TOKENS}
     carry_token_ids(model.get_base_model().config, ids)
-    carry_token_ids(model.get_base_model().generation_config, ids)
+    if getattr(model.get_base_model(), "generation_config", None) is not None:  # a score head generates nothing
+        carry_token_ids(model.get_base_model().generation_config, ids)
     return model.eval()
 
 

@@ -15,19 +15,21 @@ ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output h
 
 # bitsandbytes computes a 4-bit layer's matmul in this dtype; the precision decides it.
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# peft's task for each model head (trainloop.model.builder.HEADS): a score head trains whole beside the adapters
+TASK_TYPES = {"lm": "CAUSAL_LM", "score": "SEQ_CLS"}
 
 
 def enabled(cfg) -> bool:
     return cfg.adapter.name != "none"
 
 
-def lora_config(cfg: AdapterConfig):
+def lora_config(cfg: AdapterConfig, head: str = "lm"):
     from peft import LoraConfig
 
     targets = list(cfg.target_modules) if cfg.target_modules is not None else ALL_LINEAR
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                       modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,
-                      task_type="CAUSAL_LM")
+                      task_type=TASK_TYPES[head])
 
 
 def quantization_config(model: ModelConfig, precision: str):
@@ -56,18 +58,19 @@ def _matches(module_names: list[str], target: str) -> bool:
     return any(name == target or name.endswith("." + target) for name in module_names)
 
 
-def check_targets(cfg: AdapterConfig, model_config) -> None:
+def check_targets(cfg: AdapterConfig, model_config, head: str = "lm") -> None:
     """Refuse target_modules or modules_to_save that name no module, listing the ones that exist.
 
     The model is built on the meta device (no weights): cheap enough to run before anything else.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from trainloop.model.builder import auto_class
 
     if cfg.name == "none":
         return
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = auto_class(head).from_config(model_config)
     names = [name for name, _ in model.named_modules() if name]
     for key, wanted in (("target_modules", cfg.target_modules), ("modules_to_save", cfg.modules_to_save)):
         unmatched = [t for t in (wanted or []) if not _matches(names, t)]
@@ -78,8 +81,9 @@ def check_targets(cfg: AdapterConfig, model_config) -> None:
                 f"every linear layer but the output head)")
 
 
-def apply_adapter(cfg, model):
-    """Freeze `model` and wrap it in a peft model with the configured LoRA adapters."""
+def apply_adapter(cfg, model, head: str = "lm"):
+    """Freeze `model` and wrap it in a peft model with the configured LoRA adapters (`head`: what
+    the model ends in, trainloop.model.builder.HEADS)."""
     from peft import prepare_model_for_kbit_training
 
     if cfg.model.quantization != "none":
@@ -88,17 +92,17 @@ def apply_adapter(cfg, model):
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=cfg.model.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
-    return wrap_lora(model, cfg.adapter)
+    return wrap_lora(model, cfg.adapter, head)
 
 
-def wrap_lora(model, cfg: AdapterConfig):
+def wrap_lora(model, cfg: AdapterConfig, head: str = "lm"):
     import warnings
 
     from peft import get_peft_model
 
     with warnings.catch_warnings():  # peft asks transformers 5 by the old name: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, lora_config(cfg))
+        return get_peft_model(model, lora_config(cfg, head))
 
 
 def trainable_names(model) -> set[str]:

@@ -1,4 +1,5 @@
-"""The causal LM: a tiny one built from its shape, or a pretrained one from a path."""
+"""The model: a tiny one built from its shape, or a pretrained one from a path; a causal LM, or
+(objective=reward) the same network with a scalar score head in place of the output layer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ from trainloop.config.sections import ModelConfig
 from trainloop.errors import ConfigError
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What an objective trains (Objective.head): transformers' auto class for it. "score": one scalar per
+# sequence, read at its last token that is not padding (config.pad_token_id), as TRL's RewardTrainer reads it
+HEADS = {"lm": "AutoModelForCausalLM", "score": "AutoModelForSequenceClassification"}
+
+
+def auto_class(head: str = "lm"):
+    import transformers
+
+    return getattr(transformers, HEADS[head])
+
+
+def as_scorer(config) -> None:
+    """Give a model config one score (num_labels 1) and the padding id the score head skips past:
+    the tokenizer's pad, else its eos, as TRL sets it."""
+    config.num_labels = 1
+    if config.pad_token_id is None:
+        config.pad_token_id = config.eos_token_id
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -92,28 +110,31 @@ def context_length(config) -> int:
     return getattr(config, "max_position_embeddings", None) or config.n_positions
 
 
-def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: bool = False):
+def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: bool = False, head: str = "lm"):
     """Instantiate the model (random init for tiny, pretrained weights for hf) in fp32; with
     model.quantization, the linear layers' weights in 4 or 8 bits (computing in `precision`).
     `shapes_only`: under a meta device context, the same modules without loading any weights
-    (trainloop.parallel.sharding: they come from the main process)."""
+    (trainloop.parallel.sharding: they come from the main process). `head`: a key of HEADS (a
+    pretrained model's score head starts from random weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from trainloop.model.adapter import quantization_config
 
+    if head == "score":
+        as_scorer(config)
+    auto = auto_class(head)
     try:
         if cfg.name == "hf" and not shapes_only:
             # Loaded at its own vocabulary size; a larger tokenizer's rows are added below. In fp32
             # whatever the files hold: transformers 5 keeps a checkpoint's dtype by default, and
             # most are saved in bf16, which would train bf16 weights with no fp32 master copy.
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 cfg.name_or_path, attn_implementation=cfg.attn_implementation, ignore_mismatched_sizes=False,
                 quantization_config=quantization_config(cfg, precision), dtype=torch.float32,
+                **({"num_labels": 1} if head == "score" else {}),
             )
         else:  # from_pretrained refuses a meta context: a pretrained model's shapes come from its config
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation,
-                                                     dtype=torch.float32)
+            model = auto.from_config(config, attn_implementation=cfg.attn_implementation, dtype=torch.float32)
     except ImportError as err:  # e.g. flash_attention_2 without the flash-attn package
         raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r} is not available "
                           f"here: {err}. Use model.attn_implementation=sdpa or eager") from None
@@ -126,7 +147,8 @@ def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: 
     # a pretrained model's config.json and generation_config.json keep the model's own ids
     ids = {key: getattr(config, key) for key in SPECIAL_TOKENS}
     carry_token_ids(model.config, ids)
-    carry_token_ids(model.generation_config, ids)
+    if getattr(model, "generation_config", None) is not None:  # a score head generates nothing
+        carry_token_ids(model.generation_config, ids)
     expect_tied_aliases(model)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: works with torch.compile and with inputs that need no grad.

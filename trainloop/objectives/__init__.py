@@ -12,6 +12,7 @@ from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
 from trainloop.objectives.dpo import DPO
 from trainloop.objectives.grpo import GRPO
+from trainloop.objectives.reward import Reward
 from trainloop.objectives.simpo import SimPO
 
 OBJECTIVES: dict[str, type[Objective]] = {
@@ -19,6 +20,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "dpo": DPO,
     "simpo": SimPO,
     "grpo": GRPO,
+    "reward": Reward,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "prompt_tools",

@@ -36,18 +36,18 @@ def completion_logps(model, batch: dict, chunk: int = 0) -> tuple[torch.Tensor, 
     return per_token.sum(1), (labels != IGNORE).sum(1)
 
 
-def sums(losses, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> torch.Tensor:
-    """SUMS over a batch's pairs (float64, detached). A tie in accuracy counts half (a coin flip):
-    at step 0 a policy that is its reference rewards every completion 0, and reads 0.5 (TRL counts
-    a tie as a miss: 0)."""
+def sums(losses, chosen_rewards, rejected_rewards, chosen_logps=None, rejected_logps=None) -> torch.Tensor:
+    """SUMS over a batch's pairs (float64, detached); without log-probabilities (a reward model's),
+    the first six. A tie in accuracy counts half (a coin flip): at step 0 a policy that is its
+    reference rewards every completion 0, and reads 0.5 (TRL counts a tie as a miss: 0)."""
     import torch
 
     chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
     correct = (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
+    logps = [] if chosen_logps is None else [chosen_logps.detach().sum(), rejected_logps.detach().sum()]
     return torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)), device=losses.device),
                         chosen_rewards.sum(), rejected_rewards.sum(), correct,
-                        (chosen_rewards - rejected_rewards).sum(), chosen_logps.detach().sum(),
-                        rejected_logps.detach().sum()]).double()
+                        (chosen_rewards - rejected_rewards).sum(), *logps]).double()
 
 
 class PairObjective(Objective):
@@ -55,13 +55,15 @@ class PairObjective(Objective):
     sequences = 2  # chosen and rejected, in one forward
     chunks_loss = True  # completion_logps reads trainer.loss_chunk_tokens
     headline = ("rewards/accuracy", "rewards/margin")
+    sum_names = SUMS  # what pair_losses' sums hold, in order
 
     def __init__(self, cfg, device):
         import torch
 
         self.chunk = cfg.trainer.loss_chunk_tokens
         self.device = torch.device(device)
-        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)  # since the last train line
+        # since the last train line
+        self.sums = torch.zeros(len(self.sum_names), dtype=torch.float64, device=self.device)
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pair's loss, and SUMS over the batch's pairs (`sums`)."""
@@ -81,10 +83,9 @@ class PairObjective(Objective):
         """SUMS: the summed loss and the pairs first, then the rewards and log-probabilities."""
         return self.pair_losses(model, batch)[1]
 
-    @staticmethod
-    def means(total: torch.Tensor) -> dict:
+    def means(self, total: torch.Tensor) -> dict:
         pairs = max(total[1].item(), 1.0)
-        return {key: total[i].item() / pairs for i, key in enumerate(SUMS) if i > 1}
+        return {key: total[i].item() / pairs for i, key in enumerate(self.sum_names) if i > 1}
 
     def window(self, strategy) -> dict:
         total = strategy.reduce_sum(self.sums)

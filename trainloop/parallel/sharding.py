@@ -83,8 +83,9 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
     fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)
     # Generation (eval.prompts, objective=grpo) calls the root's generate: a PEFT model's reaches the
     # inner model's forward, past the root's hooks, so its embeddings would stay sharded. Marked as a
-    # forward, generate gathers the root's parameters around it.
-    register_fsdp_forward_method(model, "generate")
+    # forward, generate gathers the root's parameters around it. A score head (objective=reward) has none.
+    if hasattr(model, "generate"):
+        register_fsdp_forward_method(model, "generate")
     if from_main:
         _receive_from_main(model, whole, torch.device("cpu") if cfg.fsdp.offload == "cpu" else device)
     return model

@@ -109,16 +109,18 @@ class ModelShape:
 def model_shape(cfg) -> ModelShape:
     """Build the configured model on the meta device and read its shape: no memory, no weights."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from trainloop.data.loaders import build_tokenizer
-    from trainloop.model.builder import build_model_config
+    from trainloop.model.builder import as_scorer, auto_class, build_model_config
     from trainloop.parallel.tensor_parallel import sequence_parallel_problem
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     config = build_model_config(cfg.model, len(tokenizer))
+    head = OBJECTIVES[cfg.objective.name].head
+    if head == "score":
+        as_scorer(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = auto_class(head).from_config(config, attn_implementation="eager")
     if model.get_input_embeddings().num_embeddings < config.vocab_size:
         model.resize_token_embeddings(config.vocab_size)
     n_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
@@ -197,7 +199,7 @@ def _adapter_shapes(cfg, model) -> tuple[list[tuple[int, ...]] | None, list[int 
     head = model.get_output_embeddings()
     quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     with torch.device("meta"):
-        peft_model = wrap_lora(model, cfg.adapter)
+        peft_model = wrap_lora(model, cfg.adapter, OBJECTIVES[cfg.objective.name].head)
     inside = {id(p): name for name, p in peft_model.get_base_model().base_model.named_parameters()}  # the split's names
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     split = [_lora_tp_split(model.config, inside.get(id(p), "")) for p in trainable]

@@ -16,6 +16,9 @@ truncated (counted; a warning when every pair is); a pair whose prompt alone fil
 whose truncated chosen and rejected are the same, is skipped and counted (none left: refused). Each
 pair is one item, chosen and rejected each padded on the right to data.seq_len with labels IGNORE
 outside the completion: pairs are not packed together.
+
+A `margin` column (TRL's: how much better chosen is, a number in every row) is carried with each
+pair, for objective=reward's loss; the other objectives do not read it, as TRL's trainers do not.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from trainloop.errors import ConfigError
 log = logging.getLogger("trainloop")
 
 SIDES = ("chosen", "rejected")
+MARGIN = "margin"  # the optional column of per-pair margins, by TRL's name (objective=reward reads it)
 
 
 def shared_turns(chosen: list, rejected: list) -> int:
@@ -85,23 +89,26 @@ class Preference(DataFormat):
     def rows(self, cfg: DataConfig):
         """The prompt, chosen and rejected columns; without a prompt column, chosen and rejected alone
         (the implicit-prompt form: whole conversations)."""
-        columns = self.columns(cfg)
+        columns = {**self.columns(cfg), MARGIN: MARGIN}
         try:
-            return read_rows(cfg.path, columns, list(columns))
+            return read_rows(cfg.path, columns, list(columns), optional=(MARGIN,))
         except ConfigError as err:
             if not str(err).startswith(f"data.prompt_field={cfg.prompt_field!r} is not a column"):
                 raise
         del columns["data.prompt_field"]
-        return read_rows(cfg.path, columns, list(columns))
+        return read_rows(cfg.path, columns, list(columns), optional=(MARGIN,))
 
     def load(self, cfg: DataConfig, tokenizer=None):
         """The pairs, by the rules above: refused naming FILE:LINE, or skipped and counted."""
         rows = self.rows(cfg)
         prompts = rows[cfg.prompt_field] if cfg.prompt_field in rows.column_names else [None] * len(rows)
+        margins = rows[MARGIN] if MARGIN in rows.column_names else None
+        if margins is not None and all(m is None for m in margins):  # a json file without the column
+            rows, margins = rows.remove_columns(MARGIN), None
         keep, skipped = [], Counter()
         for r, (prompt, chosen, rejected) in enumerate(zip(prompts, rows[cfg.chosen_field],
                                                            rows[cfg.rejected_field])):
-            problem = pair_problem(cfg, prompt, chosen, rejected)
+            problem = pair_problem(cfg, prompt, chosen, rejected) or (margin_problem(margins[r]) if margins else None)
             if problem:
                 raise ConfigError(f"{self.place(cfg, r)}: {problem}; fix or remove that row")
             if chosen == rejected:
@@ -160,10 +167,13 @@ class Preference(DataFormat):
         from trainloop.data.packing import PairBlocks, split_documents
         from trainloop.data.tokenizer import pad_id
 
-        tokens = self.tokenize(cfg, tokenizer, self.load(cfg, tokenizer))
+        rows = self.load(cfg, tokenizer)
+        tokens = self.tokenize(cfg, tokenizer, rows)
+        margins = rows[MARGIN] if MARGIN in rows.column_names else None
         L, pad = cfg.seq_len, pad_id(tokenizer)
-        pairs, truncated, full, alike, longest = [], 0, 0, 0, 0
-        for prompt, chosen, rejected in zip(tokens["prompt_ids"], tokens["chosen_ids"], tokens["rejected_ids"]):
+        pairs, kept, truncated, full, alike, longest = [], [], 0, 0, 0, 0
+        for i, (prompt, chosen, rejected) in enumerate(zip(tokens["prompt_ids"], tokens["chosen_ids"],
+                                                           tokens["rejected_ids"])):
             room, longest = L - len(prompt), max(longest, len(prompt) + max(len(chosen), len(rejected)))
             if room <= 0:
                 full += 1
@@ -175,6 +185,7 @@ class Preference(DataFormat):
                     alike += 1
                     continue
             pairs.append((prompt, *cut))
+            kept.append(i)
         if full == len(tokens):
             raise ConfigError(f"data.seq_len={L}: the prompt of every one of the {len(tokens)} pairs fills it, "
                               "leaving no room for a completion; raise data.seq_len")
@@ -193,6 +204,8 @@ class Preference(DataFormat):
                 n = len(prompt) + len(completion)
                 tensors[f"{side}_input_ids"][i, :n] = torch.tensor(prompt + completion)
                 tensors[f"{side}_labels"][i, len(prompt):n] = torch.tensor(completion, dtype=torch.int64)
+        if margins is not None:
+            tensors[MARGIN] = torch.tensor([float(margins[i]) for i in kept])
         held_out = torch.zeros(len(pairs), dtype=torch.bool)
         held_out[torch.from_numpy(split_documents(len(pairs), cfg.validation_fraction, seed))] = True
         return (PairBlocks({k: t[~held_out] for k, t in tensors.items()}),
@@ -202,6 +215,16 @@ class Preference(DataFormat):
         """The template conversations are rendered with, which final/'s tokenizer then carries; for
         plain-text pairs none is used, but final/ carries it as for data=chat (read without the rows)."""
         return template_of(cfg, tokenizer)
+
+
+def margin_problem(margin) -> str | None:
+    """What is wrong with a row's margin (a number: how much better chosen is), or None."""
+    import math
+
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        return (f"margin={margin!r} is not a number (the {MARGIN} column, read by objective=reward, holds how much "
+                "better chosen is than rejected, in every row)")
+    return None
 
 
 def pair_problem(cfg: DataConfig, prompt, chosen, rejected) -> str | None:

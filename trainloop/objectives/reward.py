@@ -1,0 +1,89 @@
+"""A reward model on preference pairs (data=preference): the network with a scalar score head in
+place of its output layer (transformers' AutoModelForSequenceClassification, num_labels 1), trained
+so that the chosen completion scores above the rejected one, as TRL 1.16's RewardTrainer computes
+it (`compute_loss`): the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), with the
+data's `margin` column where its rows have one, plus objective.center_rewards_coefficient x
+(r_chosen + r_rejected)^2, which keeps the rewards centred on zero.
+
+A sequence's reward is the score at its last token that is not padding (the model config's
+pad_token_id: the tokenizer's pad, else its eos), as transformers reads it, so RUN_DIR/final/
+loads with AutoModelForSequenceClassification alone and scores a text as training did. With an
+adapter the score head trains whole beside the adapters (peft's sequence-classification task).
+A batch's units are its pairs; the train and eval lines carry the rewards, the accuracy (a tie
+counts half) and the margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainloop.objectives.pairs import PairObjective, sums
+
+if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
+    import torch
+
+MARGIN = "margin"  # the data's column of per-pair margins (TRL's name), carried by data=preference where rows have it
+
+
+@dataclass
+class RewardConfig:
+    # adds this x the mean of (r_chosen + r_rejected)^2 to the loss, pulling the rewards towards zero (TRL's
+    # center_rewards_coefficient; it suggests 0.01); 0: off
+    center_rewards_coefficient: float = 0.0
+
+
+class Reward(PairObjective):
+    name = "reward"
+    keys = RewardConfig
+    head = "score"
+    chunks_loss = False  # one score per sequence: no logits over the vocabulary to chunk
+    sum_names = ("loss", "pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        self.center = cfg.objective.center_rewards_coefficient
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        import math
+
+        problems = []
+        if not 0 <= cfg.objective.center_rewards_coefficient < math.inf:
+            problems.append(f"objective.center_rewards_coefficient={cfg.objective.center_rewards_coefficient} must "
+                            "be 0 (off) or more (TRL suggests 0.01)")
+        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
+            problems.append("objective=reward does not add a mixture's router loss (model.router_aux_loss_coef): "
+                            "use model.arch=llama or gpt2")
+        if cfg.trainer.auto_batch_size:  # the search's trial forwards go through batch_loss, into the window's sums
+            problems.append("objective=reward does not search a batch size yet: set trainer.auto_batch_size=false")
+        split = [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("tp_size", "pp_size", "cp_size")
+                 if getattr(cfg.parallel, key) > 1]
+        if split:  # each splits what the score head reads whole: the output layer, the last stage, the sequence
+            problems.append(f"objective=reward scores each sequence at its last token, and {', '.join(split)} "
+                            "splits the model or the sequence it reads: use DDP, DeepSpeed ZeRO or FSDP2 "
+                            "(parallel sizes 1)")
+        if cfg.eval.prompts:
+            problems.append("eval.prompts: objective=reward trains a score head, which writes no text to sample: "
+                            "set eval.prompts=[]")
+        return problems
+
+    def rewards(self, model, batch: dict) -> torch.Tensor:
+        """Each sequence's reward, chosen rows then rejected, from one forward of both, in float32."""
+        import torch
+
+        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+        return model(input_ids=ids, use_cache=False).logits.squeeze(-1).float()
+
+    def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's loss (their mean is TRL's loss of the batch), and the sums over the batch's pairs."""
+        import torch.nn.functional as F
+
+        chosen, rejected = self.rewards(model, batch).chunk(2)
+        delta = chosen - rejected
+        if MARGIN in batch:
+            delta = delta - batch[MARGIN].to(delta.dtype)
+        losses = -F.logsigmoid(delta)
+        if self.center:
+            losses = losses + self.center * (chosen + rejected) ** 2
+        return losses, sums(losses, chosen, rejected)
