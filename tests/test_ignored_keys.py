@@ -43,8 +43,8 @@ SELECTORS = {"model.name", "data.name", "optimizer.name", "scheduler.name", "pre
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """Two local models, two jsonl corpora of each data format, a second tokenizer, a DeepSpeed JSON
-    and a file of reward functions."""
+    """Two local models, two jsonl corpora of each data format, a second tokenizer, a DeepSpeed JSON,
+    a file of reward functions and a reward model."""
     from pydoc_data.topics import topics
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -62,6 +62,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
         config = LlamaConfig(vocab_size=200, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
         AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+    from transformers import AutoModelForSequenceClassification
+
+    from trainloop.data.tokenizer import byte_level_tokenizer
+
+    scorer = byte_level_tokenizer()  # a reward model (objective.reward_models): a sequence classifier, one score
+    scorer.pad_token = scorer.eos_token
+    AutoModelForSequenceClassification.from_config(LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_labels=1, pad_token_id=scorer.pad_token_id)).save_pretrained(root / "scorer")
+    scorer.save_pretrained(root / "scorer")
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator([topics[k] for k in keys], trainers.BpeTrainer(
@@ -117,7 +127,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
             "chat_a": root / "chat_a.jsonl", "chat_b": root / "chat_b.jsonl", "pairs_a": root / "pairs_a.jsonl",
             "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja",
             "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl",
-            "prompts_a": root / "prompts_a.jsonl", "prompts_b": root / "prompts_b.jsonl", "rewards.py": root / "rewards.py"}
+            "prompts_a": root / "prompts_a.jsonl", "prompts_b": root / "prompts_b.jsonl", "rewards.py": root / "rewards.py",
+            "scorer": root / "scorer"}
 
 
 # The corpus each data option reads (a, the base) and its probe for data.path (b).
@@ -179,7 +190,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.top_entropy_quantile": 0.5, "objective.sapo_temperature_pos": 0.5,
         "objective.sapo_temperature_neg": 2.0, "objective.vespo_k_pos": 1.0, "objective.vespo_lambda_pos": 1.5,
         "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5, "objective.generation": "continuous",
-        "objective.center_rewards_coefficient": 0.5,
+        "objective.center_rewards_coefficient": 0.5, "objective.reward_models": [str(files["scorer"])],
     }
 
 

@@ -12,6 +12,7 @@ tiny transformers Llama (LlamaForSequenceClassification), peft, TRL's RewardTrai
 from __future__ import annotations
 
 import copy
+import re
 import random
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def test_the_loss_and_gradients_are_trls_on_the_same_batch(tmp_path, center, mar
 
 # --- a run --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_reward_model_learns_the_rule_and_final_scores_with_transformers_alone(tmp_path):
     """Trained on tests/data/preference.jsonl's rule, final/ loads with AutoModelForSequenceClassification
     and scores the chosen completion of at least 95% of 40 pairs it never saw above the rejected one; the
@@ -130,6 +132,7 @@ def test_a_reward_model_learns_the_rule_and_final_scores_with_transformers_alone
     assert right >= 38, f"{right}/40 held-out pairs ranked by the rule"
 
 
+@pytest.mark.slow
 def test_lora_trains_the_score_head_and_the_merged_export_scores_as_the_live_model(tmp_path):
     """With adapter=lora the score head trains whole beside the adapters (peft's sequence-classification
     task); final/ is the merged sequence classifier and final/adapter holds the head: both load, and score
@@ -150,6 +153,37 @@ def test_lora_trains_the_score_head_and_the_merged_export_scores_as_the_live_mod
     assert any("score" in name for name, _ in adapted.named_parameters() if "modules_to_save" in name)
     with torch.no_grad():
         torch.testing.assert_close(merged(**ids).logits, adapted(**ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_reward_of_a_trained_reward_model_its_only_reward(tmp_path):
+    """A reward model trained on pairs after the toy prompts (tests/data/prompts.jsonl) that prefer
+    lowercase letters to other characters is GRPO's only reward (objective.reward_models, named after its
+    run): over 20 steps the mean reward of the last 5 rises above the first 5's."""
+    import json
+    import string
+
+    data = Path(__file__).resolve().parent / "data"
+    prompts = [json.loads(line)["prompt"] for line in (data / "prompts.jsonl").read_text().splitlines()]
+    rng = random.Random(0)
+    others = string.ascii_uppercase + string.digits + string.punctuation + " "
+    pairs = [{"prompt": prompts[i % len(prompts)], "chosen": "".join(rng.choices(string.ascii_lowercase, k=6)),
+              "rejected": "".join(rng.choices(others, k=6))} for i in range(96)]
+    path = write_rows(tmp_path / "pairs.jsonl", pairs)
+    scorer = train(tmp_path / "letters_rm", *REWARD, f"data.path={path}", "trainer.max_steps=40",
+                   "trainer.eval_every=40", "trainer.log_every=40", "optimizer.lr=1e-3")
+    assert [r for r in read_metrics(scorer) if "eval_loss" in r][-1]["rewards/accuracy"] >= 0.95
+    run = train(tmp_path / "grpo", "data=prompts", "objective=grpo", f"data.path={data / 'prompts.jsonl'}",
+                "objective.rewards=[]", f"objective.reward_models=[{scorer / 'final'}]", "objective.num_generations=8",
+                "objective.max_new_tokens=6", "data.validation_fraction=0.2", "scheduler=constant",
+                "checkpoint.save_final_model=false", "data.batch_size=4", "optimizer.lr=1e-2", "trainer.max_steps=20",
+                "trainer.eval_every=20")
+    lines = [r for r in read_metrics(run) if "reward" in r]
+    assert len(lines) == 20 and lines[0]["rewards/letters_rm"] == lines[0]["reward"]
+    curve = [r["reward"] for r in lines]
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    print(f"reward model's reward by step {[round(r, 2) for r in curve]}")
+    assert last > first + 0.5, curve
 
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"
@@ -210,3 +244,14 @@ def test_what_cannot_work_is_refused_by_name(overrides, named):
     cfg = compose("+preset=smoke", *REWARD, "data.path=pairs.jsonl", *overrides)
     with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace(".", r"\.")):
         validate(cfg)
+
+
+def test_a_reward_model_that_is_not_one_is_refused_naming_its_place(tmp_path):
+    prompts = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+    causal = pretrained_llama(tmp_path / "causal")
+    for directory, named in ((causal, "is a LlamaForCausalLM with 2 labels, not a sequence classifier with one score"),
+                             (tmp_path / "absent", "is no directory")):
+        cfg = compose("+preset=smoke", "data=prompts", "objective=grpo", f"data.path={prompts}",
+                      f"objective.reward_models=[{directory}]")
+        with pytest.raises(ConfigError, match=rf"objective.reward_models\[0\]: {re.escape(str(directory))} {named}"):
+            validate(cfg)

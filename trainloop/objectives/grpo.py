@@ -50,9 +50,14 @@ SHOWN = 2  # completions (with their rewards) in each log interval's event=sampl
 
 @dataclass
 class GRPOConfig:
-    # required: the reward functions, [module:function, ...] or [path/to/file.py:function, ...] (trainloop/objectives/rewards.py)
+    # the reward functions, [module:function, ...] or [path/to/file.py:function, ...] (trainloop/objectives/rewards.py);
+    # some reward column is required: a function, a reward model or an environment's get_reward
     rewards: list[str] = field(default_factory=list)
-    reward_weights: Optional[list[float]] = None  # one weight per reward function; null: each 1.0
+    # reward models: directories transformers loads as a sequence classifier with one label (an objective=reward
+    # run's RUN_DIR/final), each a reward column named after its directory, held whole on each rank
+    reward_models: list[str] = field(default_factory=list)
+    # one weight per reward function, then per reward model (then, optionally, the environment's); null: each 1.0
+    reward_weights: Optional[list[float]] = None
     num_generations: int = 8  # completions sampled per prompt (a group)
     temperature: float = 1.0  # sampling temperature (the log-probabilities are taken at it too)
     top_p: float = 1.0  # nucleus sampling's probability mass, in (0, 1]
@@ -323,7 +328,8 @@ class GRPO(Objective):
             self.environments = Environments(o.environment, o.tools)
         rewarded = self.environments is not None and self.environments.rewarded
         self.rewards = Rewards(o.rewards, o.reward_weights,
-                               (self.environments.name, self.environments.reward) if rewarded else None)
+                               (self.environments.name, self.environments.reward) if rewarded else None,
+                               o.reward_models, device)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)  # decodes the completions
         self.eos, self.pad = self.tokenizer.eos_token_id, pad_id(self.tokenizer)
         # sampling as configured here, whatever a pretrained model's generation_config.json says
@@ -387,7 +393,7 @@ class GRPO(Objective):
                 environment = made.name if made.rewarded else None
             except ConfigError as err:
                 problems.append(str(err))
-        problems += reward_problems(o.rewards, o.reward_weights, environment)
+        problems += reward_problems(o.rewards, o.reward_weights, environment, o.reward_models)
         if o.loss_type not in LOSS_TYPES:
             problems.append(f"objective.loss_type={o.loss_type} is not one of objective=grpo's: {', '.join(LOSS_TYPES)}")
         if o.importance_sampling_level not in LEVELS:
@@ -712,11 +718,17 @@ class GRPO(Objective):
 
     @staticmethod
     def memory_lines(plan, cfg) -> None:
-        """With beta > 0, a full fine-tune's reference copy (an adapter's is the policy without it)."""
+        """With beta > 0, a full fine-tune's reference copy (an adapter's is the policy without it); each
+        reward model, whole on each rank in fp32 (its weights' sizes read from its safetensors headers)."""
         from trainloop.objectives.dpo import plan_copy
+        from trainloop.objectives.rewards import model_name, saved_numel
+        from trainloop.parallel.memory import Line
 
         if cfg.objective.beta != 0.0 and cfg.adapter.name == "none":
             plan_copy(plan, "objective=grpo with objective.beta > 0")
+        for directory in cfg.objective.reward_models:
+            plan.lines.append(Line(f"reward model {model_name(directory)}", 4 * saved_numel(directory), "gpu",
+                                   note="objective.reward_models: whole on each rank, fp32, no gradients"))
 
     @staticmethod
     def prompt_tools(cfg) -> list[dict] | None:

@@ -16,6 +16,12 @@ is refused when the config is checked, before anything is built. A function that
 the wrong number of values, something other than a number or None, or a NaN or infinite number (a
 broken verifier, not "does not apply") stops the run with one line naming it and the row.
 
+Trained reward models (objective.reward_models: directories transformers loads as a sequence
+classifier with one label, such as an objective=reward run's final/) are columns too, scored as
+TRL scores them: each completion's text after its prompt's (a conversation rendered whole with the
+model's own chat template, else the built-in one, as data=chat renders), tokenized by the model's own tokenizer, padded on the right, the score
+at the last token that is not padding. Each rank holds its own whole copy, in eval mode.
+
 The two functions below are examples to start from (docs/grpo.md); copy one into a
 file of your own to change it. This module imports nothing heavy: config checks load it.
 """
@@ -92,41 +98,130 @@ def reward_name(spec: str) -> str:
     return spec.rpartition(":")[2]
 
 
-def reward_problems(specs, weights, environment: str | None = None) -> list[str]:
-    """objective.rewards and objective.reward_weights, checked when the config is: each function
-    loads, the names are distinct, and the weights (if given) are one number per function (and, where
-    objective.environment gives a reward column named `environment`, optionally one more, its weight:
-    1.0 where left out, as TRL weighs it)."""
+def model_name(directory: str) -> str:
+    """A reward model's key in the metrics (rewards/NAME): its directory's name (the run's, for a run's final/)."""
+    path = Path(directory).expanduser()
+    return path.resolve().parent.name if path.name == "final" else path.name
+
+
+def reward_model_problem(directory: str) -> str | None:
+    """What keeps `directory` from being a reward model (objective.reward_models), or None: read from its
+    config.json and tokenizer files, without loading weights."""
+    from transformers import AutoConfig
+
+    if not Path(directory).expanduser().is_dir():
+        return f"{directory} is no directory: give a reward model's (an objective=reward run's RUN_DIR/final)"
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        return f"{directory} holds no model config ({err})"
+    classes = config.architectures or []
+    if not any(name.endswith("ForSequenceClassification") for name in classes) or config.num_labels != 1:
+        return (f"{directory} is a {', '.join(classes) or 'model'} with {config.num_labels} labels, not a sequence "
+                "classifier with one score: train one with objective=reward")
+    if not any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return f"{directory} has no tokenizer files: the completions are scored in its own tokens"
+    return None
+
+
+def saved_numel(directory: str) -> int:
+    """The parameters a model directory's safetensors files hold, read from their headers alone."""
+    import json
+    import struct
+
+    total = 0
+    for file in sorted(Path(directory).expanduser().glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                count = 1
+                for size in entry["shape"]:
+                    count *= size
+                total += count
+    return total
+
+
+class RewardModel:
+    """A reward model as a reward function (TRL's scoring, in the module docstring), on `device`."""
+
+    def __init__(self, directory: str, device):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        if self.tokenizer.pad_token is None:  # as TRL pads a reward model's inputs
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=1, dtype=torch.float32)
+        self.model.to(device).eval().requires_grad_(False)
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+
+    def __call__(self, prompts, completions, **columns) -> list[float]:
+        import torch
+
+        if isinstance(prompts[0], list):  # its own template (a trainloop run's final/ carries it), else the built-in
+            from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+
+            template = self.tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE
+            texts = [self.tokenizer.apply_chat_template(p + c, chat_template=template, tokenize=False)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        inputs = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
+                                add_special_tokens=False).to(self.device)
+        with torch.no_grad():
+            return self.model(**inputs).logits[:, 0].float().tolist()
+
+
+def reward_problems(specs, weights, environment: str | None = None, models=()) -> list[str]:
+    """objective.rewards, objective.reward_models and objective.reward_weights, checked when the config is:
+    each function loads, each model directory is a reward model, the names are distinct, and the weights
+    (if given) are one number per function, then per model (and, where objective.environment gives a reward
+    column named `environment`, optionally one more, its weight: 1.0 where left out, as TRL weighs it)."""
     problems = []
-    if not specs and environment is None:
+    if not specs and not models and environment is None:
         return ["objective.rewards=[] names no reward function: give [module:function, ...] "
-                "(e.g. trainloop.objectives.rewards:exact_answer, or path/to/file.py:function), or an "
-                "objective.environment with a get_reward method"]
+                "(e.g. trainloop.objectives.rewards:exact_answer, or path/to/file.py:function), "
+                "objective.reward_models=[DIR], or an objective.environment with a get_reward method"]
     for i, spec in enumerate(specs):
         try:
             load_reward(spec)
         except ConfigError as err:
             problems.append(f"objective.rewards[{i}]={err}")
-    names = [reward_name(s) for s in specs] + ([environment] if environment is not None else [])
+    for i, directory in enumerate(models):
+        if (problem := reward_model_problem(directory)) is not None:
+            problems.append(f"objective.reward_models[{i}]: {problem}")
+    names = ([reward_name(s) for s in specs] + [model_name(d) for d in models]
+             + ([environment] if environment is not None else []))
     if len(set(names)) < len(names):
-        problems.append(f"objective.rewards names functions {names} that share a name: their metrics "
-                        "(rewards/NAME) would mix; rename one")
-    allowed = (len(specs),) if environment is None else (len(specs), len(specs) + 1)
+        problems.append(f"objective.rewards and objective.reward_models name columns {names} that share a name: "
+                        "their metrics (rewards/NAME) would mix; rename one")
+    columns = len(specs) + len(models)
+    allowed = (columns,) if environment is None else (columns, columns + 1)
     if weights is not None and len(weights) not in allowed:
         extra = f", then optionally the environment {environment}'s" if environment is not None else ""
-        problems.append(f"objective.reward_weights has {len(weights)} weights for {len(specs)} reward functions: "
-                        f"give one per function{extra}, or null (each 1.0)")
+        and_models, per_model = (f" and {len(models)} reward models", ", then per model") if models else ("", "")
+        problems.append(f"objective.reward_weights has {len(weights)} weights for {len(specs)} reward functions"
+                        f"{and_models}: give one per function{per_model}{extra}, or null (each 1.0)")
     return problems
 
 
 class Rewards:
-    """The reward functions of objective.rewards, loaded, with their weights; and, where objective.environment
+    """The reward functions of objective.rewards, loaded, with their weights; then the reward models of
+    objective.reward_models (`models`: directories, loaded onto `device`); and, where objective.environment
     has get_reward, its column last (`environment`: (its name, the function), weight 1.0 unless given)."""
 
-    def __init__(self, specs, weights=None, environment: tuple[str, Callable] | None = None):
+    def __init__(self, specs, weights=None, environment: tuple[str, Callable] | None = None, models=(),
+                 device="cpu"):
         self.specs = list(specs)
         self.names = [reward_name(s) for s in self.specs]
         self.functions = [load_reward(s) for s in self.specs]
+        for directory in models:
+            self.specs.append(f"the reward model {directory}")
+            self.names.append(model_name(directory))
+            self.functions.append(RewardModel(directory, device))
         if environment is not None:
             name, function = environment
             self.specs.append(f"{name}.get_reward")
