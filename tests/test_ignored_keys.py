@@ -127,8 +127,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
             "chat_a": root / "chat_a.jsonl", "chat_b": root / "chat_b.jsonl", "pairs_a": root / "pairs_a.jsonl",
             "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja",
             "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl",
-            "prompts_a": root / "prompts_a.jsonl", "prompts_b": root / "prompts_b.jsonl", "rewards.py": root / "rewards.py",
-            "scorer": root / "scorer"}
+            "prompts_a": root / "prompts_a.jsonl", "prompts_b": root / "prompts_b.jsonl",
+            "rewards.py": root / "rewards.py", "scorer": root / "scorer"}
 
 
 # The corpus each data option reads (a, the base) and its probe for data.path (b).

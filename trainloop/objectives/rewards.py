@@ -19,8 +19,9 @@ broken verifier, not "does not apply") stops the run with one line naming it and
 Trained reward models (objective.reward_models: directories transformers loads as a sequence
 classifier with one label, such as an objective=reward run's final/) are columns too, scored as
 TRL scores them: each completion's text after its prompt's (a conversation rendered whole with the
-model's own chat template, else the built-in one, as data=chat renders), tokenized by the model's own tokenizer, padded on the right, the score
-at the last token that is not padding. Each rank holds its own whole copy, in eval mode.
+model's own chat template, else the built-in one, as data=chat renders), tokenized by the model's
+own tokenizer, padded on the right, the score at the last token that is not padding. Each rank
+holds its own whole copy, in eval mode.
 
 The two functions below are examples to start from (docs/grpo.md); copy one into a
 file of your own to change it. This module imports nothing heavy: config checks load it.
