@@ -1,7 +1,7 @@
 """Pipeline parallelism (parallel.pp_size, issue 36) for real: torchrun over gloo on CPU, the decoder
 blocks cut into stages, torch.distributed.pipelining's schedules, compared with one process.
 
-One 1-process run (batch 2, 4 micro-batches a step, 20 steps) is what every schedule must
+One 1-process run (batch 2, 4 micro-batches a step, 10 steps) is what every schedule must
 reproduce on 2 processes: the same global batch, every logged loss and gradient norm within 1e-5,
 the evaluation, and the exported weights within 1e-4 (relative, per tensor). A stage that saw other
 data, a loss counted on two stages, or an export of one stage's blocks is off by far more.
@@ -22,10 +22,13 @@ from helpers import (
     wait_for_step,
 )
 
-STEPS = 20
+STEPS = 10
+HALF = STEPS // 2  # where the runs evaluate, save, stop and resume
+SAVED = f"step_{HALF:07d}"
 RUN = ["+preset=smoke", "model.tie_embeddings=false", "model.num_layers=4", "data.batch_size=2",
        "trainer.gradient_accumulation_steps=4", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
-       "trainer.eval_every=10", "trainer.eval_batches=2", "logging.progress_bar=false", "checkpoint.every_steps=10"]
+       f"trainer.eval_every={HALF}", "trainer.eval_batches=2", "logging.progress_bar=false",
+       f"checkpoint.every_steps={HALF}"]
 TOLERANCE = 1e-5
 # each schedule also composes with more the stages must carry: gradient checkpointing and the chunked
 # loss (48 of a micro-batch's 128 tokens at a time, on the last stage), regional compile (each block
@@ -61,14 +64,14 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
     assert len(evals[0]) == 2 and max(abs(a - b) for a, b in zip(*evals)) < TOLERANCE
     assert_same_weights(run / "final", reference / "final")  # the stages gathered under the model's own names
     if schedule == "1f1b":
-        # SIGTERM to one rank after step 10: every rank stops after the same step, saves and exits
+        # SIGTERM to one rank after step HALF: every rank stops after the same step, saves and exits
         # 75; the same command resumes and its losses are bitwise the uninterrupted run's
         stopped = tmp_path / "stopped"
         command = [*RUN, "parallel.pp_size=2", f"parallel.pp_schedule={schedule}", f"hydra.run.dir={stopped}",
                    "checkpoint.save_final_model=false"]
         proc = start([*torchrun(2), *command], tmp_path / "stopped.txt")
         try:
-            wait_for_step(stopped, 10, proc)
+            wait_for_step(stopped, HALF, proc)
             os.kill(ranks_of(proc.pid)[1], signal.SIGTERM)
             proc.wait(timeout=300)
         finally:
@@ -76,16 +79,16 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
         out = (tmp_path / "stopped.txt").read_text()
         assert re.findall(r"exitcode\s+:\s*(-?\d+)", out) == ["75", "75"], out[-4000:]
         at = {int(n) for n in re.findall(r"stopped by (?:SIGTERM|a signal to another rank) after step (\d+)", out)}
-        assert len(at) == 1 and 10 <= min(at) < STEPS, out[-4000:]
+        assert len(at) == 1 and HALF <= min(at) < STEPS, out[-4000:]
         launch([*torchrun(2), *command], cwd=tmp_path)
         assert f"resumed from {stopped / 'checkpoints' / f'step_{min(at):07d}'}" in run_log(stopped)
         got, want = losses(stopped), losses(run)
         assert sorted(got) == list(range(1, STEPS + 1)) and all(got[s] == want[s] for s in got), (got, want)
         # and on one process: the stages' DCP shards load by name into the whole model
-        alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
+        alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / SAVED}",
                       "checkpoint.save_final_model=false", small=False)
         got, want = losses(alone), losses(reference)
-        assert sorted(got) == list(range(11, STEPS + 1))
+        assert sorted(got) == list(range(HALF + 1, STEPS + 1))
         assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
 
 
@@ -106,41 +109,41 @@ def test_two_stages_on_a_4_process_mesh_train_as_one_process_does(tmp_path, refe
     """4 processes, 2 stages, and on the other mesh dimensions: 2 data-parallel ranks, each reading
     half of the global batch (1 x 4 micro-batches), the stages replicated over dp_shard (their
     gradients summed) or sharded by FSDP2 over it; or 2 tp ranks splitting each block's matrices.
-    Replicated, it stops at step 10 and resumes on one process."""
+    Replicated, it stops at step HALF and resumes on one process."""
     overrides, says = MESHES[mesh]
     sharded = mesh != "replicated"
     run = tmp_path / "run"
-    stop = [] if sharded else ["trainer.stop_at_step=10"]
+    stop = [] if sharded else [f"trainer.stop_at_step={HALF}"]
     launch([*torchrun(4), *RUN, "parallel.pp_size=2", *overrides, f"hydra.run.dir={run}", *stop], cwd=tmp_path)
     assert says in run_log(run)
     got, want = losses(run), losses(reference)
-    assert sorted(got) == list(range(1, (STEPS if sharded else 10) + 1))
+    assert sorted(got) == list(range(1, (STEPS if sharded else HALF) + 1))
     assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
     if sharded:  # the shards gathered, the stages over pp
         assert_same_weights(run / "final", reference / "final")
-    if mesh == "fsdp":  # its step-10 checkpoint resumes under FSDP2 alone on the 4 processes (2x2 -> 1x4)
+    if mesh == "fsdp":  # its step-HALF checkpoint resumes under FSDP2 alone on the 4 processes (2x2 -> 1x4)
         alone = tmp_path / "fsdp_alone"
         launch([*torchrun(4), *RUN, *FSDP, "data.batch_size=1", "trainer.gradient_accumulation_steps=2",
-                f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}", "checkpoint.save_final_model=false",
+                f"checkpoint.resume={run / 'checkpoints' / SAVED}", "checkpoint.save_final_model=false",
                 f"hydra.run.dir={alone}"], cwd=tmp_path)
         got = losses(alone)
-        assert sorted(got) == list(range(11, STEPS + 1)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE
+        assert sorted(got) == list(range(HALF + 1, STEPS + 1)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE
     if sharded:
         return
-    alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / 'step_0000010'}",
+    alone = train(tmp_path / "alone", *RUN, f"checkpoint.resume={run / 'checkpoints' / SAVED}",
                   "checkpoint.save_final_model=false", small=False)
     got = losses(alone)
-    assert sorted(got) == list(range(11, STEPS + 1)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE
 
 
 @pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_two_stages(tmp_path, reference):
     """The other way: accelerate's whole-model files, each stage taking its blocks' weights and
     optimizer state by name, and the run going on as the one process did."""
-    resumed = launch_pp(tmp_path / "resumed", f"checkpoint.resume={reference / 'checkpoints' / 'step_0000010'}",
+    resumed = launch_pp(tmp_path / "resumed", f"checkpoint.resume={reference / 'checkpoints' / SAVED}",
                         "checkpoint.save_final_model=false")
     got, want = losses(resumed), losses(reference)
-    assert sorted(got) == list(range(11, STEPS + 1))
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
 
 

@@ -1,7 +1,7 @@
 """Tensor parallelism (parallel.tp_size) for real: torchrun over gloo on CPU, each block's matrices
 split column-/row-wise over the tp ranks, FSDP2 over the rest, compared with one process.
 
-One 1-process run at batch 8 (no FSDP, no TP, 20 steps; and one with LoRA) is what every layout
+One 1-process run at batch 8 (no FSDP, no TP, 12 steps; and one with LoRA) is what every layout
 must reproduce with the same global batch of 8: tp=2 on 2 processes (one data-parallel rank at
 batch 8), 2 x 2 on 4 processes (two data-parallel ranks at batch 4) with LoRA, and checkpoints
 resumed at other layouts: tp=2's on one process and on 2 x 2, that one process's back at tp=2 (with
@@ -23,9 +23,12 @@ from helpers import (
     relative_difference, run_log, safetensors_of, torchrun, train,
 )
 
-STEPS = 20
+STEPS = 12
+HALF = STEPS // 2  # the runs save here; a resumed run starts after it
+SAVED = f"step_{HALF:07d}"
+LATER = HALF + HALF // 2  # where the one-process continuation saves, for tp 1 -> 2
 RUN = [f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.eval_every={STEPS}", "trainer.eval_batches=1",
-       "logging.progress_bar=false", "checkpoint.every_steps=10", "checkpoint.keep_last=2"]
+       "logging.progress_bar=false", f"checkpoint.every_steps={HALF}", "checkpoint.keep_last=2"]
 TOLERANCE = 1e-5
 SAMPLE = 'eval.prompts=["The"]'  # greedy samples at the last step's evaluation: every tp rank decodes together
 
@@ -50,13 +53,13 @@ def launch_tp(run_dir: Path, processes: int, *overrides: str, presets: str = "sm
     return run_dir
 
 
-RESUMED = range(11, 14)  # a resumed run at another layout: 3 steps past the checkpoint say whether it continues
+RESUMED = range(HALF + 1, HALF + 4)  # a resumed run at another layout: 3 steps past the checkpoint say whether it continues
 
 
 def resume_briefly(run_dir: Path, processes: int, saved: Path, *overrides: str, presets: str) -> Path:
-    """`saved`'s step-10 checkpoint resumed on `processes` processes for the RESUMED steps (the
+    """`saved`'s step-HALF checkpoint resumed on `processes` processes for the RESUMED steps (the
     schedule still that of STEPS), saving no final model."""
-    return launch_tp(run_dir, processes, f"checkpoint.resume={saved / 'checkpoints' / 'step_0000010'}",
+    return launch_tp(run_dir, processes, f"checkpoint.resume={saved / 'checkpoints' / SAVED}",
                      f"trainer.stop_at_step={RESUMED[-1]}", "checkpoint.save_final_model=false", *overrides,
                      presets=presets)
 
@@ -83,7 +86,7 @@ def tp2(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_tp2_on_two_processes_matches_one_process_and_exports_the_whole_weights(tp2, reference):
-    """Acceptance 1: 20 steps, the same losses and gradient norms as 1 x 8; final/ holds the whole
+    """Acceptance 1: STEPS steps, the same losses and gradient norms as 1 x 8; final/ holds the whole
     trained model (both ranks' column and row slices gathered), not a slice; the greedy samples
     are the same text."""
     log = run_log(tp2)
@@ -101,7 +104,7 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
     """Acceptance 2 with LoRA (issue item 4): a 2 dp_shard x 2 tp mesh at batch 4 per data-parallel
     rank, each adapter split like the weight it adapts (lora_B column-wise beside a column-wise
     base, lora_A row-wise beside a row-wise one), with gradient checkpointing (the split blocks
-    recomputed): the same 20 losses as one LoRA process at batch 8, the same adapter and merged
+    recomputed): the same losses at every step as one LoRA process at batch 8, the same adapter and merged
     model. A full fine-tune on 2 x 2 is test_a_tp2_checkpoint_resumes_on_2x2."""
     
     run_dir = launch_tp(tmp_path / "run", 4, "data.batch_size=4", "model.gradient_checkpointing=true",
@@ -114,7 +117,7 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
     assert relative_difference(adapter, want) < 1e-4
     assert_same_weights(run_dir / "final", lora_reference / "final")
 
-    # Acceptance 3, 2 x 2 -> 4 x 1: its step-10 checkpoint on 4 FSDP2 processes without tp (batch 2,
+    # Acceptance 3, 2 x 2 -> 4 x 1: its step-HALF checkpoint on 4 FSDP2 processes without tp (batch 2,
     # the same global batch): each adapter's tp slices gathered back whole and resharded 4 ways
     resumed = resume_briefly(tmp_path / "resumed", 4, run_dir, "data.batch_size=2", presets="smoke,fsdp,lora")
     assert "FSDP2 full_shard over 4 shard(s)" in run_log(resumed) and "FSDP2 x TP" not in run_log(resumed)
@@ -124,22 +127,23 @@ def test_fsdp2_x_tp_with_lora_on_four_processes_matches_one_process(tmp_path, lo
 
 @pytest.mark.slow
 def test_a_tp2_checkpoint_resumes_on_one_process_and_back_with_sequence_parallelism(tmp_path, tp2, reference):
-    """Acceptance 3, tp 2 -> 1: the tp=2 run's step-10 checkpoint (DCP, 2-D DTensor shards) loads
+    """Acceptance 3, tp 2 -> 1: the tp=2 run's step-HALF checkpoint (DCP, 2-D DTensor shards) loads
     into one FSDP2 process at the same global batch and continues the reference's curve; and
-    tp 1 -> 2: that process's step-15 checkpoint (1-D shards) resumed at tp=2 on 2 processes, with
+    tp 1 -> 2: that process's step-LATER checkpoint (1-D shards) resumed at tp=2 on 2 processes, with
     parallel.sequence_parallel (issue 27 item 1: the norms and the residual stream on half the
     sequence each), continues it to the end too: the same losses and gradient norms, the same
     greedy samples (decoded at every length, most of which 2 does not divide) and exported weights."""
-    checkpoint = tp2 / "checkpoints" / "step_0000010"
-    run_dir = train(tmp_path / "one", "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8", "checkpoint.every_steps=5",
-                    f"checkpoint.resume={checkpoint}", "checkpoint.save_final_model=false", small=False)
-    assert_same_losses(run_dir, reference, range(11, STEPS + 1))
+    checkpoint = tp2 / "checkpoints" / SAVED
+    run_dir = train(tmp_path / "one", "+preset=[smoke,fsdp]", *RUN, "data.batch_size=8",
+                    f"checkpoint.every_steps={LATER - HALF}", f"checkpoint.resume={checkpoint}",
+                    "checkpoint.save_final_model=false", small=False)
+    assert_same_losses(run_dir, reference, range(HALF + 1, STEPS + 1))
 
     back = launch_tp(tmp_path / "back" / "run", 2, "data.batch_size=8", "parallel.sequence_parallel=true", SAMPLE,
-                     f"checkpoint.resume={run_dir / 'checkpoints' / 'step_0000015'}")
+                     f"checkpoint.resume={run_dir / 'checkpoints' / f'step_{LATER:07d}'}")
     assert ("FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp, 14 linear layers split column-/row-wise over tp; sequence "
             "parallelism: 4 norms and the residual stream on 1/2 of the sequence" in run_log(back))
-    worst = assert_same_losses(back, reference, range(16, STEPS + 1))
+    worst = assert_same_losses(back, reference, range(LATER + 1, STEPS + 1))
     print(f"tp 1 -> 2 with sequence parallelism: largest loss difference {worst:.1e}")
     samples = [[r["samples"] for r in read_metrics(d) if r.get("event") == "samples"] for d in (back, reference)]
     assert samples[0] == samples[1] and samples[0], samples
@@ -150,14 +154,14 @@ def test_a_tp2_checkpoint_resumes_on_one_process_and_back_with_sequence_parallel
 def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
     """Acceptance 3, tp 2 -> 2 x 2: the same checkpoint on 4 processes (2 dp_shard ranks at batch 4,
     the same global batch): each tensor is resharded onto both mesh dimensions, each new rank takes
-    rank 0's random state, and steps 11 to 20 continue the reference's curve; each block compiled
+    rank 0's random state, and the steps after it continue the reference's curve; each block compiled
     (aot_eager: dynamo traces the split blocks without inductor's code generation)."""
-    checkpoint = tp2 / "checkpoints" / "step_0000010"
+    checkpoint = tp2 / "checkpoints" / SAVED
     run_dir = launch_tp(tmp_path / "run", 4, "data.batch_size=4", f"checkpoint.resume={checkpoint}",
                         "checkpoint.save_final_model=false", "compile=aot_eager", "compile.regional=true")
     assert "torch.compile: 2 LlamaDecoderLayer blocks, backend aot_eager" in run_log(run_dir)
     assert "at another world size (world_size: 1 -> 2)" in run_log(run_dir)  # data-parallel ranks, not processes
-    assert_same_losses(run_dir, reference, range(11, STEPS + 1))
+    assert_same_losses(run_dir, reference, range(HALF + 1, STEPS + 1))
 
 
 @pytest.mark.parametrize("overrides, says", [
