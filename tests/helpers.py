@@ -55,6 +55,8 @@ NEEDS = {  # options whose required keys the user must give
     ("objective", "dpo"): ["data=preference", "data.path=/some/pairs.jsonl", "adapter=lora"],
     ("objective", "simpo"): ["data=preference", "data.path=/some/pairs.jsonl"],
     ("objective", "reward"): ["data=preference", "data.path=/some/pairs.jsonl"],
+    ("objective", "kto"): ["data=unpaired", "data.path=/some/rows.jsonl", "adapter=lora"],
+    ("data", "unpaired"): ["data.path=/some/rows.jsonl", "objective=kto", "adapter=lora"],
     ("data", "prompts"): ["data.path=/some/prompts.jsonl", "objective=grpo",
                           "objective.rewards=[trainloop.objectives.rewards:exact_answer]"],
     ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
@@ -67,6 +69,7 @@ OBJECTIVE_NEEDS = {
     "dpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}", "adapter=lora", "optimizer.lr=1e-2"],
     "simpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
     "reward": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
+    "kto": ["data=unpaired", f"data.path={DATA / 'unpaired.jsonl'}", "adapter=lora", "optimizer.lr=1e-2"],
     "grpo": ["data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "optimizer.lr=1e-2",
              f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]", "objective.num_generations=4",
              "objective.max_new_tokens=6", "data.validation_fraction=0.2"]}

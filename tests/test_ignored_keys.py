@@ -103,6 +103,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
                                     "rejected": turn("assistant", key), "question": turn("user", topics[key][:9]),
                                     "better": turn("assistant", key[::-1]),
                                     "worse": turn("assistant", topics[key][-20:])}) + "\n")
+    for name, part in (("unpaired_a", keys[:15]), ("unpaired_b", keys[15:])):  # conversations: the template shows
+        with (root / f"{name}.jsonl").open("w") as f:
+            for i, key in enumerate(part):
+                turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+                f.write(json.dumps({"prompt": turn("user", key[:4]), "completion": turn("assistant", topics[key][:20]),
+                                    "label": i % 2 == 0, "question": turn("user", topics[key][:9]),
+                                    "answer": turn("assistant", key[::-1]), "verdict": i % 3 == 0}) + "\n")
     for name, part in (("prompts_a", keys[:15]), ("prompts_b", keys[15:])):  # conversations: the template shows
         with (root / f"{name}.jsonl").open("w") as f:
             for key in part:
@@ -128,13 +135,15 @@ def files(tmp_path_factory) -> dict[str, Path]:
             "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja",
             "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl",
             "prompts_a": root / "prompts_a.jsonl", "prompts_b": root / "prompts_b.jsonl",
-            "rewards.py": root / "rewards.py", "scorer": root / "scorer"}
+            "rewards.py": root / "rewards.py", "scorer": root / "scorer", "unpaired_a": root / "unpaired_a.jsonl",
+            "unpaired_b": root / "unpaired_b.jsonl"}
 
 
 # The corpus each data option reads (a, the base) and its probe for data.path (b).
 CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs", "prepared": "prepared",
-          "preference": "preference", "prompts": "prompts"}
-PAIRED = {"preference": ["objective=dpo", "adapter=lora"],  # what trains on the option's pairs, or prompts
+          "preference": "preference", "prompts": "prompts", "unpaired": "unpaired"}
+PAIRED = {"preference": ["objective=dpo", "adapter=lora"],  # what trains on the option's pairs, rows or prompts
+          "unpaired": ["objective=kto", "adapter=lora"],
           "prompts": ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"]}
 
 
@@ -149,7 +158,7 @@ def generating(files) -> list[str]:
 def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[str, object]:
     """A value for each key of each group, unlike its default (for data keys: the data option's; for
     objective keys that several objectives read: one the objective accepts)."""
-    fine_tuning = data_option in ("chat", "prompt_completion", "preference")
+    fine_tuning = data_option in ("chat", "prompt_completion", "preference", "unpaired")
     return {
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
@@ -163,7 +172,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "data.sources": f"[{{path: {files[CORPUS.get(data_option, 'corpus') + '_b']}, weight: 1}}]",
         "data.messages_field": "other", "data.tools_field": "functions", "data.chat_template": files["chat.jinja"],
         "data.prompt_field": "question", "data.completion_field": "answer",
-        "data.chosen_field": "better", "data.rejected_field": "worse",
+        "data.chosen_field": "better", "data.rejected_field": "worse", "data.label_field": "verdict",
         "data.train_on": "all" if fine_tuning else "assistant", "data.packing": "stream",
         "data.overlong": "split" if fine_tuning else "truncate", "data.tokenizer": files["bpe"],
         "data.seq_len": 32, "data.batch_size": 2, "data.validation_fraction": 0.2, "data.num_workers": 1,
@@ -191,6 +200,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.sapo_temperature_neg": 2.0, "objective.vespo_k_pos": 1.0, "objective.vespo_lambda_pos": 1.5,
         "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5, "objective.generation": "continuous",
         "objective.center_rewards_coefficient": 0.5, "objective.reward_models": [str(files["scorer"])],
+        "objective.desirable_weight": 1.5, "objective.undesirable_weight": 0.5,
     }
 
 
@@ -293,8 +303,15 @@ def objective_loss(cfg):
                 parameter.data.normal_(0, 0.2)
     ids = torch.randint(0, 257, (4, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.masked_fill(torch.arange(16) < 4, -100)
-    batch = ({"chosen_input_ids": ids[:2], "chosen_labels": labels[:2], "rejected_input_ids": ids[2:],
-              "rejected_labels": labels[2:]} if OBJECTIVES[cfg.objective.name].pairs else {"input_ids": ids, "labels": labels})
+    row = OBJECTIVES[cfg.objective.name]
+    if row.pairs:
+        batch = {"chosen_input_ids": ids[:2], "chosen_labels": labels[:2], "rejected_input_ids": ids[2:],
+                 "rejected_labels": labels[2:]}
+    elif row.unpaired:  # desirable and not, each with a mismatched sequence
+        batch = {"input_ids": ids[:2], "labels": labels[:2], "kl_input_ids": ids[2:], "kl_labels": labels[2:],
+                 "label": torch.tensor([True, False])}
+    else:
+        batch = {"input_ids": ids, "labels": labels}
     with torch.no_grad():
         return build_objective(cfg, "cpu").batch_loss(model, batch).summed.item()
 

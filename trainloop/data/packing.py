@@ -87,6 +87,15 @@ class PairBlocks(PackedBlocks):
         return self.tensors["chosen_input_ids"]
 
 
+class UnpairedRows(PackedBlocks):
+    """data=unpaired's rows (trainloop.data.formats.unpaired) as [rows, seq_len] tensors: input_ids and
+    labels, kl_input_ids and kl_labels (the prompt with the row before's completion), and label ([rows],
+    true: desirable); padded on the right, so causal attention needs no mask."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+
 class PromptRows(PackedBlocks):
     """Prompts as [prompts, seq_len] tensors, padded on the left: prompt_ids, prompt_mask (1 on the
     prompt's tokens), and row_digest (each row's hash, so the data fingerprint sees its other

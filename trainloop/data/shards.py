@@ -87,12 +87,16 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
 
     fmt = data_format(cfg.data.name)
     if not fmt.loads_rows:
-        loaders = sorted((name for name, f in FORMATS.items() if f.loads_rows and not f.pairs and not f.prompts),
+        loaders = sorted((name for name, f in FORMATS.items()
+                          if f.loads_rows and not f.pairs and not f.prompts and not f.unpaired),
                          key=lambda n: not FORMATS[n].path)
         raise ConfigError(f"data={cfg.data.name} reads shards; prepare from the data itself "
                           f"(data={', '.join(loaders[:-1])} or {loaders[-1]}, with data.path)")
     if fmt.pairs:
         raise ConfigError(f"data={cfg.data.name}: preference pairs are not prepared into shards yet; a run "
+                          "tokenizes them itself (drop python -m trainloop.prepare)")
+    if fmt.unpaired:
+        raise ConfigError(f"data={cfg.data.name}: labelled completions are not prepared into shards yet; a run "
                           "tokenizes them itself (drop python -m trainloop.prepare)")
     if fmt.prompts:
         raise ConfigError(f"data={cfg.data.name}: prompts are not prepared into shards; a run tokenizes them "

@@ -12,6 +12,7 @@ from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
 from trainloop.objectives.dpo import DPO
 from trainloop.objectives.grpo import GRPO
+from trainloop.objectives.kto import KTO
 from trainloop.objectives.reward import Reward
 from trainloop.objectives.simpo import SimPO
 
@@ -21,6 +22,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "simpo": SimPO,
     "grpo": GRPO,
     "reward": Reward,
+    "kto": KTO,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "prompt_tools",
@@ -60,16 +62,21 @@ def read_only_by() -> dict[str, tuple]:
 # The items that only some formats hold (their row says so): what an objective that trains on them
 # says of other data, and what such data says of another objective.
 WANTS = {"pairs": "objective={objective} trains on preference pairs, and data={data} holds none: set data=preference",
-         "prompts": "objective={objective} trains on prompts alone, and data={data} holds none: set data=prompts"}
+         "prompts": "objective={objective} trains on prompts alone, and data={data} holds none: set data=prompts",
+         "unpaired": "objective={objective} trains on completions labelled desirable or not, and data={data} holds "
+                     "none: set data=unpaired"}
 HOLDS = {"pairs": "data={data} holds preference pairs, which objective={objective} does not train on: "
                   "set objective={readers}",
          "prompts": "data={data} holds prompts alone, which objective={objective} does not train on: "
-                    "set objective={readers}"}
+                    "set objective={readers}",
+         "unpaired": "data={data} holds completions labelled desirable or not, which objective={objective} does not "
+                     "train on: set objective={readers}"}
 
 
 def items(row) -> str | None:
-    """What a data format's or an objective's row says its items are: pairs, prompts, or None (token blocks)."""
-    return "pairs" if row.pairs else "prompts" if row.prompts else None
+    """What a data format's or an objective's row says its items are: pairs, prompts, unpaired (labelled
+    completions), or None (token blocks)."""
+    return "pairs" if row.pairs else "prompts" if row.prompts else "unpaired" if row.unpaired else None
 
 
 def problems(cfg, data_format=None) -> list[str]:

@@ -45,6 +45,7 @@ class Objective:
     name = ""
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     prompts = False  # trains on completions it generates for prompts (a data format whose row says prompts)
+    unpaired = False  # trains on completions labelled desirable or not (a data format whose row says unpaired)
     # the dataclass of the objective.* keys it reads (beyond name), declared beside it with their defaults for
     # objective=NAME; trainloop/config/schema.py composes them. A key it does not declare is refused when given
     keys: type | None = None

@@ -16,6 +16,7 @@ from trainloop.data.formats.prepared import Prepared
 from trainloop.data.formats.prompt_completion import PromptCompletion
 from trainloop.data.formats.prompts import Prompts
 from trainloop.data.formats.text import Files, Pydoc
+from trainloop.data.formats.unpaired import Unpaired
 
 FORMATS: dict[str, DataFormat] = {
     "pydoc": Pydoc(),
@@ -23,6 +24,7 @@ FORMATS: dict[str, DataFormat] = {
     "chat": Chat(),
     "prompt_completion": PromptCompletion(),
     "preference": Preference(),
+    "unpaired": Unpaired(),
     "prompts": Prompts(),
     "prepared": Prepared(),
 }

@@ -1,0 +1,200 @@
+"""Kahneman-Tversky optimisation (KTO, Ethayarajh et al. 2024) on unpaired preferences (data=unpaired):
+one completion per row, labelled desirable or not, as TRL 1.16's KTOTrainer computes it (`_compute_loss`,
+loss_type="kto"). A completion's reward is objective.beta x its log-ratio to the reference; a desirable
+one's loss is objective.desirable_weight x (1 - sigmoid(beta x (log-ratio - KL))), an undesirable one's
+objective.undesirable_weight x (1 - sigmoid(beta x (KL - log-ratio))). KL, the reference point, is
+estimated from the mismatched pairs the data carries (each prompt with another row's completion): the
+mean of their policy-to-reference log-ratios over the micro-batch of every rank, at least 0, with no
+gradient, as TRL gathers it.
+
+The reference is DPO's: with adapter=lora the policy with its adapters disabled (no second copy), for a
+full fine-tune a frozen copy of the model as built, which the strategy shards like the policy. A batch's
+units are its rows, so a step's loss is the mean over the rows of the global batch (TRL's mean over a
+rank's batch, averaged over equal ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainloop.data.formats.unpaired import KL, LABEL
+from trainloop.objectives.base import BatchLoss, Objective
+
+if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
+    import torch
+
+# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
+SUMS = ("loss", "rows", "rewards/chosen", "chosen", "rewards/rejected", "rejected", "kl", "micro_batches",
+        "logps/chosen", "logps/rejected")
+
+
+@dataclass
+class KTOConfig:
+    beta: float = 0.1  # how far the policy may move from the reference: the rewards are beta x log-ratios
+    desirable_weight: float = 1.0  # the weight of a desirable completion's loss (TRL's desirable_weight)
+    undesirable_weight: float = 1.0  # the weight of an undesirable completion's loss (TRL's undesirable_weight)
+
+
+class KTO(Objective):
+    name = "kto"
+    keys = KTOConfig
+    unpaired = True
+    sequences = 2  # the completion and the mismatched sequence, each through the policy
+    chunks_loss = True
+    headline = ("rewards/margin", "kl")
+
+    def __init__(self, cfg, device):
+        import torch
+
+        o = cfg.objective
+        self.beta, self.desirable, self.undesirable = o.beta, o.desirable_weight, o.undesirable_weight
+        self.cfg, self.chunk = cfg, cfg.trainer.loss_chunk_tokens
+        self.device = torch.device(device)
+        self.frozen, self.strategy = None, None
+        self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)  # since the last train line
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        import math
+
+        o, problems = cfg.objective, []
+        if not 0 < o.beta < math.inf:
+            problems.append(f"objective.beta={o.beta} must be greater than 0")
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not 0 < getattr(o, key) < math.inf:
+                problems.append(f"objective.{key}={getattr(o, key)} must be greater than 0")
+        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
+            problems.append("objective=kto does not add a mixture's router loss (model.router_aux_loss_coef): "
+                            "use model.arch=llama or gpt2")
+        if cfg.trainer.auto_batch_size:
+            problems.append("objective=kto does not search a batch size yet: set trainer.auto_batch_size=false")
+        split = [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("tp_size", "pp_size", "cp_size")
+                 if getattr(cfg.parallel, key) > 1]
+        if split:
+            problems.append(f"objective=kto runs under DDP, DeepSpeed ZeRO and FSDP2 for now, not with "
+                            f"{', '.join(split)}: set the parallel sizes to 1")
+        return problems
+
+    @staticmethod
+    def memory_lines(plan, cfg) -> None:
+        """A full fine-tune's reference copy, held like the policy's parameters; none with an adapter."""
+        from trainloop.objectives.dpo import plan_copy
+
+        if cfg.adapter.name != "none":
+            plan.notes.append("objective=kto with an adapter: the reference is the model with its adapters disabled, "
+                              "no copy")
+            return
+        plan_copy(plan, "objective=kto")
+
+    def frozen_copy(self, model):
+        """A full fine-tune's reference: the model as built, frozen; None with an adapter."""
+        if self.cfg.adapter.name != "none":
+            return None
+        import copy
+
+        return copy.deepcopy(model).requires_grad_(False)
+
+    def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
+        import logging
+
+        from trainloop.objectives.dpo import held
+
+        self.frozen, self.strategy = frozen, strategy  # the KL estimate is reduced over the ranks in each forward
+        if frozen is not None:
+            logging.getLogger("trainloop").info("objective=kto: the reference is a frozen copy of the starting "
+                                                "model, %s", held(frozen))
+
+    # -- the log-probabilities ----------------------------------------------------------------------
+    def logps(self, model, batch: dict) -> torch.Tensor:
+        """Each row's summed log-probability of its completion, then of its mismatched one, from one forward."""
+        import torch
+
+        from trainloop.objectives.chunked_loss import token_logps
+
+        ids = torch.cat([batch["input_ids"], batch[f"{KL}input_ids"]])
+        labels = torch.cat([batch["labels"], batch[f"{KL}labels"]])
+        return token_logps(model, {"input_ids": ids, "use_cache": False}, labels, self.chunk).sum(1)
+
+    def reference_logps(self, model, batch: dict) -> torch.Tensor:
+        """The reference's: the frozen copy's, or the policy's with its adapters disabled; in eval mode, without
+        gradients."""
+        import torch
+
+        from trainloop.objectives.dpo import reference_model
+
+        with torch.no_grad():
+            if self.frozen is not None:
+                return self.logps(self.frozen, batch)
+            policy, training = reference_model(model), model.training
+            model.eval()
+            try:
+                with policy.disable_adapter():
+                    return self.logps(policy, batch)
+            finally:
+                model.train(training)
+
+    def kl(self, ratios: torch.Tensor) -> torch.Tensor:
+        """The mean of the mismatched log-ratios over this micro-batch of every rank, at least 0, detached."""
+        import torch
+
+        total = torch.stack([ratios.detach().double().sum(), torch.tensor(float(len(ratios)), dtype=torch.float64,
+                                                                           device=ratios.device)])
+        if self.strategy is not None:
+            total = self.strategy.reduce_sum(total)
+        return (total[0] / total[1]).clamp(min=0).to(ratios.dtype)
+
+    def row_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's loss (their mean is TRL's loss of the batch), and the SUMS over the batch's rows."""
+        import torch
+
+        n = batch["input_ids"].shape[0]
+        logps = self.logps(model, batch)
+        ratios = logps - self.reference_logps(model, batch)
+        ratio, mismatched = ratios[:n], ratios[n:]
+        kl = self.kl(mismatched)
+        desirable = batch[LABEL].bool()
+        losses = torch.where(desirable, self.desirable * (1 - torch.sigmoid(self.beta * (ratio - kl))),
+                             self.undesirable * (1 - torch.sigmoid(self.beta * (kl - ratio))))
+        rewards, chosen = (self.beta * ratio).detach(), desirable.double()
+        sums = torch.stack([losses.detach().double().sum(), torch.tensor(float(n), device=losses.device).double(),
+                            (rewards.double() * chosen).sum(), chosen.sum(), (rewards.double() * (1 - chosen)).sum(),
+                            (1 - chosen).sum(), kl.double(), torch.ones((), dtype=torch.float64, device=kl.device),
+                            (logps[:n].detach().double() * chosen).sum(),
+                            (logps[:n].detach().double() * (1 - chosen)).sum()])
+        return losses, sums
+
+    # -- the objective's contract ---------------------------------------------------------------------
+    def count(self, batch: dict) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+
+    def batch_loss(self, model, batch: dict) -> BatchLoss:
+        losses, sums = self.row_losses(model, batch)
+        self.sums += sums.to(self.sums.device)
+        return BatchLoss(losses.sum())
+
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
+        return self.row_losses(model, batch)[1]
+
+    @staticmethod
+    def means(total: torch.Tensor) -> dict:
+        """The rewards and log-probabilities per desirable and undesirable row, their margin, and the mean KL
+        estimate of the micro-batches."""
+        value = dict(zip(SUMS, (x.item() for x in total)))
+        chosen, rejected = max(value["chosen"], 1.0), max(value["rejected"], 1.0)
+        out = {"rewards/chosen": value["rewards/chosen"] / chosen,
+               "rewards/rejected": value["rewards/rejected"] / rejected,
+               "logps/chosen": value["logps/chosen"] / chosen, "logps/rejected": value["logps/rejected"] / rejected,
+               "kl": value["kl"] / max(value["micro_batches"], 1.0)}
+        out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+    def window(self, strategy) -> dict:
+        total = strategy.reduce_sum(self.sums)  # every rank adds each micro-batch's global KL once: the mean holds
+        self.sums = self.sums.new_zeros(self.sums.shape)
+        return self.means(total)
+
+    def eval_values(self, total: torch.Tensor) -> dict:
+        return {"eval_loss": total[0].item() / max(total[1].item(), 1.0), **self.means(total)}
