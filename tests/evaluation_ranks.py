@@ -16,7 +16,8 @@ DATA = Path(__file__).resolve().parent / "data"
 THIS = Path(__file__).resolve()
 
 SMOKE, FSDP = "+preset=smoke", "+preset=[smoke,fsdp]"
-# case -> its overrides. The validation items: 12 text blocks, 12 pairs (dpo), 10 (simpo), 10 prompts,
+# case -> its overrides. The validation items: 12 text blocks, 12 pairs (dpo), 10 (simpo, reward), 17 rows (kto),
+# 10 prompts,
 # 17 chat blocks (under FSDP2, the last in-process: it leaves a group of one): 8k + 1 to 4 each, so
 # rank 1 of 2 has no item in the last micro-step
 CASES = {
@@ -25,6 +26,10 @@ CASES = {
             "data.validation_fraction=0.25"],  # a full fine-tune: its reference copy runs every forward too
     "simpo": [SMOKE, "objective=simpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
               "data.validation_fraction=0.2"],
+    "reward": [SMOKE, "objective=reward", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
+               "data.validation_fraction=0.2"],
+    "kto": [SMOKE, "objective=kto", "data=unpaired", f"data.path={DATA / 'unpaired.jsonl'}",
+            "data.validation_fraction=0.17"],  # a full fine-tune; its KL estimate reduced over the ranks' micro-batch
     "grpo": [SMOKE, "objective=grpo", "data=prompts", f"data.path={DATA / 'prompts.jsonl'}",
              "objective.num_generations=2", f"objective.rewards=[{THIS}:answer_letter]", "objective.max_new_tokens=4",
              "data.validation_fraction=0.5"],
