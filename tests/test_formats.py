@@ -22,7 +22,8 @@ def test_a_formats_default_train_on_is_the_first_it_serves(name):
     paths = [] if name == "pydoc" else ["data.path=/some/data"]
     pairs = ["objective=dpo", "adapter=lora"] if FORMATS[name].pairs else []  # what trains on its pairs
     prompts = ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"] if FORMATS[name].prompts else []
-    cfg = compose(f"data={name}", *paths, *pairs, *prompts)
+    rows = ["objective=kto", "adapter=lora"] if FORMATS[name].unpaired else []  # what trains on its labelled rows
+    cfg = compose(f"data={name}", *paths, *pairs, *prompts, *rows)
     validate(cfg)
     assert cfg.data.train_on == FORMATS[name].train_on[0]
 
@@ -32,9 +33,9 @@ def test_choices_and_read_only_by_come_from_the_table():
     assert choices()["data.train_on"] == ("all", "assistant", "completion")
     table = read_only_by()
     assert table["data.messages_field"][1] == "data=chat"
-    assert table["data.path"][1] == "data=files, chat, prompt_completion, preference, prompts or prepared"
+    assert table["data.path"][1] == "data=files, chat, prompt_completion, preference, unpaired, prompts or prepared"
     assert table["data.chosen_field"][1] == "data=preference"
-    assert table["data.num_proc"][1] == ("data=pydoc, files, chat, prompt_completion or preference "
+    assert table["data.num_proc"][1] == ("data=pydoc, files, chat, prompt_completion, preference or unpaired "
                                          "(data=prepared: give it to python -m trainloop.prepare)")
 
 
