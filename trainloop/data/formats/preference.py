@@ -62,29 +62,37 @@ class PreferenceConfig(PromptConfig, TemplateConfig):
     rejected_field: str = "rejected"  # the column holding the other completion (text or messages)
 
 
-class Preference(DataFormat):
-    name = "preference"
-    keys = PreferenceConfig
-    fields = {"data.prompt_field": "json", "data.chosen_field": "json", "data.rejected_field": "json"}
+class OneItemPerRow(DataFormat):
+    """A format whose every row is one item padded to data.seq_len, never packed, a long row's prompt kept
+    and its completions truncated, read from data.path alone (data=preference, unpaired). `item` names a row."""
+
+    item = "row"
     train_on = ("completion",)
     masked = True
-    pairs = True
 
     def reads(self) -> tuple[str, ...]:
-        """Not data.sources: a mixture of preference sets is not in this slice."""
+        """Not data.sources: a mixture of such sets is not in this slice."""
         return tuple(key for key in super().reads() if key != "data.sources")
 
     def problems(self, cfg) -> list[str]:
-        d, problems = cfg.data, []
+        d, problems, name = cfg.data, [], f"data={self.name}"
         if d.sources:
-            problems.append("data=preference reads data.path, not a mixture (data.sources): set data.sources=null")
+            problems.append(f"{name} reads data.path, not a mixture (data.sources): set data.sources=null")
         if d.packing != "none":
-            problems.append(f"data.packing={d.packing}: data=preference makes one item of each pair, padded to "
+            problems.append(f"data.packing={d.packing}: {name} makes one item of each {self.item}, padded to "
                             "data.seq_len, and packs none together; set data.packing=none")
         if d.overlong != "truncate":
-            problems.append(f"data.overlong={d.overlong}: data=preference keeps a long pair's prompt and truncates "
+            problems.append(f"data.overlong={d.overlong}: {name} keeps a long {self.item}'s prompt and truncates "
                             "its completions; set data.overlong=truncate")
         return problems
+
+
+class Preference(OneItemPerRow):
+    name = "preference"
+    keys = PreferenceConfig
+    fields = {"data.prompt_field": "json", "data.chosen_field": "json", "data.rejected_field": "json"}
+    item = "pair"
+    pairs = True
 
     def rows(self, cfg: DataConfig):
         """The prompt, chosen and rejected columns; without a prompt column, chosen and rejected alone

@@ -26,9 +26,9 @@ import logging
 from dataclasses import dataclass
 
 from trainloop.config.sections import DataConfig
-from trainloop.data.formats.base import DataFormat, ragged_table
+from trainloop.data.formats.base import ragged_table
 from trainloop.data.formats.chat import TemplateConfig, chat_template, message_problem, template_of
-from trainloop.data.formats.preference import common_prefix_length
+from trainloop.data.formats.preference import OneItemPerRow, common_prefix_length
 from trainloop.data.formats.prompt_completion import PromptConfig
 from trainloop.data.formats.rows import json_kind, read_rows
 from trainloop.data.tokenizer import IGNORE
@@ -46,29 +46,11 @@ class UnpairedConfig(PromptConfig, TemplateConfig):
     label_field: str = "label"  # the column holding true (a desirable completion) or false
 
 
-class Unpaired(DataFormat):
+class Unpaired(OneItemPerRow):
     name = "unpaired"
     keys = UnpairedConfig
     fields = {"data.prompt_field": "json", "data.completion_field": "json", "data.label_field": "json"}
-    train_on = ("completion",)
-    masked = True
     unpaired = True
-
-    def reads(self) -> tuple[str, ...]:
-        """Not data.sources: a mixture of unpaired sets is not in this slice."""
-        return tuple(key for key in super().reads() if key != "data.sources")
-
-    def problems(self, cfg) -> list[str]:
-        d, problems = cfg.data, []
-        if d.sources:
-            problems.append("data=unpaired reads data.path, not a mixture (data.sources): set data.sources=null")
-        if d.packing != "none":
-            problems.append(f"data.packing={d.packing}: data=unpaired makes one item of each row, padded to "
-                            "data.seq_len, and packs none together; set data.packing=none")
-        if d.overlong != "truncate":
-            problems.append(f"data.overlong={d.overlong}: data=unpaired keeps a long row's prompt and truncates "
-                            "its completion; set data.overlong=truncate")
-        return problems
 
     def rows(self, cfg: DataConfig):
         columns = self.columns(cfg)
