@@ -209,7 +209,8 @@ def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dic
     from peft.utils import set_peft_model_state_dict
 
     from trainloop.model.adapter import wrap_lora
-    from trainloop.model.builder import SPECIAL_TOKENS, auto_class, carry_token_ids
+    from trainloop.model.builder import SPECIAL_TOKENS, carry_token_ids
+    from trainloop.model.heads import auto_class
     from trainloop.objectives import OBJECTIVES
 
     live_config, head = peft_model.get_base_model().config, OBJECTIVES[cfg.objective.name].head

@@ -15,7 +15,7 @@ ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output h
 
 # bitsandbytes computes a 4-bit layer's matmul in this dtype; the precision decides it.
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# peft's task for each model head (trainloop.model.builder.HEADS): a score head trains whole beside the adapters
+# peft's task for each model head (trainloop.model.heads.HEADS): a score head trains whole beside the adapters
 TASK_TYPES = {"lm": "CAUSAL_LM", "score": "SEQ_CLS"}
 
 
@@ -65,7 +65,7 @@ def check_targets(cfg: AdapterConfig, model_config, head: str = "lm") -> None:
     """
     import torch
 
-    from trainloop.model.builder import auto_class
+    from trainloop.model.heads import auto_class
 
     if cfg.name == "none":
         return
@@ -83,7 +83,7 @@ def check_targets(cfg: AdapterConfig, model_config, head: str = "lm") -> None:
 
 def apply_adapter(cfg, model, head: str = "lm"):
     """Freeze `model` and wrap it in a peft model with the configured LoRA adapters (`head`: what
-    the model ends in, trainloop.model.builder.HEADS)."""
+    the model ends in, trainloop.model.heads.HEADS)."""
     from peft import prepare_model_for_kbit_training
 
     if cfg.model.quantization != "none":

@@ -9,25 +9,9 @@ import re
 
 from trainloop.config.sections import ModelConfig
 from trainloop.errors import ConfigError
+from trainloop.model.heads import as_scorer, auto_class
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# What an objective trains (Objective.head): transformers' auto class for it. "score": one scalar per
-# sequence, read at its last token that is not padding (config.pad_token_id), as TRL's RewardTrainer reads it
-HEADS = {"lm": "AutoModelForCausalLM", "score": "AutoModelForSequenceClassification"}
-
-
-def auto_class(head: str = "lm"):
-    import transformers
-
-    return getattr(transformers, HEADS[head])
-
-
-def as_scorer(config) -> None:
-    """Give a model config one score (num_labels 1) and the padding id the score head skips past:
-    the tokenizer's pad, else its eos, as TRL sets it."""
-    config.num_labels = 1
-    if config.pad_token_id is None:
-        config.pad_token_id = config.eos_token_id
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -114,8 +98,8 @@ def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: 
     """Instantiate the model (random init for tiny, pretrained weights for hf) in fp32; with
     model.quantization, the linear layers' weights in 4 or 8 bits (computing in `precision`).
     `shapes_only`: under a meta device context, the same modules without loading any weights
-    (trainloop.parallel.sharding: they come from the main process). `head`: a key of HEADS (a
-    pretrained model's score head starts from random weights)."""
+    (trainloop.parallel.sharding: they come from the main process). `head`: a key of
+    trainloop.model.heads.HEADS (a pretrained model's score head starts from random weights)."""
     import torch
 
     from trainloop.model.adapter import quantization_config

@@ -52,7 +52,7 @@ class Objective:
     # KEY of reads() -> (does this config read it?, what makes it read): a key it reads only in some settings
     read_when: dict = {}
     chunks_loss = False  # reads trainer.loss_chunk_tokens: scores tokens through trainloop.objectives.chunked_loss
-    head = "lm"  # what the model ends in: a key of trainloop.model.builder.HEADS (reward: "score", one scalar)
+    head = "lm"  # what the model ends in: a key of trainloop.model.heads.HEADS (reward: "score", one scalar)
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
     headline: tuple[str, ...] = ()  # window() keys the progress bar and the log line show beside loss and lr
 

@@ -111,7 +111,8 @@ def model_shape(cfg) -> ModelShape:
     import torch
 
     from trainloop.data.loaders import build_tokenizer
-    from trainloop.model.builder import as_scorer, auto_class, build_model_config
+    from trainloop.model.builder import build_model_config
+    from trainloop.model.heads import as_scorer, auto_class
     from trainloop.parallel.tensor_parallel import sequence_parallel_problem
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
