@@ -147,3 +147,10 @@ def loss_sums(summed: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.stack([summed.double(), units.double()])
+
+
+def model_splits(cfg) -> list[str]:
+    """The parallel.* sizes above 1 that split the model or the sequence (tensor, pipeline, context), as
+    KEY=VALUE: what an objective that reads whole rows or a whole output layer refuses."""
+    return [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("tp_size", "pp_size", "cp_size")
+            if getattr(cfg.parallel, key) > 1]

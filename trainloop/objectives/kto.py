@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.data.formats.unpaired import KL, LABEL
-from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.objectives.base import BatchLoss, Objective, model_splits
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -69,8 +69,7 @@ class KTO(Objective):
                             "use model.arch=llama or gpt2")
         if cfg.trainer.auto_batch_size:
             problems.append("objective=kto does not search a batch size yet: set trainer.auto_batch_size=false")
-        split = [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("tp_size", "pp_size", "cp_size")
-                 if getattr(cfg.parallel, key) > 1]
+        split = model_splits(cfg)
         if split:
             problems.append(f"objective=kto runs under DDP, DeepSpeed ZeRO and FSDP2 for now, not with "
                             f"{', '.join(split)}: set the parallel sizes to 1")

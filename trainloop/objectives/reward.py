@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainloop.objectives.base import model_splits
 from trainloop.objectives.pairs import PairObjective, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -57,8 +58,7 @@ class Reward(PairObjective):
                             "use model.arch=llama or gpt2")
         if cfg.trainer.auto_batch_size:  # the search's trial forwards go through batch_loss, into the window's sums
             problems.append("objective=reward does not search a batch size yet: set trainer.auto_batch_size=false")
-        split = [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("tp_size", "pp_size", "cp_size")
-                 if getattr(cfg.parallel, key) > 1]
+        split = model_splits(cfg)
         if split:  # each splits what the score head reads whole: the output layer, the last stage, the sequence
             problems.append(f"objective=reward scores each sequence at its last token, and {', '.join(split)} "
                             "splits the model or the sequence it reads: use DDP, DeepSpeed ZeRO or FSDP2 "
