@@ -1,4 +1,5 @@
-"""The engine that writes GRPO's completions (objective.generation): `generate`, Hugging Face's
+"""What writes sampled completions (GRPO's, and objective=distill's on-policy ones): `sampling`, the
+model made ready to sample from, and the engines objective.generation chooses: `generate`, Hugging Face's
 padded batch with a dynamic cache, or `continuous`, transformers' continuous batching (the engine
 behind `generate_batch`): unpadded requests in a paged KV cache, scheduled token by token, so a row
 that has finished leaves the batch instead of being padded along.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 from trainloop.errors import ConfigError
@@ -34,6 +36,28 @@ if TYPE_CHECKING:
 ENGINES = ("generate", "continuous")
 KEY = "objective.generation"
 MAX_BATCH_TOKENS = 8192  # transformers' default: the most prompt tokens a prefill forward takes
+
+
+@contextmanager
+def sampling(strategy, model, seed: int):
+    """The unwrapped model, ready to sample from for the length of the block: eval mode, no gradients,
+    sdpa's own masks (trainloop.model.attention.generating), eager under a compile, and torch's
+    generator seeded with `seed` inside a fork, so training's own random stream goes on as if
+    nothing had been drawn. Training mode comes back after."""
+    import torch
+
+    from trainloop.model.attention import generating
+
+    module = strategy.accelerator.unwrap_model(model)
+    eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+    devices = [strategy.device.index or 0] if strategy.device.type == "cuda" else []
+    module.eval()
+    try:
+        with torch.no_grad(), eager, generating(module), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield module
+    finally:
+        module.train()
 
 
 def complete(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, engine: str,

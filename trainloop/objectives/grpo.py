@@ -27,13 +27,12 @@ import hashlib
 import json
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.dpo import reference_model
-from trainloop.objectives.generation import complete
+from trainloop.objectives.generation import complete, sampling
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -499,28 +498,17 @@ class GRPO(Objective):
         every rank taking part in every forward (trainloop.observe.samples says why)."""
         import torch
 
-        from trainloop.model.attention import generating
-
         keep = batch["prompt_mask"].any(0)  # the columns where some prompt has a token: the rest is padding
         prompt_ids = batch["prompt_ids"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
         prompt_mask = batch["prompt_mask"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
-        module = strategy.accelerator.unwrap_model(model)
-        eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
-        devices = [strategy.device.index or 0] if strategy.device.type == "cuda" else []
         rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
         prompt_ids, prompt_mask, environments = self.reset(strategy, rows, prompt_ids, prompt_mask)
-        module.eval()
-        try:
-            # sdpa's own masks and a cache: the training attention (trainloop.model.attention) attends whole rows
-            with torch.no_grad(), eager, generating(module), torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)  # inside fork_rng: training's own random numbers are not drawn from
-                out = complete(module, prompt_ids, prompt_mask, self.sampling, self.cfg.generation,
-                               synced_gpus=self.synced(strategy))
-                if self.multi_turn:
-                    return self.tool_rollout(strategy, module, prompt_ids, prompt_mask, out, self.sampling, rows,
-                                             environments)
-        finally:
-            module.train()
+        with sampling(strategy, model, seed) as module:
+            out = complete(module, prompt_ids, prompt_mask, self.sampling, self.cfg.generation,
+                           synced_gpus=self.synced(strategy))
+            if self.multi_turn:
+                return self.tool_rollout(strategy, module, prompt_ids, prompt_mask, out, self.sampling, rows,
+                                         environments)
         completion_ids = out[:, prompt_ids.shape[1]:]
         mask = completion_mask(completion_ids, self.eos)
         attention = torch.cat([prompt_mask, mask], 1)
