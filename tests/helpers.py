@@ -62,6 +62,32 @@ NEEDS = {  # options whose required keys the user must give
     ("objective", "grpo"): ["data=prompts", "data.path=/some/prompts.jsonl",
                             "objective.rewards=[trainloop.objectives.rewards:exact_answer]"],
 }
+
+
+def tiny_teacher() -> Path:
+    """A teacher for objective=distill's table-wide tests: a random 4-layer Llama at the tiny models'
+    vocabulary, with the built-in tokenizer, saved once per test process in a directory of its own."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from trainloop.data.tokenizer import byte_level_tokenizer
+    from trainloop.model.builder import build_model_config
+
+    path = Path(tempfile.mkdtemp(prefix="trainloop-teacher-"))
+    atexit.register(shutil.rmtree, path, True)
+    cfg = compose_config(["+preset=smoke", "model.num_layers=4"], check=False)
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_model_config(cfg.model, len(tokenizer))).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+TEACHER = tiny_teacher()
+NEEDS[("objective", "distill")] = [f"objective.teacher={TEACHER}"]
 # What each objective trains on, on top of the smoke preset, with the repository's test data (a new
 # row adds its own).
 OBJECTIVE_NEEDS = {
@@ -70,6 +96,7 @@ OBJECTIVE_NEEDS = {
     "simpo": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
     "reward": ["data=preference", f"data.path={DATA / 'preference.jsonl'}"],
     "kto": ["data=unpaired", f"data.path={DATA / 'unpaired.jsonl'}", "adapter=lora", "optimizer.lr=1e-2"],
+    "distill": [f"objective.teacher={TEACHER}"],
     "grpo": ["data=prompts", f"data.path={DATA / 'prompts.jsonl'}", "optimizer.lr=1e-2",
              f"objective.rewards=[{DATA / 'grpo_rewards.py'}:letters]", "objective.num_generations=4",
              "objective.max_new_tokens=6", "data.validation_fraction=0.2"]}
@@ -99,6 +126,38 @@ def train(run_dir: Path, *overrides: str, small: bool = True):
     run_dir.mkdir(parents=True, exist_ok=True)
     run(cfg, run_dir=run_dir)
     return run_dir
+
+
+def train_preempted_and_resumed(run_dir: Path, step: int, *overrides: str) -> str:
+    """`train(run_dir, *overrides)` sent SIGTERM (this process, as a scheduler sends it) once its metrics
+    show `step`: it stops, saves and raises Preempted; then the same call again, which resumes. Returns
+    what the stop said. The signal handlers are this process's again after each."""
+    import threading
+
+    from trainloop.errors import Preempted
+
+    metrics, stop = Path(run_dir) / "metrics.jsonl", threading.Event()
+
+    def signal_at_step():
+        while not stop.is_set():
+            if f'"step": {step},' in (metrics.read_text() if metrics.exists() else ""):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    watcher = threading.Thread(target=signal_at_step, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(Preempted, match="by SIGTERM after step") as stopped:
+            train(run_dir, *overrides)
+    finally:  # a preempted run ignores further signals until its process exits: this one goes on
+        stop.set()
+        watcher.join()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    train(run_dir, *overrides)
+    return str(stopped.value)
 
 
 # --- What a run left ------------------------------------------------------------------------------

@@ -94,6 +94,15 @@ def test_which_runs_take_which():
     assert takes("objective=dpo", "data=preference") is None
 
 
+def test_the_objectives_that_train_on_token_blocks_take_it():
+    """attention.BLOCKS names the objectives that train on the data's token blocks (their rows say no
+    pairs, prompts or unpaired completions): theirs are the rows the training attention is told of."""
+    from trainloop.model.attention import BLOCKS
+    from trainloop.objectives import OBJECTIVES, items
+
+    assert set(BLOCKS) == {name for name, row in OBJECTIVES.items() if items(row) is None}
+
+
 @pytest.mark.parametrize("packing", ["stream", "documents"])
 def test_a_run_takes_it_and_exports_a_model_transformers_loads_as_sdpa(tmp_path, caplog, packing):
     from transformers import AutoModelForCausalLM

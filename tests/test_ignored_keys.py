@@ -72,6 +72,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
         vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_labels=1, pad_token_id=scorer.pad_token_id)).save_pretrained(root / "scorer")
     scorer.save_pretrained(root / "scorer")
+    AutoModelForCausalLM.from_config(LlamaConfig(  # a second teacher (objective.teacher): the tiny models' vocabulary
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2)).save_pretrained(root / "teacher_b")
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator([topics[k] for k in keys], trainers.BpeTrainer(
@@ -130,7 +133,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
                 progress=False)
     return {"prepared_a": root / "prepared_a", "prepared_b": root / "prepared_b",
             "corpus_a": root / "corpus_a.jsonl", "corpus_b": root / "corpus_b.jsonl", "model_a": root / "model_a",
-            "model_b": root / "model_b", "bpe": root / "bpe", "ds.json": root / "ds.json",
+            "model_b": root / "model_b", "teacher_b": root / "teacher_b", "bpe": root / "bpe",
+            "ds.json": root / "ds.json",
             "chat_a": root / "chat_a.jsonl", "chat_b": root / "chat_b.jsonl", "pairs_a": root / "pairs_a.jsonl",
             "pairs_b": root / "pairs_b.jsonl", "chat.jinja": root / "chat.jinja",
             "preference_a": root / "preference_a.jsonl", "preference_b": root / "preference_b.jsonl",
@@ -190,7 +194,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "compile.regional": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu", "fsdp.sync_each_batch": False,
         "precision.fp8_skip_small": True,
-        "objective.beta": 0.5, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
+        "objective.beta": 0.3, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
         "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
         "objective.rewards": [f"{files['rewards.py']}:printable"], "objective.reward_weights": [1.0, 3.0],
         "objective.num_generations": 3, "objective.temperature": 0.7, "objective.top_p": 0.5,
@@ -201,6 +205,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.vespo_k_neg": 2.5, "objective.vespo_lambda_neg": 0.5, "objective.generation": "continuous",
         "objective.center_rewards_coefficient": 0.5, "objective.reward_models": [str(files["scorer"])],
         "objective.desirable_weight": 1.5, "objective.undesirable_weight": 0.5,
+        "objective.teacher": str(files["teacher_b"]), "objective.on_policy_fraction": 0.5,
     }
 
 
@@ -312,8 +317,12 @@ def objective_loss(cfg):
                  "label": torch.tensor([True, False])}
     else:
         batch = {"input_ids": ids, "labels": labels}
+    objective = build_objective(cfg, "cpu")
+    frozen = objective.frozen_copy(model)  # distill's teacher, as the build hands it over
+    if frozen is not None:
+        objective.start(None, model, frozen.eval(), None, None, None)
     with torch.no_grad():
-        return build_objective(cfg, "cpu").batch_loss(model, batch).summed.item()
+        return objective.batch_loss(model, batch).summed.item()
 
 
 def generated_loss(cfg):

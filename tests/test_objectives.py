@@ -44,6 +44,15 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
     return batch, model
 
 
+def objective_for(cfg, model):
+    """The objective as the build hands it over, with the frozen model it keeps (distill's teacher) whole."""
+    objective = build_objective(cfg, "cpu")
+    frozen = objective.frozen_copy(model)
+    if frozen is not None:
+        objective.start(None, model, frozen.eval(), None, None, None)
+    return objective
+
+
 def test_every_objective_has_its_config_and_its_test_needs():
     from trainloop.config.compose import CONFIG_DIR
 
@@ -54,7 +63,7 @@ def test_every_objective_has_its_config_and_its_test_needs():
 def test_the_loss_and_its_units_add_up_over_micro_batches(name):
     cfg = compose("+preset=smoke", f"objective={name}", *OBJECTIVE_NEEDS[name])
     batch, model = batch_for(cfg, name)
-    objective = build_objective(cfg, "cpu")
+    objective = objective_for(cfg, model)
     whole = objective.batch_loss(model, batch).summed
     halves = [{key: value[part] for key, value in batch.items()} for part in (slice(0, 2), slice(2, 4))]
     assert objective.count(batch) == sum(objective.count(h) for h in halves) > 0
@@ -75,7 +84,7 @@ def test_evaluation_is_the_summed_loss_per_unit(name):
     batch, model = batch_for(cfg, name)
     items = [{key: value[i] for key, value in batch.items()} for i in range(4)]  # the loader makes the batch again
     _, loader = build_dataloaders(cfg.data, items, items, pin_memory=False)
-    objective = build_objective(cfg, "cpu")
+    objective = objective_for(cfg, model)
     reset_accelerate()
     got = objective.evaluate(build_strategy(cfg, Accelerator(cpu=True)), model, loader, max_batches=None)
     with torch.no_grad():

@@ -49,7 +49,7 @@ def test_a_tables_section_holds_its_shared_keys_and_every_rows_once():
                                                                      if k in format_keys]
     assert set(names(schema.DataConfig)) == set(names(sections.DataConfig)) | format_keys
     # a key two rows declare is one key, said for each row that reads it
-    assert [row for row, _ in schema.ObjectiveConfig.declared_by["beta"]] == ["dpo", "simpo", "grpo", "kto"]
+    assert [row for row, _ in schema.ObjectiveConfig.declared_by["beta"]] == ["dpo", "simpo", "grpo", "kto", "distill"]
     assert [row for row, _ in schema.DataConfig.declared_by["prompt_field"]] == ["prompt_completion", "preference",
                                                                                  "unpaired", "prompts"]
 

@@ -112,6 +112,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     frozen = objective.frozen_copy(model)  # a reference copy of the model as built: sharded like it below
     flops = flops_per_token(model_config, cfg.data.seq_len, model=model,  # before sharding: whole parameters
                             trained_matmul_params=trained_matmul_params(model) if cfg.adapter.name != "none" else None)
+    if frozen is not None:  # a teacher's forward: counted by MFU with the policy's
+        flops += objective.frozen_flops(frozen, cfg.data.seq_len)
     on_cuda = strategy.device.type == "cuda"
     make_optimizer = partial(build_optimizer, cfg.optimizer, model, on_cuda=on_cuda,
                              cpu_offload=strategy.optimizer_offloaded())

@@ -16,8 +16,8 @@ sdpa's is_causal; BENCHMARKS.md). trainloop knows what its causal_lm rows are:
 Both are registered as attention functions only, so transformers builds no mask for them at all.
 Generation needs sdpa's own masks (left padding, a cache): `generating` hands the model back to
 sdpa for its length. model.attn_implementation=eager or flash_attention_2, padded rows
-(data.packing=none, which carry their attention mask), the other objectives and models with a
-sliding window keep transformers' own masks.
+(data.packing=none, which carry their attention mask), the objectives that do not train on token
+blocks (pairs, prompts) and models with a sliding window keep transformers' own masks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ log = logging.getLogger("trainloop")
 
 SDPA_CAUSAL, SDPA_DOCUMENTS = "sdpa_causal", "sdpa_documents"
 FOR_PACKING = {"stream": SDPA_CAUSAL, "documents": SDPA_DOCUMENTS}
+# the objectives whose rows are the data's token blocks (trainloop.objectives.items(row) is None, which
+# tests/test_attention.py checks): distill's teacher attends as its student
+BLOCKS = ("causal_lm", "distill")
 
 
 def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
@@ -105,7 +108,7 @@ def training_attention(cfg, model_config) -> str | None:
     around attention (its checks refuse what cannot: another implementation, a sliding window)."""
     if cfg.parallel.cp_size > 1:
         return FOR_PACKING.get(cfg.data.packing, SDPA_CAUSAL) if cfg.objective.name == "causal_lm" else SDPA_CAUSAL
-    if cfg.objective.name != "causal_lm" or cfg.model.attn_implementation != "sdpa":
+    if cfg.objective.name not in BLOCKS or cfg.model.attn_implementation != "sdpa":
         return None
     if getattr(model_config, "sliding_window", None):  # its mask is not causal alone
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.causal_lm import CausalLM
+from trainloop.objectives.distill import Distill
 from trainloop.objectives.dpo import DPO
 from trainloop.objectives.grpo import GRPO
 from trainloop.objectives.kto import KTO
@@ -23,6 +24,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "grpo": GRPO,
     "reward": Reward,
     "kto": KTO,
+    "distill": Distill,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "prompt_tools",

@@ -76,6 +76,11 @@ class Objective:
         frozen, or None. The strategy shards it like the policy (Strategy.prepare_frozen)."""
         return None
 
+    def frozen_flops(self, frozen, seq_len: int) -> float:
+        """FLOPs per trained token of what the frozen model computes, which MFU counts beside the
+        policy's training FLOPs (objective=distill's teacher forward); 0: none counted."""
+        return 0.0
+
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         """Called once the run is built, before any step: `frozen` is frozen_copy's, prepared."""
 

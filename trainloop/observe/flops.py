@@ -93,6 +93,12 @@ def flops_per_token(config, seq_len: int, trained_matmul_params: int | None = No
     return 4 * n + 6 * trained_matmul_params + attention
 
 
+def forward_flops_per_token(config, seq_len: int, model=None) -> float:
+    """A forward's FLOPs per token at `seq_len`, without gradients: a third of flops_per_token's."""
+    layers, width = attention_width(config)
+    return 2 * matmul_params(config, model) + 4 * layers * width * seq_len
+
+
 def trained_matmul_params(model) -> int:
     """The >= 2-d parameters that train (LoRA's A and B, modules_to_save), counted whole under sharding."""
     from trainloop.parallel.tensors import full_numel
