@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compose, pretrained_llama, read_metrics, train, write_rows
+from helpers import compose, pretrained_llama, read_metrics, train, train_preempted_and_resumed, write_rows
 from trainloop.config.compose import ConfigError, validate
 
 KTO = ["data=unpaired", "objective=kto"]
@@ -201,9 +201,10 @@ def test_kto_ranks_held_out_pairs_by_the_rule_its_labels_follow(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2(tmp_path):
+def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2_and_a_resume_that_of_no_stop(tmp_path):
     """A full fine-tune (the reference a frozen copy, sharded like the policy under FSDP2): 2 processes at
-    batch 2 give the losses, rewards and KL of 1 at batch 4, the KL estimated over both ranks' rows."""
+    batch 2 give the losses, rewards and KL of 1 at batch 4, the KL estimated over both ranks' rows; and 1
+    process stopped by SIGTERM and resumed gives them bitwise."""
     from helpers import SMALL, launch, torchrun
 
     data = Path(__file__).resolve().parent / "data" / "unpaired.jsonl"
@@ -216,6 +217,8 @@ def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2(tmp_path):
 
     one = values(train(tmp_path / "one", *step, "data.batch_size=4"))
     assert len(one) == 4 * 4 and len({x for _, key, x in one if key == "loss"}) > 1  # 3 train lines, 1 eval
+    said = train_preempted_and_resumed(tmp_path / "resumed", 1, *step, "data.batch_size=4")
+    assert values(tmp_path / "resumed") == one, said  # SIGTERM, then a resume: bitwise the run not stopped
     for strategy in ("ddp", "fsdp"):
         run_dir = tmp_path / strategy
         launch([*torchrun(2), *SMALL, *step, "data.batch_size=2", f"hydra.run.dir={run_dir}",

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALL, compose, launch, pretrained_llama, read_metrics, torchrun, train, write_rows
+from helpers import (
+    SMALL, compose, launch, pretrained_llama, read_metrics, torchrun, train, train_preempted_and_resumed, write_rows,
+)
 from trainloop.config.compose import ConfigError, validate
 
 REWARD = ["data=preference", "objective=reward"]
@@ -193,8 +195,9 @@ STEP = [*REWARD, f"data.path={PAIRS}", "trainer.max_steps=3", "trainer.eval_ever
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2(tmp_path):
-    """2 processes at batch 2 give the losses, rewards and accuracies of 1 at batch 4, under DDP and FSDP2."""
+def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2_and_a_resume_that_of_no_stop(tmp_path):
+    """2 processes at batch 2 give the losses, rewards and accuracies of 1 at batch 4, under DDP and FSDP2; and
+    1 process stopped by SIGTERM and resumed gives them bitwise."""
     keys = ("loss", "eval_loss", "rewards/chosen", "rewards/accuracy", "rewards/margin")
 
     def values(run_dir: Path) -> list[tuple[int, str, float]]:
@@ -202,6 +205,8 @@ def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2(tmp_path):
 
     one = values(train(tmp_path / "one", *STEP, "data.batch_size=4"))
     assert len(one) == 4 * 4 and len({x for _, key, x in one if key == "loss"}) > 1  # 3 train lines, 1 eval: 4 keys each
+    said = train_preempted_and_resumed(tmp_path / "resumed", 1, *STEP, "data.batch_size=4")
+    assert values(tmp_path / "resumed") == one, said  # SIGTERM, then a resume: bitwise the run not stopped
     for strategy in ("ddp", "fsdp"):
         run_dir = tmp_path / strategy
         launch([*torchrun(2), *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}",
