@@ -1,21 +1,26 @@
-"""objective=dpo against TRL's DPOTrainer: step time and peak memory, measured in one invocation.
+"""objective=dpo, reward and kto against TRL's DPOTrainer, RewardTrainer and KTOTrainer: step time and
+peak memory, measured in one invocation.
 
-    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute] [--repeats 1] [--json OUT]
+    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute reward kto] [--repeats 1]
+                                [--json OUT]
     python scripts/bench_dpo.py --quick      # tiny sizes, a few seconds of training: the CI smoke test
 
 Both sides train the same model, saved once to a local directory (a tiny transformers Llama and
-trainloop's byte-level tokenizer, loaded from there by both), on the same preference pairs (each
-prompt + completion exactly data.seq_len tokens, so TRL's padding to the longest in the batch and
+trainloop's byte-level tokenizer, loaded from there by both), on the same rows (each prompt +
+completion exactly data.seq_len tokens, so TRL's padding to the longest in the batch and
 trainloop's padding to data.seq_len give the same [2 x batch, seq_len] forward), with the same
-batch, beta, loss (sigmoid), optimizer (fused AdamW, weight decay on the matrices only), cosine
-schedule, clipping, fp32 and no gradient checkpointing (TRL's own defaults are bf16 and gradient
+batch, beta, loss, optimizer (fused AdamW, weight decay on the matrices only), cosine schedule,
+clipping, fp32 and no gradient checkpointing (TRL's own defaults are bf16 and gradient
 checkpointing: set off here). TRL's arguments are read from the composed trainloop config.
-One row per way to hold the reference:
+The rows: DPO (sigmoid, beta 0.1) one per way to hold the reference, then the other objectives:
   lora        adapter=lora                     / a peft LoraConfig of the same r, alpha and targets
                                                  (trainloop.model.adapter.lora_config): adapters disabled
   full        adapter=none                     / no peft: TRL loads its reference copy from the
                                                  model directory, trainloop deep-copies the model
   precompute  full + objective.precompute_reference=true / precompute_ref_log_probs=True
+  reward      objective=reward, a full fine-tune / RewardTrainer on a sequence classifier of the model
+  kto         objective=kto on data=unpaired (each pair as a desirable and an undesirable row),
+              adapter=lora / KTOTrainer with the same LoraConfig: adapters disabled, mismatched pairs for KL
 
 Every (row, side) runs in a fresh process of its own, forked from a server process that has
 imported the libraries (torch, transformers, peft, trl, trainloop) and computed nothing: each run
@@ -70,20 +75,26 @@ SIZES = {
               "data": ["data.seq_len=64", "data.batch_size=4"], "pairs": 32},
 }
 # What both sides train with (TRL's arguments are read from this same composed config).
-COMMON = ["data=preference", "objective=dpo", "objective.beta=0.1", "objective.loss_type=sigmoid",
-          "optimizer=adamw", "optimizer.impl=fused", "optimizer.lr=5e-6", "scheduler=cosine",
+COMMON = ["optimizer=adamw", "optimizer.impl=fused", "optimizer.lr=5e-6", "scheduler=cosine",
           "scheduler.warmup_steps=0", "trainer.max_grad_norm=1.0", "trainer.gradient_accumulation_steps=1",
           "precision=fp32", "model.gradient_checkpointing=false", "model.attn_implementation=sdpa",
           "data.num_workers=0", "logging.progress_bar=false"]
+DPO = ["data=preference", "objective=dpo", "objective.beta=0.1", "objective.loss_type=sigmoid"]
+# row -> (what it is, its overrides, the TRL trainer it is measured against)
 ROWS = {
-    "lora": ("LoRA (adapter=lora, r=8, alpha 16, all linear layers)", ["adapter=lora"]),
-    "full": ("full fine-tune (adapter=none): a frozen reference copy", ["adapter=none"]),
+    "lora": ("LoRA (adapter=lora, r=8, alpha 16, all linear layers)", [*DPO, "adapter=lora"], "dpo"),
+    "full": ("full fine-tune (adapter=none): a frozen reference copy", [*DPO, "adapter=none"], "dpo"),
     "precompute": ("full fine-tune, reference log-probs precomputed",
-                   ["adapter=none", "objective.precompute_reference=true"]),
+                   [*DPO, "adapter=none", "objective.precompute_reference=true"], "dpo"),
+    "reward": ("reward model (objective=reward): a score head, full fine-tune",
+               ["data=preference", "objective=reward", "adapter=none"], "reward"),
+    "kto": ("KTO (objective=kto, data=unpaired) with LoRA: adapters disabled",
+            ["data=unpaired", "objective=kto", "objective.beta=0.1", "adapter=lora"], "kto"),
 }
+DATA_FILES = {"dpo": "pairs.jsonl", "reward": "pairs.jsonl", "kto": "unpaired.jsonl"}  # in the work directory
 # imported once by the server process every run is forked from
 PRELOAD = ["torch", "transformers", "transformers.trainer", "peft", "datasets", "accelerate", "hydra", "trl",
-           "trl.trainer.dpo_trainer", "trainloop.build", "trainloop.loop", "trainloop.objectives.dpo",
+           "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer", "trl.trainer.kto_trainer", "trainloop.build", "trainloop.loop", "trainloop.objectives.dpo",
            "trainloop.tools.plan"]
 
 
@@ -198,7 +209,8 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     strategy = build_strategy(cfg, accelerator)
     built = build(cfg, strategy, before_model=meter.before_model)  # data, model, adapter, reference, optimizer
     model, optimizer, scheduler, objective = built.model, built.optimizer, built.scheduler, built.objective
-    labels = torch.cat([built.train_set.tensors["chosen_labels"], built.train_set.tensors["rejected_labels"]])
+    # every sequence the forwards take: chosen and rejected, or a completion and its mismatched one
+    labels = torch.cat([t for key, t in built.train_set.tensors.items() if key.endswith("labels")])
     last_target = (labels != IGNORE).int().cumsum(1).argmax(1)  # the first position of the highest count
     state, guard = TrainState(), StepGuard(cfg, strategy, None, Preemption(), optimizer, scheduler)
     batches = batches_forever(accelerator, built.train_loader, state)
@@ -223,19 +235,22 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
             "device": str(accelerator.device)}
 
 
-# --- TRL's side: DPOTrainer with the same model, pairs and hyperparameters ------------------------
+# --- TRL's side: its trainer for the row, with the same model, rows and hyperparameters -------------
 
-def run_trl(overrides: list[str], steps: int, warmup: int, warm_model: str, pairs_file: str, out_dir: str) -> dict:
+def run_trl(overrides: list[str], steps: int, warmup: int, warm_model: str, data_file: str, out_dir: str,
+            trainer: str) -> dict:
     """Once on the one-block model (its code paths loaded, not measured), then measured."""
-    train_trl(on_model(overrides, warm_model), 0, 2, Meter(2), pairs_file, out_dir + "-warm")
-    return train_trl(overrides, steps, warmup, Meter(warmup), pairs_file, out_dir)
+    train_trl(on_model(overrides, warm_model), 0, 2, Meter(2), data_file, out_dir + "-warm", trainer)
+    return train_trl(overrides, steps, warmup, Meter(warmup), data_file, out_dir, trainer)
 
 
-def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, pairs_file: str, out_dir: str) -> dict:
+def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, data_file: str, out_dir: str,
+              kind: str) -> dict:
+    """TRL's DPOTrainer, RewardTrainer or KTOTrainer (`kind`), its arguments read from the composed config."""
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    import trl
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
     from trainloop.config.compose import compose_config
     from trainloop.model.adapter import lora_config
@@ -244,7 +259,7 @@ def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, pairs
     model_dir, on_cuda = cfg.model.name_or_path, torch.cuda.is_available()
     lora = lora_config(cfg.adapter) if cfg.adapter.name == "lora" else None  # peft fills in its targets: one per run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = datasets.Dataset.from_list([json.loads(line) for line in Path(pairs_file).read_text().splitlines()])
+    rows = datasets.Dataset.from_list([json.loads(line) for line in Path(data_file).read_text().splitlines()])
 
     class Steps(TrainerCallback):
         """The Trainer has collated the step's batch before on_step_begin: collation is not timed."""
@@ -259,48 +274,71 @@ def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, pairs
             meter.end_step()
 
     o, opt = cfg.objective, cfg.optimizer
-    args = DPOConfig(
+    common = dict(
         output_dir=out_dir, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=warmup + steps + 1,
         max_steps=warmup + steps, per_device_train_batch_size=cfg.data.batch_size,
         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps, seed=cfg.trainer.seed,
-        beta=o.beta, loss_type=[o.loss_type], label_smoothing=o.label_smoothing,
-        precompute_ref_log_probs=o.precompute_reference, max_length=cfg.data.seq_len,
+        max_length=cfg.data.seq_len,
         learning_rate=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
         adam_epsilon=opt.eps, optim="adamw_torch_fused", lr_scheduler_type="cosine",
         warmup_steps=cfg.scheduler.warmup_steps, max_grad_norm=cfg.trainer.max_grad_norm,
         bf16=False, fp16=False, gradient_checkpointing=False,  # TRL's defaults are bf16 and checkpointing
         use_cpu=not on_cuda, dataloader_num_workers=0,
     )
+    if kind == "dpo":
+        args = trl.DPOConfig(**common, beta=o.beta, loss_type=[o.loss_type], label_smoothing=o.label_smoothing,
+                             precompute_ref_log_probs=o.precompute_reference)
+    elif kind == "reward":
+        args = trl.RewardConfig(**common, center_rewards_coefficient=o.center_rewards_coefficient or None)
+    else:
+        args = trl.KTOConfig(**common, beta=o.beta, desirable_weight=o.desirable_weight,
+                             undesirable_weight=o.undesirable_weight)
     meter.before_model()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    trainer = DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, peft_config=lora,
-                         callbacks=[Steps()])
+    if kind == "reward":
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32,
+                                                                   attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    made = {"dpo": trl.DPOTrainer, "reward": trl.RewardTrainer, "kto": trl.KTOTrainer}[kind]
+    trainer = made(model=model, args=args, train_dataset=rows, processing_class=tokenizer, peft_config=lora,
+                   callbacks=[Steps()])
     trainer.train()
     if len(meter.wall) != warmup + steps:
         raise RuntimeError(f"TRL ran {len(meter.wall)} optimizer steps, not {warmup + steps}")
-    train_set = trainer.train_dataset
+    train_set, reference = trainer.train_dataset, getattr(trainer, "ref_model", None)
+    if kind == "dpo":
+        lengths = (len(r["prompt_ids"]) + len(r[side]) for r in train_set for side in ("chosen_ids", "rejected_ids"))
+    elif kind == "reward":
+        lengths = (len(r[side]) for r in train_set for side in ("chosen_ids", "rejected_ids"))
+    else:
+        lengths = (len(r["prompt_ids"]) + len(r[side]) for r in train_set for side in ("completion_ids",
+                                                                                      "KL_completion_ids"))
     return {**meter.result(),
             "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "reference": "adapters disabled" if trainer.ref_model is None and lora is not None else
-            "precomputed" if trainer.ref_model is None else type(trainer.ref_model).__name__,
-            "tokens_per_sequence": sequence_lengths(
-                len(r["prompt_ids"]) + len(r[side]) for r in train_set for side in ("chosen_ids", "rejected_ids")),
-            "device": str(trainer.args.device)}
+            "reference": "none" if kind == "reward" else "adapters disabled" if reference is None and lora else
+            "precomputed" if reference is None else type(reference).__name__,
+            "tokens_per_sequence": sequence_lengths(lengths), "device": str(trainer.args.device)}
 
 
 # --- the model and the pairs, written once ---------------------------------------------------------
 
-def write_pairs(path: Path, n: int, seq_len: int) -> None:
-    """n plain-text pairs, each prompt + completion + end-of-text exactly seq_len byte tokens, chosen
-    and rejected alike: no padding on either side, whatever the batch."""
-    with open(path, "w") as f:
-        for i in range(n):
-            a, b = i % 37, (7 * i) % 23
-            prompt = f"What is {a} plus {b}?"
-            room = seq_len - len(prompt) - 1  # the end-of-text token closes the completion
-            chosen = (f" {a} plus {b} is {a + b}." + " Indeed." * seq_len)[:room]
-            rejected = (f" It is {a + b + 1 + i % 3}." + " Surely." * seq_len)[:room]
-            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+def write_rows(work: Path, n: int, seq_len: int) -> None:
+    """n plain-text pairs (pairs.jsonl), each prompt + completion + end-of-text exactly seq_len byte
+    tokens, chosen and rejected alike: no padding on either side, whatever the batch; and each pair as
+    two unpaired rows (unpaired.jsonl: chosen desirable, rejected not). Every prompt has one length, so
+    a prompt with another row's completion (KTO's mismatched pairs) is seq_len tokens too."""
+    pairs = []
+    for i in range(n):
+        a, b = i % 37, (7 * i) % 23
+        prompt = f"What is {a:2d} plus {b:2d}?"
+        room = seq_len - len(prompt) - 1  # the end-of-text token closes the completion
+        chosen = (f" {a} plus {b} is {a + b}." + " Indeed." * seq_len)[:room]
+        rejected = (f" It is {a + b + 1 + i % 3}." + " Surely." * seq_len)[:room]
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (work / "unpaired.jsonl").write_text("".join(
+        json.dumps({"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}) + "\n"
+        for p in pairs for side in ("chosen", "rejected")))
 
 
 def prepare(work: str, size: str) -> dict:
@@ -313,8 +351,8 @@ def prepare(work: str, size: str) -> dict:
     from trainloop.data.tokenizer import byte_level_tokenizer
     from trainloop.model.builder import build_model, build_model_config, special_token_ids
 
-    cfg = compose_config(["model=tiny", *SIZES[size]["model"], *SIZES[size]["data"], *COMMON, "data.path=unused"],
-                         check=False)
+    cfg = compose_config(["model=tiny", *SIZES[size]["model"], *SIZES[size]["data"], *COMMON, *DPO,
+                          "data.path=unused"], check=False)
     tokenizer, params = byte_level_tokenizer(), {}
     for name, blocks in (("model", cfg.model.num_layers), ("model-1block", 1)):  # the one-block one: code paths
         set_seed(cfg.trainer.seed)
@@ -323,7 +361,7 @@ def prepare(work: str, size: str) -> dict:
         model.save_pretrained(Path(work) / name)
         tokenizer.save_pretrained(Path(work) / name)
         params[name] = sum(p.numel() for p in model.parameters())
-    write_pairs(Path(work) / "pairs.jsonl", SIZES[size]["pairs"], cfg.data.seq_len)
+    write_rows(Path(work), SIZES[size]["pairs"], cfg.data.seq_len)
     return {"params": params["model"], "seq_len": cfg.data.seq_len,
             "batch_size": cfg.data.batch_size}
 
@@ -402,7 +440,7 @@ def ratio(a: float, b: float) -> str:
 
 def table(results: dict) -> str:
     """One line per row: each side's median step and peak memory, and trainloop / TRL."""
-    lines = ["| reference | trainloop step | TRL step | trainloop / TRL | trainloop peak | TRL peak "
+    lines = ["| row | trainloop step | TRL step | trainloop / TRL | trainloop peak | TRL peak "
              "| trainloop / TRL | trainloop wall step | TRL wall step | building peak: trainloop, TRL |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row, sides in results.items():
@@ -457,19 +495,20 @@ def main() -> None:
         setup = in_child(ctx, work / "prepare.log", prepare, tmp, size)
         if "failed" in setup:
             sys.exit(f"writing the model and the pairs failed: {setup['failed']}")
-        base = ["model=hf", f"model.name_or_path={work / 'model'}", f"data.path={work / 'pairs.jsonl'}",
-                *SIZES[size]["data"], *COMMON]
+        base = ["model=hf", f"model.name_or_path={work / 'model'}", *SIZES[size]["data"], *COMMON]
         warm_model, runs, turn = str(work / "model-1block"), {}, 0
         for repeat in range(args.repeats):
             for row in args.rows:
-                overrides = [*base, *ROWS[row][1]]
+                _, own, kind = ROWS[row]
+                data_file = work / DATA_FILES[kind]
+                overrides = [*base, *own, f"data.path={data_file}"]
                 for side in SIDES if turn % 2 == 0 else reversed(SIDES):  # who goes first alternates: drift cancels
                     name = f"{row}-{side}-{repeat + 1}"
                     if side == "trainloop":
                         r = in_child(ctx, work / f"{name}.log", run_trainloop, overrides, steps, warmup, warm_model)
                     else:
                         r = in_child(ctx, work / f"{name}.log", run_trl, overrides, steps, warmup, warm_model,
-                                     str(work / "pairs.jsonl"), str(work / name))
+                                     str(data_file), str(work / name), kind)
                     runs.setdefault(row, {}).setdefault(side, []).append(r)
                     print(f"{name:24s} " + (f"failed: {r['failed']}" if "failed" in r else
                           f"step {r['step_s'] * 1000:7,.0f} ms {r['time_kind']} (wall {r['wall_step_s'] * 1000:,.0f} "
@@ -500,7 +539,8 @@ def print_report(results: dict, setup: dict, args, size: str, steps: int, warmup
     print()
     print(f"trainloop bench_dpo: {device}, {versions()}, {time.strftime('%Y-%m-%d')}; "
           f"{'--quick, ' if args.quick else ''}a {setup['params']:,}-parameter Llama, batch {setup['batch_size']} "
-          f"pairs x 2 x {setup['seq_len']} tokens, beta 0.1, sigmoid, fp32, fused AdamW; median of {steps} timed "
+          f"rows x 2 x {setup['seq_len']} tokens (a pair, or a completion and its mismatched one), DPO and KTO at "
+          f"beta 0.1, fp32, fused AdamW; median of {steps} timed "
           f"steps after {warmup} warm-up" + (f", median of {args.repeats} runs" if args.repeats > 1 else "") +
           f"; {time.time() - began:.0f} s in all, load average at the end {os.getloadavg()[0]:.1f}")
     if ran:

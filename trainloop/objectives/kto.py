@@ -40,7 +40,7 @@ class KTO(Objective):
     name = "kto"
     keys = KTOConfig
     unpaired = True
-    sequences = 2  # the completion and the mismatched sequence, each through the policy
+    sequences = 1  # the completion: its mismatched one runs without gradients, as the reference does (not counted)
     chunks_loss = True
     headline = ("rewards/margin", "kl")
 
@@ -105,19 +105,25 @@ class KTO(Objective):
                                                 "model, %s", held(frozen))
 
     # -- the log-probabilities ----------------------------------------------------------------------
-    def logps(self, model, batch: dict) -> torch.Tensor:
-        """Each row's summed log-probability of its completion, then of its mismatched one, from one forward."""
+    def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's summed log-probability of its completion, and of its mismatched one. The mismatched
+        forward runs first and without gradients (the KL estimate is detached: as TRL's, it keeps no
+        activations for a backward), then the completion's."""
         import torch
 
         from trainloop.objectives.chunked_loss import token_logps
 
-        ids = torch.cat([batch["input_ids"], batch[f"{KL}input_ids"]])
-        labels = torch.cat([batch["labels"], batch[f"{KL}labels"]])
-        return token_logps(model, {"input_ids": ids, "use_cache": False}, labels, self.chunk).sum(1)
+        def summed(prefix: str) -> torch.Tensor:
+            inputs = {"input_ids": batch[f"{prefix}input_ids"], "use_cache": False}
+            return token_logps(model, inputs, batch[f"{prefix}labels"], self.chunk).sum(1)
 
-    def reference_logps(self, model, batch: dict) -> torch.Tensor:
-        """The reference's: the frozen copy's, or the policy's with its adapters disabled; in eval mode, without
-        gradients."""
+        with torch.no_grad():
+            mismatched = summed(KL)
+        return summed(""), mismatched
+
+    def reference_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's (completion, mismatched): the frozen copy's, or the policy's with its adapters
+        disabled; in eval mode, without gradients."""
         import torch
 
         from trainloop.objectives.dpo import reference_model
@@ -148,10 +154,10 @@ class KTO(Objective):
         import torch
 
         n = batch["input_ids"].shape[0]
-        logps = self.logps(model, batch)
-        ratios = logps - self.reference_logps(model, batch)
-        ratio, mismatched = ratios[:n], ratios[n:]
-        kl = self.kl(mismatched)
+        logps, mismatched = self.logps(model, batch)
+        reference, reference_mismatched = self.reference_logps(model, batch)
+        ratio = logps - reference
+        kl = self.kl(mismatched - reference_mismatched)
         desirable = batch[LABEL].bool()
         losses = torch.where(desirable, self.desirable * (1 - torch.sigmoid(self.beta * (ratio - kl))),
                              self.undesirable * (1 - torch.sigmoid(self.beta * (kl - ratio))))
@@ -159,8 +165,8 @@ class KTO(Objective):
         sums = torch.stack([losses.detach().double().sum(), torch.tensor(float(n), device=losses.device).double(),
                             (rewards.double() * chosen).sum(), chosen.sum(), (rewards.double() * (1 - chosen)).sum(),
                             (1 - chosen).sum(), kl.double(), torch.ones((), dtype=torch.float64, device=kl.device),
-                            (logps[:n].detach().double() * chosen).sum(),
-                            (logps[:n].detach().double() * (1 - chosen)).sum()])
+                            (logps.detach().double() * chosen).sum(),
+                            (logps.detach().double() * (1 - chosen)).sum()])
         return losses, sums
 
     # -- the objective's contract ---------------------------------------------------------------------
