@@ -206,6 +206,44 @@ def _chunk_logits(h, weight, bias, dtype) -> torch.Tensor:
     return logits.float()
 
 
+def new_grads(hidden: torch.Tensor, weight: torch.Tensor, need_hidden: bool, need_weight: bool,
+              need_bias: bool) -> tuple:
+    """Room for the output layer's gradients, None where not wanted: the hidden states' in their dtype,
+    the weight's and the bias's summed in fp32."""
+    return (torch.empty_like(hidden) if need_hidden else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device) if need_weight else None,
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_bias else None)
+
+
+def add_chunk_grads(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rows: slice, grads: tuple) -> None:
+    """One chunk's share of the output layer's gradients, from the fp32 gradient of its logits `grad`
+    (h: the chunk's hidden states, w: the weight, both in the compute dtype): into `grads` (hidden's
+    rows, weight, bias; None where not wanted)."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_bias is not None:
+        grad_bias += grad.sum(0)
+    grad = grad.to(w.dtype)
+    if grad_hidden is not None:
+        grad_hidden[rows] = torch.mm(grad, w)
+    if grad_weight is not None:
+        _accumulate(grad_weight, grad.t(), h)
+
+
+def made_grads_scaled(ctx, scale: torch.Tensor) -> tuple:
+    """The gradients a forward made (ctx.grads, ctx.dtypes) times the upstream gradient of its sum,
+    in the parameters' dtypes: scaled in place, so a second backward through the graph is refused."""
+    grad_hidden, grad_weight, grad_bias = ctx.grads
+    ctx.grads = None
+    weight_dtype, bias_dtype = ctx.dtypes
+    if grad_hidden is not None:
+        grad_hidden.mul_(scale.to(grad_hidden.dtype))
+    if grad_weight is not None:
+        grad_weight = grad_weight.mul_(scale).to(weight_dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.mul_(scale).to(bias_dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """total (fp32) += a @ b, computed in a's dtype."""
     if a.dtype == total.dtype:
@@ -224,9 +262,7 @@ class SummedNLL(torch.autograd.Function):
         with torch.autocast(device.type, enabled=False):
             w = weight.to(dtype)  # one 16-bit copy under autocast, as the full logits' matmul makes
             total = torch.zeros((), dtype=torch.float32, device=device)
-            grad_hidden = torch.empty_like(hidden) if need_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
-            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+            grad_hidden, grad_weight, grad_bias = new_grads(hidden, weight, need_hidden, need_weight, need_bias)
             for start in range(0, hidden.shape[0], chunk):
                 h, y = hidden[start:start + chunk].to(dtype), targets[start:start + chunk, None]
                 logits = _chunk_logits(h, w, bias, dtype)
@@ -236,13 +272,7 @@ class SummedNLL(torch.autograd.Function):
                     continue
                 grad = logits.sub_(lse).exp_().scatter_add_(1, y, torch.full_like(y, -1, dtype=logits.dtype))
                 del logits  # d(sum)/d(logits) = softmax - one-hot, in the logits' place
-                if need_bias:
-                    grad_bias += grad.sum(0)
-                grad = grad.to(dtype)
-                if need_hidden:
-                    grad_hidden[start:start + chunk] = torch.mm(grad, w)
-                if need_weight:
-                    _accumulate(grad_weight, grad.t(), h)
+                add_chunk_grads(grad, h, w, slice(start, start + chunk), (grad_hidden, grad_weight, grad_bias))
                 del grad  # before the next chunk's logits: two chunks' logits are never held at once
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -250,16 +280,7 @@ class SummedNLL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_hidden, grad_weight, grad_bias = ctx.grads
-        ctx.grads = None  # scaled in place below: a second backward through this graph would be wrong
-        weight_dtype, bias_dtype = ctx.dtypes
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_total).to(weight_dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.mul_(grad_total).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return *made_grads_scaled(ctx, grad_total), None, None, None, None, None
 
 
 class TokenLogps(torch.autograd.Function):
@@ -289,9 +310,7 @@ class TokenLogps(torch.autograd.Function):
         chunk, dtype = ctx.chunk, ctx.dtype
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         device = hidden.device
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+        grad_hidden, grad_weight, grad_bias = new_grads(hidden, weight, need_hidden, need_weight, need_bias)
         with torch.autocast(device.type, enabled=False):
             w = weight.to(dtype)
             for start in range(0, hidden.shape[0], chunk):
@@ -300,13 +319,7 @@ class TokenLogps(torch.autograd.Function):
                 logits = _chunk_logits(h, w, bias, dtype)
                 # d(g * logp[y])/d(logits) = g * (one-hot - softmax), in the logits' place
                 grad = logits.sub_(lse[start:end, None]).exp_().mul_(-g).scatter_add_(1, y, g)
-                if need_bias:
-                    grad_bias += grad.sum(0)
-                grad = grad.to(dtype)
-                if need_hidden:
-                    grad_hidden[start:end] = torch.mm(grad, w)
-                if need_weight:
-                    _accumulate(grad_weight, grad.t(), h)
+                add_chunk_grads(grad, h, w, slice(start, end), (grad_hidden, grad_weight, grad_bias))
                 del grad, logits  # before the next chunk's logits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 
 from trainloop.data.tokenizer import IGNORE
 from trainloop.errors import ConfigError
-from trainloop.objectives.base import BatchLoss, Objective, model_splits
+from trainloop.objectives.base import BatchLoss, Objective, not_yet
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -108,7 +108,7 @@ class Distill(Objective):
                                           max_new_tokens=o.max_new_tokens, pad_token_id=self.pad, eos_token_id=self.eos,
                                           use_cache=True)
         self.device = torch.device(device)
-        self.teacher, self.strategy, self.copy_head = None, None, False
+        self.teacher, self.copy_head = None, False  # the teacher as the strategy placed it (start)
         self.sums = torch.zeros(len(SUMS) + 2, dtype=torch.float64, device=self.device)  # since the last train line
         self.shown: list[dict] = []
 
@@ -147,15 +147,7 @@ class Distill(Objective):
                 problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
                                 f"{o.max_new_tokens} is longer than model.max_position_embeddings="
                                 f"{cfg.model.max_position_embeddings}; lower one of them")
-        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
-            problems.append("objective=distill does not add a mixture's router loss (model.router_aux_loss_coef): "
-                            "use model.arch=llama or gpt2")
-        if cfg.trainer.auto_batch_size:
-            problems.append("objective=distill does not search a batch size yet: set trainer.auto_batch_size=false")
-        split = model_splits(cfg)
-        if split:
-            problems.append(f"objective=distill runs under DDP, DeepSpeed ZeRO and FSDP2 for now, not with "
-                            f"{', '.join(split)}: set the parallel sizes to 1")
+        problems += not_yet(cfg, "distill", splits=True)
         return problems
 
     @staticmethod
@@ -220,7 +212,7 @@ class Distill(Objective):
         from trainloop.objectives.dpo import held
         from trainloop.parallel.tensors import is_fsdp2
 
-        self.teacher, self.strategy = frozen, strategy
+        self.teacher = frozen
         # ZeRO-3 and FSDP2 free the teacher's gathered output weight after its forward: the chunks read a copy
         self.copy_head = is_fsdp2(frozen) or getattr(frozen, "zero_optimization_stage", lambda: 0)() == 3
         log.info("objective=distill: the teacher %s, %s", self.cfg.objective.teacher, held(frozen))

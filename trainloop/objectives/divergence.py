@@ -30,7 +30,8 @@ import torch
 
 from trainloop.data.tokenizer import IGNORE
 from trainloop.objectives.chunked_loss import (
-    _accumulate, _chunk_logits, _compute_dtype, _through_output_layer, _wanted, next_targets, output_layer,
+    _chunk_logits, _compute_dtype, _through_output_layer, _wanted, add_chunk_grads, made_grads_scaled, new_grads,
+    next_targets, output_layer,
 )
 
 
@@ -105,9 +106,7 @@ class ChunkedDivergence(torch.autograd.Function):
         grads = need_hidden or need_weight or need_bias
         with torch.autocast(device.type, enabled=False):
             w, t_w = weight.to(dtype), t_weight.to(t_dtype)
-            grad_hidden = torch.empty_like(hidden) if need_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
-            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+            grad_hidden, grad_weight, grad_bias = new_grads(hidden, weight, need_hidden, need_weight, need_bias)
             for start in range(0, hidden.shape[0], chunk):
                 end = start + chunk
                 h, y = hidden[start:end].to(dtype), targets[start:end, None]
@@ -125,31 +124,15 @@ class ChunkedDivergence(torch.autograd.Function):
                 if not grads:
                     continue
                 grad = grad.div_(temperature)  # d/d(logits) of the tempered logits' divergence
-                if need_bias:
-                    grad_bias += grad.sum(0)
-                grad = grad.to(dtype)
-                if need_hidden:
-                    grad_hidden[start:end] = torch.mm(grad, w)
-                if need_weight:
-                    _accumulate(grad_weight, grad.t(), h)
+                add_chunk_grads(grad, h, w, slice(start, end), (grad_hidden, grad_weight, grad_bias))
                 del grad  # before the next chunk's logits
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return sums
 
     @staticmethod
-    def backward(ctx, grad_sums):
-        grad_hidden, grad_weight, grad_bias = ctx.grads
-        ctx.grads = None  # scaled in place below: a second backward through this graph would be wrong
-        weight_dtype, bias_dtype = ctx.dtypes
-        g = grad_sums[0]  # the cross-entropies are metrics: their gradients are not taken
-        if grad_hidden is not None:
-            grad_hidden.mul_(g.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(g).to(weight_dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.mul_(g).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, *([None] * 10)
+    def backward(ctx, grad_sums):  # the cross-entropies are metrics: their gradients are not taken
+        return *made_grads_scaled(ctx, grad_sums[0]), *([None] * 10)
 
 
 def _divergence_and_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:

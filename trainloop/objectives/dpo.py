@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainloop.objectives.base import not_yet
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -96,11 +97,7 @@ class DPO(PairObjective):
         if o.loss_type != "robust" and o.label_smoothing != 0.0:
             problems.append(f"objective.label_smoothing={o.label_smoothing} is read only by objective.loss_type=robust "
                             f"(objective.loss_type is {o.loss_type}): choose robust, or drop it")
-        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
-            problems.append("objective=dpo does not add a mixture's router loss (model.router_aux_loss_coef): "
-                            "use model.arch=llama or gpt2")
-        if cfg.trainer.auto_batch_size:
-            problems.append("objective=dpo does not search a batch size yet: set trainer.auto_batch_size=false")
+        problems += not_yet(cfg, "dpo")
         return problems
 
     @staticmethod

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.data.formats.unpaired import KL, LABEL
-from trainloop.objectives.base import BatchLoss, Objective, model_splits
+from trainloop.objectives.base import BatchLoss, Objective, not_yet
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -64,15 +64,7 @@ class KTO(Objective):
         for key in ("desirable_weight", "undesirable_weight"):
             if not 0 < getattr(o, key) < math.inf:
                 problems.append(f"objective.{key}={getattr(o, key)} must be greater than 0")
-        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
-            problems.append("objective=kto does not add a mixture's router loss (model.router_aux_loss_coef): "
-                            "use model.arch=llama or gpt2")
-        if cfg.trainer.auto_batch_size:
-            problems.append("objective=kto does not search a batch size yet: set trainer.auto_batch_size=false")
-        split = model_splits(cfg)
-        if split:
-            problems.append(f"objective=kto runs under DDP, DeepSpeed ZeRO and FSDP2 for now, not with "
-                            f"{', '.join(split)}: set the parallel sizes to 1")
+        problems += not_yet(cfg, "kto", splits=True)
         return problems
 
     @staticmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainloop.objectives.base import model_splits
+from trainloop.objectives.base import model_splits, not_yet
 from trainloop.objectives.pairs import PairObjective, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -53,11 +53,7 @@ class Reward(PairObjective):
         if not 0 <= cfg.objective.center_rewards_coefficient < math.inf:
             problems.append(f"objective.center_rewards_coefficient={cfg.objective.center_rewards_coefficient} must "
                             "be 0 (off) or more (TRL suggests 0.01)")
-        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
-            problems.append("objective=reward does not add a mixture's router loss (model.router_aux_loss_coef): "
-                            "use model.arch=llama or gpt2")
-        if cfg.trainer.auto_batch_size:  # the search's trial forwards go through batch_loss, into the window's sums
-            problems.append("objective=reward does not search a batch size yet: set trainer.auto_batch_size=false")
+        problems += not_yet(cfg, "reward")
         split = model_splits(cfg)
         if split:  # each splits what the score head reads whole: the output layer, the last stage, the sequence
             problems.append(f"objective=reward scores each sequence at its last token, and {', '.join(split)} "

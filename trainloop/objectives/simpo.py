@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.data.tokenizer import IGNORE
+from trainloop.objectives.base import not_yet
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -65,12 +66,7 @@ class SimPO(PairObjective):
                             "should win by (the SimPO paper uses about 0.5 x objective.beta)")
         if not 0.0 <= o.label_smoothing < 0.5:
             problems.append(f"objective.label_smoothing={o.label_smoothing} must be in [0, 0.5)")
-        if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":  # its forward's aux_loss would go unused
-            problems.append("objective=simpo does not add a mixture's router loss (model.router_aux_loss_coef): "
-                            "use model.arch=llama or gpt2")
-        if cfg.trainer.auto_batch_size:  # the search's trial forwards go through batch_loss, into the window's sums
-            problems.append("objective=simpo does not search a batch size yet (its trial steps would count in the "
-                            "first log line's rewards): set trainer.auto_batch_size=false")
+        problems += not_yet(cfg, "simpo")
         return problems
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
