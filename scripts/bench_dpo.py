@@ -1,7 +1,7 @@
-"""objective=dpo, reward and kto against TRL's DPOTrainer, RewardTrainer and KTOTrainer: step time and
-peak memory, measured in one invocation.
+"""objective=dpo, reward, kto and distill against TRL's DPOTrainer, RewardTrainer, KTOTrainer and
+GKDTrainer: step time and peak memory, measured in one invocation.
 
-    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute reward kto] [--repeats 1]
+    python scripts/bench_dpo.py [--steps 8] [--warmup 3] [--rows lora full precompute reward kto distill] [--repeats 1]
                                 [--json OUT]
     python scripts/bench_dpo.py --quick      # tiny sizes, a few seconds of training: the CI smoke test
 
@@ -21,6 +21,9 @@ The rows: DPO (sigmoid, beta 0.1) one per way to hold the reference, then the ot
   reward      objective=reward, a full fine-tune / RewardTrainer on a sequence classifier of the model
   kto         objective=kto on data=unpaired (each pair as a desirable and an undesirable row),
               adapter=lora / KTOTrainer with the same LoraConfig: adapters disabled, mismatched pairs for KL
+  distill     objective=distill (beta 0.5, off-policy) on data=chat, each pair's prompt and chosen completion
+              as a conversation, from a teacher of the model's shape (another seed) / GKDTrainer (lmbda 0):
+              the model directory's tokenizer carries trainloop's built-in template, so both render alike
 
 Every (row, side) runs in a fresh process of its own, forked from a server process that has
 imported the libraries (torch, transformers, peft, trl, trainloop) and computed nothing: each run
@@ -90,12 +93,16 @@ ROWS = {
                ["data=preference", "objective=reward", "adapter=none"], "reward"),
     "kto": ("KTO (objective=kto, data=unpaired) with LoRA: adapters disabled",
             ["data=unpaired", "objective=kto", "objective.beta=0.1", "adapter=lora"], "kto"),
+    "distill": ("distillation (objective=distill, off-policy, JSD 0.5) from a teacher of the same shape",
+                ["data=chat", "data.train_on=assistant", "objective=distill", "objective.beta=0.5",
+                 "adapter=none"], "gkd"),
 }
-DATA_FILES = {"dpo": "pairs.jsonl", "reward": "pairs.jsonl", "kto": "unpaired.jsonl"}  # in the work directory
+# in the work directory
+DATA_FILES = {"dpo": "pairs.jsonl", "reward": "pairs.jsonl", "kto": "unpaired.jsonl", "gkd": "chats.jsonl"}
 # imported once by the server process every run is forked from
 PRELOAD = ["torch", "transformers", "transformers.trainer", "peft", "datasets", "accelerate", "hydra", "trl",
-           "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer", "trl.trainer.kto_trainer", "trainloop.build", "trainloop.loop", "trainloop.objectives.dpo",
-           "trainloop.tools.plan"]
+           "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer", "trl.trainer.kto_trainer", "trl.experimental.gkd",
+           "trainloop.build", "trainloop.loop", "trainloop.objectives.dpo", "trainloop.tools.plan"]
 
 
 # --- what both sides measure the same way ----------------------------------------------------------
@@ -210,7 +217,9 @@ def train_trainloop(overrides: list[str], steps: int, warmup: int, meter: Meter)
     built = build(cfg, strategy, before_model=meter.before_model)  # data, model, adapter, reference, optimizer
     model, optimizer, scheduler, objective = built.model, built.optimizer, built.scheduler, built.objective
     # every sequence the forwards take: chosen and rejected, or a completion and its mismatched one
-    labels = torch.cat([t for key, t in built.train_set.tensors.items() if key.endswith("labels")])
+    items = built.train_set
+    labels = torch.cat([t for key, t in items.tensors.items() if key.endswith("labels")]) \
+        if hasattr(items, "tensors") else torch.stack([items[i]["labels"] for i in range(len(items))])  # blocks
     last_target = (labels != IGNORE).int().cumsum(1).argmax(1)  # the first position of the highest count
     state, guard = TrainState(), StepGuard(cfg, strategy, None, Preemption(), optimizer, scheduler)
     batches = batches_forever(accelerator, built.train_loader, state)
@@ -290,18 +299,27 @@ def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, data_
                              precompute_ref_log_probs=o.precompute_reference)
     elif kind == "reward":
         args = trl.RewardConfig(**common, center_rewards_coefficient=o.center_rewards_coefficient or None)
-    else:
+    elif kind == "kto":
         args = trl.KTOConfig(**common, beta=o.beta, desirable_weight=o.desirable_weight,
                              undesirable_weight=o.undesirable_weight)
+    else:  # GKD off-policy (lmbda 0): the data's completions, the generalized JSD at temperature 1
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        args = GKDConfig(**common, lmbda=0.0, beta=o.beta, seq_kd=False)
     meter.before_model()
     if kind == "reward":
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32,
                                                                    attn_implementation="sdpa")
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    made = {"dpo": trl.DPOTrainer, "reward": trl.RewardTrainer, "kto": trl.KTOTrainer}[kind]
-    trainer = made(model=model, args=args, train_dataset=rows, processing_class=tokenizer, peft_config=lora,
-                   callbacks=[Steps()])
+    if kind == "gkd":
+        teacher = AutoModelForCausalLM.from_pretrained(o.teacher, dtype=torch.float32, attn_implementation="sdpa")
+        trainer = GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=rows,
+                             processing_class=tokenizer, callbacks=[Steps()])
+    else:
+        made = {"dpo": trl.DPOTrainer, "reward": trl.RewardTrainer, "kto": trl.KTOTrainer}[kind]
+        trainer = made(model=model, args=args, train_dataset=rows, processing_class=tokenizer, peft_config=lora,
+                       callbacks=[Steps()])
     trainer.train()
     if len(meter.wall) != warmup + steps:
         raise RuntimeError(f"TRL ran {len(meter.wall)} optimizer steps, not {warmup + steps}")
@@ -310,12 +328,15 @@ def train_trl(overrides: list[str], steps: int, warmup: int, meter: Meter, data_
         lengths = (len(r["prompt_ids"]) + len(r[side]) for r in train_set for side in ("chosen_ids", "rejected_ids"))
     elif kind == "reward":
         lengths = (len(r[side]) for r in train_set for side in ("chosen_ids", "rejected_ids"))
-    else:
+    elif kind == "kto":
         lengths = (len(r["prompt_ids"]) + len(r[side]) for r in train_set for side in ("completion_ids",
                                                                                       "KL_completion_ids"))
+    else:  # the collator renders each conversation with the tokenizer's template
+        lengths = (len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False))
+                   for r in train_set)
     return {**meter.result(),
             "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "reference": "none" if kind == "reward" else "adapters disabled" if reference is None and lora else
+            "reference": "none" if kind in ("reward", "gkd") else "adapters disabled" if reference is None and lora else
             "precomputed" if reference is None else type(reference).__name__,
             "tokens_per_sequence": sequence_lengths(lengths), "device": str(trainer.args.device)}
 
@@ -336,9 +357,26 @@ def write_rows(work: Path, n: int, seq_len: int) -> None:
         rejected = (f" It is {a + b + 1 + i % 3}." + " Surely." * seq_len)[:room]
         pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    write_chats(work, pairs, seq_len)
     (work / "unpaired.jsonl").write_text("".join(
         json.dumps({"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}) + "\n"
         for p in pairs for side in ("chosen", "rejected")))
+
+
+def write_chats(work: Path, pairs: list[dict], seq_len: int) -> None:
+    """Each pair's prompt and chosen completion as a conversation (chats.jsonl) that the model directory's
+    tokenizer renders, with trainloop's built-in template saved there for both sides, to exactly seq_len
+    tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    rows = []
+    for p in pairs:
+        turns = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": ""}]
+        room = seq_len - len(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False))
+        turns[1]["content"] = (p["chosen"] * seq_len)[:room]
+        rows.append({"messages": turns})
+    (work / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def prepare(work: str, size: str) -> dict:
@@ -353,9 +391,13 @@ def prepare(work: str, size: str) -> dict:
 
     cfg = compose_config(["model=tiny", *SIZES[size]["model"], *SIZES[size]["data"], *COMMON, *DPO,
                           "data.path=unused"], check=False)
+    from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+
     tokenizer, params = byte_level_tokenizer(), {}
-    for name, blocks in (("model", cfg.model.num_layers), ("model-1block", 1)):  # the one-block one: code paths
-        set_seed(cfg.trainer.seed)
+    tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE  # both sides render the conversations alike
+    # the one-block model loads the code paths; the teacher (objective=distill) has the model's shape, another seed
+    for name, blocks in (("model", cfg.model.num_layers), ("model-1block", 1), ("teacher", cfg.model.num_layers)):
+        set_seed(cfg.trainer.seed + (name == "teacher"))
         model_cfg = OmegaConf.merge(cfg.model, {"num_layers": blocks})
         model = build_model(model_cfg, build_model_config(model_cfg, len(tokenizer), special_token_ids(tokenizer)))
         model.save_pretrained(Path(work) / name)
@@ -501,7 +543,8 @@ def main() -> None:
             for row in args.rows:
                 _, own, kind = ROWS[row]
                 data_file = work / DATA_FILES[kind]
-                overrides = [*base, *own, f"data.path={data_file}"]
+                overrides = [*base, *own, f"data.path={data_file}",
+                             *([f"objective.teacher={work / 'teacher'}"] if kind == "gkd" else [])]
                 for side in SIDES if turn % 2 == 0 else reversed(SIDES):  # who goes first alternates: drift cancels
                     name = f"{row}-{side}-{repeat + 1}"
                     if side == "trainloop":
@@ -539,8 +582,8 @@ def print_report(results: dict, setup: dict, args, size: str, steps: int, warmup
     print()
     print(f"trainloop bench_dpo: {device}, {versions()}, {time.strftime('%Y-%m-%d')}; "
           f"{'--quick, ' if args.quick else ''}a {setup['params']:,}-parameter Llama, batch {setup['batch_size']} "
-          f"rows x 2 x {setup['seq_len']} tokens (a pair, or a completion and its mismatched one), DPO and KTO at "
-          f"beta 0.1, fp32, fused AdamW; median of {steps} timed "
+          f"rows of {setup['seq_len']}-token sequences (2 a row: a pair, or a completion and its mismatched one; 1 "
+          f"for distillation), DPO and KTO at beta 0.1, fp32, fused AdamW; median of {steps} timed "
           f"steps after {warmup} warm-up" + (f", median of {args.repeats} runs" if args.repeats > 1 else "") +
           f"; {time.time() - began:.0f} s in all, load average at the end {os.getloadavg()[0]:.1f}")
     if ran:

@@ -1,6 +1,6 @@
-"""scripts/bench_dpo.py: its quick run trains both sides for real (trainloop's objective=dpo, reward and
-kto and TRL's DPOTrainer, RewardTrainer and KTOTrainer) and prints a table with finite, positive figures;
-and its table, on hand-made measurements, shows trainloop / TRL and says why a side did not run."""
+"""scripts/bench_dpo.py: its quick run trains both sides for real (trainloop's objective=dpo, reward, kto
+and distill and TRL's DPOTrainer, RewardTrainer, KTOTrainer and GKDTrainer) and prints a table with finite,
+positive figures; and its table, on hand-made measurements, shows trainloop / TRL and says why a side did not run."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ spec.loader.exec_module(bench_dpo)
 
 MIB = 2**20
 LORA, FULL = bench_dpo.ROWS["lora"][0], bench_dpo.ROWS["full"][0]
-MEASURED = ("lora", "full", "reward", "kto")
+MEASURED = ("lora", "full", "reward", "kto", "distill")
 
 
 @pytest.mark.slow
@@ -32,7 +32,7 @@ def test_the_quick_run_measures_both_sides_on_the_same_sequences(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "sequences: every one 64 tokens on both sides (no padding)" in proc.stdout  # TRL pads to the longest
     assert re.search(r"trained parameters: lora [\d,]+ on both sides, full [\d,]+ on both sides, reward [\d,]+ on "
-                     r"both sides, kto [\d,]+ on both sides", proc.stdout)
+                     r"both sides, kto [\d,]+ on both sides, distill [\d,]+ on both sides", proc.stdout)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in proc.stdout.splitlines() if line.startswith("| ")}
     for name in (bench_dpo.ROWS[row][0] for row in MEASURED):
         cells = rows[name].strip("| ").split(" | ")[1:]  # steps, ratio, peaks, ratio, wall steps; building
@@ -43,7 +43,7 @@ def test_the_quick_run_measures_both_sides_on_the_same_sequences(tmp_path):
         ours, trl = results[row]["trainloop"], results[row]["trl"]
         assert ours["trained_params"] == trl["trained_params"]
         assert ours["steps_timed"] == trl["steps_timed"] == 2
-        if row != "reward":  # the policy starts as its reference: DPO's log 2, KTO's 0.5 a row
+        if row in ("lora", "full", "kto"):  # the policy starts as its reference: DPO's log 2, KTO's 0.5 a row
             assert math.isclose(ours["loss_first"], math.log(2) if row != "kto" else 0.5, rel_tol=1e-5)
     assert results["lora"]["trl"]["reference"] == "adapters disabled"
     assert results["lora"]["trl"]["trained_params"] < results["full"]["trl"]["trained_params"]
