@@ -117,6 +117,7 @@ class Distill(Objective):
         import math
 
         from trainloop.data.formats import FORMATS
+        from trainloop.objectives.generation import length_problems
 
         o, problems = cfg.objective, []
         if (problem := teacher_problem(o.teacher)) is not None:
@@ -143,10 +144,7 @@ class Distill(Objective):
             if cfg.compile.backend != "none":
                 problems.append("objective.on_policy_fraction > 0 generates with the model, which a compiled one "
                                 "would recompile for each length: set compile=none, or on_policy_fraction=0")
-            if cfg.model.name == "tiny" and cfg.data.seq_len + o.max_new_tokens > cfg.model.max_position_embeddings:
-                problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
-                                f"{o.max_new_tokens} is longer than model.max_position_embeddings="
-                                f"{cfg.model.max_position_embeddings}; lower one of them")
+            problems += length_problems(cfg)
         problems += not_yet(cfg, "distill", splits=True)
         return problems
 
@@ -276,20 +274,21 @@ class Distill(Objective):
     def count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()
 
-    def batch_loss(self, model, batch: dict) -> BatchLoss:
+    def totals(self, sums: torch.Tensor, batch: dict) -> torch.Tensor:
+        """SUMS of a batch, float64: sums_of's with the target tokens counted after the divergence."""
         import torch
 
+        sums = sums.detach().double()
+        return torch.stack([sums[0], self.count(batch).double(), sums[1], sums[2]])
+
+    def batch_loss(self, model, batch: dict) -> BatchLoss:
         sums = self.sums_of(model, batch)
-        summed = sums.detach().double()
-        self.sums[:len(SUMS)] += torch.stack([summed[0], self.count(batch).double(), summed[1], summed[2]])
+        self.sums[:len(SUMS)] += self.totals(sums, batch)
         self.sums[len(SUMS) + 1] += 1
         return BatchLoss(sums[0])
 
     def eval_sums(self, model, batch: dict) -> torch.Tensor:
-        import torch
-
-        sums = self.sums_of(model, batch).double()
-        return torch.stack([sums[0], self.count(batch).double(), sums[1], sums[2]])
+        return self.totals(self.sums_of(model, batch), batch)
 
     @staticmethod
     def means(total) -> dict:

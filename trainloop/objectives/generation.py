@@ -38,6 +38,15 @@ KEY = "objective.generation"
 MAX_BATCH_TOKENS = 8192  # transformers' default: the most prompt tokens a prefill forward takes
 
 
+def length_problems(cfg) -> list[str]:
+    """A tiny model's context must hold the longest prompt (data.seq_len) and objective.max_new_tokens."""
+    o, m = cfg.objective, cfg.model
+    if m.name == "tiny" and cfg.data.seq_len + o.max_new_tokens > m.max_position_embeddings:
+        return [f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens={o.max_new_tokens} "
+                f"is longer than model.max_position_embeddings={m.max_position_embeddings}; lower one of them"]
+    return []
+
+
 @contextmanager
 def sampling(strategy, model, seed: int):
     """The unwrapped model, ready to sample from for the length of the block: eval mode, no gradients,

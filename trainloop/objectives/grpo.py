@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.dpo import reference_model
-from trainloop.objectives.generation import complete, sampling
+from trainloop.objectives.generation import complete, length_problems, sampling
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -418,10 +418,7 @@ class GRPO(Objective):
             problems.append(f"objective.epsilon={o.epsilon} and epsilon_high={o.epsilon_high} must be 0 or more")
         if o.beta < 0:
             problems.append(f"objective.beta={o.beta} must be 0 (no KL penalty) or more")
-        if cfg.model.name == "tiny" and cfg.data.seq_len + o.max_new_tokens > cfg.model.max_position_embeddings:
-            problems.append(f"data.seq_len={cfg.data.seq_len} (the longest prompt) + objective.max_new_tokens="
-                            f"{o.max_new_tokens} is longer than model.max_position_embeddings="
-                            f"{cfg.model.max_position_embeddings}; lower one of them")
+        problems += length_problems(cfg)
         problems += generation_problems(cfg)
         if o.tools:
             from trainloop.objectives.tools import tool_problems
