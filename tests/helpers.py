@@ -160,9 +160,38 @@ def train_preempted_and_resumed(run_dir: Path, step: int, *overrides: str) -> st
     return str(stopped.value)
 
 
+def one_resumed_and_two_processes(tmp_path: Path, run: list[str], keys: tuple[str, ...]) -> list:
+    """An objective's run (`run`: its overrides) on 1 process at batch 4, whose logged `keys` it returns
+    (in tmp_path/one); the same stopped by SIGTERM after step 1 and resumed logs them bitwise; 2 processes
+    at batch 2 log them within 1e-5 under DDP (tmp_path/ddp) and FSDP2 (tmp_path/fsdp)."""
+    one = logged(train(tmp_path / "one", *run, "data.batch_size=4"), keys)
+    said = train_preempted_and_resumed(tmp_path / "resumed", 1, *run, "data.batch_size=4")
+    assert logged(tmp_path / "resumed", keys) == one, said  # SIGTERM, then a resume: bitwise the run not stopped
+    for strategy in ("ddp", "fsdp"):
+        run_dir = tmp_path / strategy
+        launch([*torchrun(2), *SMALL, *run, "data.batch_size=2", f"hydra.run.dir={run_dir}",
+                *(["fsdp=full_shard"] if strategy == "fsdp" else [])], cwd=tmp_path)
+        assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
+        assert_same_logged(logged(run_dir, keys), one, 1e-5, strategy)
+    return one
+
+
 # --- What a run left ------------------------------------------------------------------------------
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged(run_dir: Path, keys: tuple[str, ...]) -> list[tuple[int, str, float]]:
+    """(step, key, value) of each of `keys` on each line of metrics.jsonl that has it, in order."""
+    return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r]
+
+
+def assert_same_logged(got: list, want: list, tolerance: float, where: str = "") -> None:
+    """Two runs' logged() values: the same steps and keys in the same order, each value within
+    `tolerance`, relative and absolute."""
+    assert [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in want], where
+    for (step, key, x), (_, _, y) in zip(got, want):
+        assert x == pytest.approx(y, rel=tolerance, abs=tolerance), (where, step, key)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

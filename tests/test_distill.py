@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from helpers import (
-    DATA, SMALL, TEACHER, accelerate_launch, clean_env, compose, finish, launch, ranks_of, read_metrics, start,
-    torchrun, train, wait_for_step, write_rows,
+    DATA, SMALL, TEACHER, accelerate_launch, assert_same_logged, clean_env, compose, finish, launch, logged, ranks_of,
+    read_metrics, start, torchrun, train, wait_for_step, write_rows,
 )
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -215,8 +215,7 @@ def test_a_student_distilled_from_a_trained_teacher_beats_one_trained_on_the_dat
 # --- every strategy, every saving -----------------------------------------------------------------
 
 def distill_values(run_dir: Path) -> list[tuple[int, str, float]]:
-    keys = ("loss", "nll", "teacher_nll", "eval_loss", "eval_nll")
-    return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r]
+    return logged(run_dir, ("loss", "nll", "teacher_nll", "eval_loss", "eval_nll"))
 
 
 @pytest.mark.slow
@@ -241,10 +240,7 @@ def test_two_processes_give_the_step_of_one_under_ddp_zero3_and_fsdp2(tmp_path, 
                cwd=tmp_path, env=clean_env(DS_ACCELERATOR="cpu"))
         assert f"objective=distill: the teacher {TEACHER}, {held}" in (run_dir / "train.log").read_text()
         assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
-        two = distill_values(run_dir)
-        assert [(s, k) for s, k, _ in two] == [(s, k) for s, k, _ in one]
-        for (at, key, x), (_, _, y) in zip(two, one):
-            assert x == pytest.approx(y, rel=1e-5, abs=1e-5), (strategy, at, key)
+        assert_same_logged(distill_values(run_dir), one, 1e-5, strategy)
 
 
 @pytest.mark.slow

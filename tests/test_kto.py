@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compose, pretrained_llama, read_metrics, train, train_preempted_and_resumed, write_rows
+from helpers import compose, pretrained_llama, read_metrics, train, write_rows
 from trainloop.config.compose import ConfigError, validate
 
 KTO = ["data=unpaired", "objective=kto"]
@@ -205,26 +205,11 @@ def test_two_processes_give_the_step_of_one_under_ddp_and_fsdp2_and_a_resume_tha
     """A full fine-tune (the reference a frozen copy, sharded like the policy under FSDP2): 2 processes at
     batch 2 give the losses, rewards and KL of 1 at batch 4, the KL estimated over both ranks' rows; and 1
     process stopped by SIGTERM and resumed gives them bitwise."""
-    from helpers import SMALL, launch, torchrun
+    from helpers import one_resumed_and_two_processes
 
     data = Path(__file__).resolve().parent / "data" / "unpaired.jsonl"
     step = [*KTO, f"data.path={data}", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=null",
             "data.validation_fraction=0.2", "optimizer=sgd", "optimizer.lr=0.5"]
-    keys = ("loss", "eval_loss", "rewards/chosen", "rewards/rejected", "kl")
-
-    def values(run_dir: Path) -> list[tuple[int, str, float]]:
-        return [(r["step"], key, r[key]) for r in read_metrics(run_dir) for key in keys if key in r]
-
-    one = values(train(tmp_path / "one", *step, "data.batch_size=4"))
+    one = one_resumed_and_two_processes(tmp_path, step, ("loss", "eval_loss", "rewards/chosen", "rewards/rejected",
+                                                         "kl"))
     assert len(one) == 4 * 4 and len({x for _, key, x in one if key == "loss"}) > 1  # 3 train lines, 1 eval
-    said = train_preempted_and_resumed(tmp_path / "resumed", 1, *step, "data.batch_size=4")
-    assert values(tmp_path / "resumed") == one, said  # SIGTERM, then a resume: bitwise the run not stopped
-    for strategy in ("ddp", "fsdp"):
-        run_dir = tmp_path / strategy
-        launch([*torchrun(2), *SMALL, *step, "data.batch_size=2", f"hydra.run.dir={run_dir}",
-                *(["fsdp=full_shard"] if strategy == "fsdp" else [])], cwd=tmp_path)
-        assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
-        two = values(run_dir)
-        assert [(s, k) for s, k, _ in two] == [(s, k) for s, k, _ in one]
-        for (step_, key, x), (_, _, y) in zip(two, one):
-            assert x == pytest.approx(y, rel=1e-5, abs=1e-5), (strategy, step_, key)
