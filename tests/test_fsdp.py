@@ -36,6 +36,8 @@ def assert_same_curve(run_dir: Path, reference: Path) -> None:
 
 
 SAMPLE = 'eval.prompts=["Hello"]'  # greedy samples at every evaluation
+# lm-evaluation-harness at the end, a multiple-choice and a generation task: every rank in every forward
+HARNESS = ["eval.harness.tasks=[pydoc_order,pydoc_words]", "eval.harness.limit=20"]
 
 
 def two_processes(launcher: str) -> list[str]:
@@ -60,7 +62,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory) -> Path:
     return train(tmp_path_factory.mktemp("one_process_lora"), "+preset=[smoke,lora]", *TWO_PROCESS_RUN, "data.batch_size=8",
-                 SAMPLE, small=False)
+                 SAMPLE, *HARNESS, small=False)
 
 
 @pytest.mark.slow
@@ -83,8 +85,8 @@ def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter
     would not engage), with a LoRA adapter applied before sharding: the adapter written is
     complete and is what one process at batch 8 trained, here as 2 micro-batches of 2 on each
     process, each micro-batch's gradients reduce-scattered into the shards (fsdp.sync_each_batch)."""
-    run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora", SAMPLE, "trainer.gradient_accumulation_steps=2",
-                          batch=2)
+    run_dir = launch_fsdp(tmp_path, "accelerate", "smoke,fsdp,lora", SAMPLE, *HARNESS,
+                          "trainer.gradient_accumulation_steps=2", batch=2)
     assert FSDP_LINE in run_log(run_dir)
     # peft's generate goes around the sharded root's forward: the samples gather its weights themselves
     samples = [[r["samples"] for r in read_metrics(d) if r.get("event") == "samples"] for d in (run_dir, lora_reference)]
@@ -97,6 +99,24 @@ def test_accelerate_launch_fsdp_lora_matches_one_process_and_exports_the_adapter
     worst = relative_difference(adapter, want)
     assert worst < WEIGHT_TOLERANCE, worst
     assert_same_weights(run_dir / "final", lora_reference / "final")  # the merged model
+    assert_same_harness_scores(run_dir, lora_reference, tmp_path)
+
+
+def assert_same_harness_scores(run_dir: Path, lora_reference: Path, tmp_path: Path) -> None:
+    """eval.harness, issue 40's check 2: the 2 FSDP2 processes log the scores one process logs, within 1e-6,
+    and those are the merged export's (final/) as `python -m trainloop.evaluate` scores it."""
+    import json
+
+    from trainloop.tools.evaluate import main
+
+    (got,), (want,) = ([r for r in read_metrics(d) if r.get("event") == "harness"] for d in (run_dir, lora_reference))
+    keys = [k for k in want if "/" in k]
+    assert {"pydoc_order/acc", "pydoc_order/acc_norm", "pydoc_words/exact_match"} <= set(keys), want
+    assert all(abs(got[k] - want[k]) <= 1e-6 for k in keys), (got, want)
+    main([str(lora_reference), "--tasks", "pydoc_order,pydoc_words", "--limit", "20",
+          "--output", str(tmp_path / "r.json")])
+    merged = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert all(abs(merged[k.split("/")[0]][k.split("/")[1] + ",none"] - want[k]) <= 1e-6 for k in keys), (merged, want)
 
 
 @pytest.mark.slow

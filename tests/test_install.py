@@ -25,6 +25,8 @@ def test_wheel_ships_configs_and_runs_outside_the_checkout(tmp_path):
     assert shipped and shipped <= names, f"configs missing from the wheel: {sorted(shipped - names)}"
     code = {f"trainloop/{p.relative_to(REPO / 'trainloop')}" for p in (REPO / "trainloop").rglob("*.py")}
     assert code <= names, f"modules missing from the wheel (a package not in pyproject.toml?): {sorted(code - names)}"
+    tasks = {f"trainloop/examples/harness/{p.name}" for p in (REPO / "examples" / "harness").glob("*.*")}
+    assert tasks and tasks <= names, f"harness tasks missing from the wheel: {sorted(tasks - names)}"
 
     launch([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)])
     env = clean_env(PYTHONPATH=str(target))

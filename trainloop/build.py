@@ -30,6 +30,7 @@ class Built:
     tokenizer: Any
     model_config: Any
     samples: Any  # trainloop.observe.samples.Samples, or None without eval.prompts
+    harness: Any  # trainloop.observe.harness.Harness, or None without eval.harness.tasks
     train_set: Any
     valid_set: Any
     model: Any
@@ -69,6 +70,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective, prompt_tools
     from trainloop.observe.flops import flops_per_token, trained_matmul_params
+    from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler
     from trainloop.parallel import check_context_model
@@ -86,6 +88,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     check_targets(cfg.adapter, model_config, objective.head)
     check_context_model(cfg, model_config)
     samples = Samples.for_config(cfg, tokenizer, context_length(model_config))  # its prompts checked before compute
+    harness = Harness.for_config(cfg, tokenizer)  # its tasks found and loaded before compute
     if blocks is not None:
         train_set, valid_set = blocks
     elif run_dir is not None:  # not inside a collective: tokenizing a large corpus outlasts trainer.collective_timeout_s
@@ -145,5 +148,5 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     accelerator.register_for_checkpointing(scheduler)
     objective.start(strategy, model, None if frozen is None else strategy.prepare_frozen(frozen),
                     train_set, valid_set, run_dir)
-    return Built(strategy, objective, tokenizer, model_config, samples, train_set, valid_set, model, optimizer,
+    return Built(strategy, objective, tokenizer, model_config, samples, harness, train_set, valid_set, model, optimizer,
                  scheduler, train_loader, valid_loader, flops, batch_size, accumulation, batch_search)

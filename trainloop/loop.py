@@ -63,11 +63,12 @@ def step_batches(batches, accumulation: int) -> list[dict]:
 
 
 def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, valid_loader,
-          state: TrainState, metrics, checkpointer, guard, samples=None) -> float | None:
+          state: TrainState, metrics, checkpointer, guard, samples=None, harness=None) -> float | None:
     """Run optimizer steps (trainloop.step) until trainer.max_steps (or a stop); return the last
     validation loss. `strategy` (trainloop.parallel) spreads the model over the processes,
     `objective` (trainloop.objectives) gives each micro-batch's loss; `samples` (trainloop.observe.samples,
-    from eval.prompts) generates at every evaluation."""
+    from eval.prompts) generates at every evaluation; `harness` (trainloop.observe.harness, from
+    eval.harness) scores the model on its tasks at the steps it names."""
     tc, accelerator = cfg.trainer, strategy.accelerator
     order = train_loader.batch_sampler  # trainloop.data.order.GlobalOrder: the batch and accumulation the run takes
     tokens_per_batch = order.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
@@ -140,6 +141,9 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                 for record in checkpointer.wait(state.step):
                     metrics.write(record)
                 checkpointer.save(state, model)
+            # after the save, which a failure here then cannot lose; not on the way out of a stop (a signal's grace)
+            if harness is not None and harness.due(state.step, last) and (last or not stop):
+                metrics.harness(state.step, harness.score(strategy, model))
             if profiler is not None:  # a profiled step holds its logging, eval and save too
                 profiler.step(state.step)
             if stop:

@@ -91,7 +91,8 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     try:
         with guard.preemption:  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, raise Preempted
             eval_loss = train(cfg, strategy, built.objective, model, built.optimizer, built.scheduler,
-                              built.train_loader, built.valid_loader, state, metrics, checkpointer, guard, built.samples)
+                              built.train_loader, built.valid_loader, state, metrics, checkpointer, guard, built.samples,
+                              built.harness)
             if guard.preempted_by:  # the last line says so: a job script's cue to requeue (scripts/slurm.sbatch)
                 metrics.write({"step": state.step, "event": "preempted", "by": guard.preempted_by,
                                "checkpoint": str(checkpointer.last_good())})

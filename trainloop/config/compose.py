@@ -105,7 +105,7 @@ POSITIVE = (
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
     "model.num_experts", "model.experts_per_token", "eval.max_new_tokens", "parallel.tp_size",
-    "parallel.pp_size", "parallel.pp_stages_per_rank", "parallel.cp_size",
+    "parallel.pp_size", "parallel.pp_stages_per_rank", "parallel.cp_size", "eval.harness.batch_size",
 )
 
 
@@ -156,6 +156,8 @@ _READ_ONLY_BY = {
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
     "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
     "eval.max_new_tokens": (lambda c: bool(c.eval.prompts), "eval.prompts=[...] (a list of prompts)"),
+    **{f"eval.harness.{key}": (lambda c: bool(c.eval.harness.tasks), "eval.harness.tasks=[...] (the harness's tasks)")
+       for key in ("include_path", "every", "limit", "num_fewshot", "batch_size")},
     **{f"parallel.{key}": (lambda c: c.parallel.pp_size > 1, "parallel.pp_size > 1")
        for key in ("pp_schedule", "pp_stages_per_rank")},
 }
@@ -289,6 +291,7 @@ def validate(cfg: Any) -> None:
     from trainloop import objectives, parallel
     from trainloop.data import formats
     from trainloop.model import adapter, builder as model, fp8
+    from trainloop.observe import harness
     from trainloop.observe.trackers import tracker_problems
 
     problems = []
@@ -319,6 +322,7 @@ def validate(cfg: Any) -> None:
         problems.append("compile.regional=true needs a compile backend: add compile=inductor")
     problems += profile_problems(cfg)
     problems += tracker_problems(cfg.logging.trackers)
+    problems += harness.problems(cfg)
     budget = cfg.trainer.auto_batch_size_budget_mb
     if budget is not None and budget <= 0:
         problems.append(f"trainer.auto_batch_size_budget_mb={budget} must be greater than 0, or null")

@@ -150,9 +150,22 @@ class LoggingConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """lm-evaluation-harness (`pip install 'trainloop[eval]'`) scoring the live model (trainloop/observe/harness.py)."""
+
+    tasks: list[str] = field(default_factory=list)  # the harness's tasks (or groups) to score the model on, e.g. [pydoc_order, pydoc_words] (shipped in examples/harness); []: none
+    include_path: Optional[str] = None  # a folder of your own task YAMLs, searched with the shipped ones before the harness's registry
+    every: Optional[int] = None  # optimizer steps between scorings; the last step always scores; None: the last step only
+    limit: Optional[float] = None  # documents per task: N, or a fraction of them below 1; None: all
+    num_fewshot: Optional[int] = None  # examples in each prompt; None: each task's own
+    batch_size: int = 8  # requests per forward
+
+
+@dataclass
 class EvalConfig:
     prompts: list[str] = field(default_factory=list)  # at every evaluation, greedy completions of these into metrics.jsonl
     max_new_tokens: int = 32  # tokens generated per prompt
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 
 @dataclass

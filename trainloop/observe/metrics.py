@@ -98,6 +98,13 @@ class Metrics:
             self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}"
                      + (f"  rewards: {rewards}" if rewards else ""))
 
+    def harness(self, step: int, scores: dict[str, float]) -> None:
+        """lm-evaluation-harness's scores of the model (trainloop.observe.harness): event=harness, a key
+        TASK/METRIC each; on screen without the standard errors."""
+        self.write({"step": step, "event": "harness", **scores})
+        self.say(f"step {step}: harness " + "  ".join(f"{key} {value:.4g}" for key, value in scores.items()
+                                                        if not key.endswith("_stderr")))
+
     def telemetry(self, step: int, **values) -> None:
         """A sample of the machine (trainloop.observe.telemetry): its own line, event=telemetry."""
         self.write({"step": step, "event": "telemetry", **values})

@@ -21,6 +21,7 @@ import io
 import re
 import sys
 import tokenize
+import typing
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -192,6 +193,21 @@ def optimizer_table(defaults) -> list[str]:
     return out + [""]
 
 
+def key_rows(prefix: str, cls: type, docs: dict, defaults: dict) -> list[str]:
+    """The table's row of each key of a section; a section inside it (eval.harness) gives its keys' rows."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += key_rows(key, hints[f.name], class_docs(hints[f.name]), defaults[f.name])
+            continue
+        annotation, text = docs[f.name]
+        out.append(f"| `{key}` | {cell(type_name(annotation))} | `{cell(yaml_value(defaults[f.name]))}` | "
+                   f"{allowed(key)} | {cell(describe(text))} |")
+    return out
+
+
 def render() -> str:
     cfg, choices = default_config()
     groups = [f for f in dataclasses.fields(TrainConfig)]
@@ -224,13 +240,7 @@ def render() -> str:
             if group.name == "optimizer":
                 out += optimizer_table(cfg.optimizer)
         out += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
-        docs = key_docs(group.name, cls)
-        for f in dataclasses.fields(cls):
-            key = f"{group.name}.{f.name}"
-            annotation, text = docs[f.name]
-            default = yaml_value(OmegaConf.to_container(cfg[group.name])[f.name])
-            out.append(f"| `{key}` | {cell(type_name(annotation))} | `{cell(default)}` | "
-                       f"{allowed(key)} | {cell(describe(text))} |")
+        out += key_rows(group.name, cls, key_docs(group.name, cls), OmegaConf.to_container(cfg[group.name]))
     out += ["", "## presets", "",
             "Bundles on top of the defaults, each one file in conf/preset/: `+preset=NAME`.", "",
             "| preset | what it is | sets |", "| --- | --- | --- |"]

@@ -3,7 +3,8 @@
 Draws, from each run's metrics.jsonl, six panels against the optimizer step: train and eval loss,
 learning rate, tokens/s, MFU, gradient norm and memory (the telemetry lines), then the objective's
 own where a run logged them (grpo: reward, KL, completion length; dpo and simpo: accuracy and
-margin), one colour per run with a legend, into RUN_DIR/report.png (the first run's) or -o. A
+margin) and a panel per lm-evaluation-harness task it scored (eval.harness), one colour per run with
+a legend, into RUN_DIR/report.png (the first run's) or -o. A
 sweep directory stands for its jobs. A resumed run appends to its metrics.jsonl and logs some
 steps again: each step keeps its last value, so a curve shows the run as it finally stands.
 Drawn with matplotlib's Agg canvas, imported only here so that `python -m trainloop` does not
@@ -76,6 +77,7 @@ OBJECTIVE_PANELS = (
     Panel("reward margin", (Series("rewards/margin", "train", eval=False),
                             Series("rewards/margin", "eval", "--", eval=True))),
 )
+STYLES = ("-", "--", ":", "-.")
 SERIES = tuple(dict.fromkeys(s for panel in PANELS + OBJECTIVE_PANELS for s in panel.series))
 LOSS, EVAL_LOSS = PANELS[0].series
 FIGSIZE, DPI = (12.0, 11.0), 100  # inches and dots per inch: a 1200 x 1100 PNG of PANELS' three rows
@@ -107,7 +109,25 @@ def read_curves(run_dir: Path) -> dict[Series, list[tuple[int, float]]]:
             value = record.get(series.key)
             if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record and series.reads(record):
                 curves[series][record["step"]] = float(value)
+        if record.get("event") == "harness" and "step" in record:  # eval.harness: a series per TASK/METRIC
+            metrics = [key for key, value in record.items()
+                       if "/" in key and not key.endswith("_stderr") and isinstance(value, (int, float))]
+            for key in metrics:  # a style per metric of its task, in the order the harness wrote them
+                task, metric = key.split("/", 1)
+                style = STYLES[[m for m in metrics if m.startswith(task + "/")].index(key) % len(STYLES)]
+                curves.setdefault(Series(key, metric, style), {})[record["step"]] = float(record[key])
     return {series: sorted(values.items()) for series, values in curves.items()}
+
+
+def harness_panels(curves: list[dict]) -> tuple[Panel, ...]:
+    """A panel per lm-evaluation-harness task any run scored, its metrics as series."""
+    tasks: dict[str, dict[Series, None]] = {}
+    for run in curves:
+        for series in run:
+            if series not in SERIES:
+                tasks.setdefault(series.key.split("/", 1)[0], {})[series] = None
+    return tuple(Panel(f"{task} (lm-evaluation-harness)", tuple(series), ylabel="score")
+                 for task, series in tasks.items())
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -154,7 +174,7 @@ def draw_panel(ax, panel: Panel, runs: list[tuple[str, object, dict]]) -> None:
     values, styles = [], []
     for label, color, curves in runs:
         for series in panel.series:
-            points = curves[series]
+            points = curves.get(series, [])  # a harness metric another run scored
             if not points:
                 continue
             steps, ys = zip(*points)
@@ -189,7 +209,8 @@ def draw_report(labels: list[str], curves: list[dict]):
 
     colors = run_colors(len(labels))
     runs = list(zip(labels, colors, curves))
-    panels = PANELS + tuple(p for p in OBJECTIVE_PANELS if any(run[s] for run in curves for s in p.series))
+    panels = (PANELS + tuple(p for p in OBJECTIVE_PANELS if any(run[s] for run in curves for s in p.series))
+              + harness_panels(curves))
     rows = math.ceil(len(panels) / 2)
     fig = Figure(figsize=(FIGSIZE[0], FIGSIZE[1] * rows / 3), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -259,7 +280,7 @@ def main(argv: list[str] | None = None):
         prog="python -m trainloop.report",
         description="Draw loss, eval loss, learning rate, tokens/s, MFU, grad norm and memory of "
                     "one or more runs against the step, and the objective's reward, KL, accuracy or "
-                    "margin where logged, into a PNG.")
+                    "margin and the lm-evaluation-harness scores where logged, into a PNG.")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
                         help="a run directory (with metrics.jsonl) or a sweep directory")
     parser.add_argument("-o", "--out", type=Path, help="the PNG to write (default: FIRST_RUN_DIR/report.png)")
