@@ -76,7 +76,7 @@ def test_accelerate_launch_zero3_offload_exports_what_deepspeed_consolidates(tmp
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    launch([*accelerate_launch(2), *overrides("zero3_offload"), f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    launch([*accelerate_launch(2), *overrides("zero3_offload", *HARNESS), f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert ("DeepSpeed ZeRO-3 engaged with optimizer offload to cpu and parameter offload to cpu "
             "(DistributedType.DEEPSPEED, 2 process(es)") in run_log(run_dir)
     assert_two_ranks_wrote_one_run(tmp_path, run_dir)
@@ -90,6 +90,25 @@ def test_accelerate_launch_zero3_offload_exports_what_deepspeed_consolidates(tmp
     assert set(consolidated) <= set(exported)
     different = [k for k in consolidated if not torch.equal(consolidated[k], exported[k])]
     assert not different, f"{len(different)} tensors differ from zero_to_fp32, e.g. {different[:3]}"
+    assert_harness_scored_final(run_dir, tmp_path)
+
+
+# lm-evaluation-harness at the end (eval.harness): under ZeRO-3 every rank takes part in each forward
+HARNESS = ("eval.harness.tasks=[pydoc_order,pydoc_words]", "eval.harness.limit=20")
+
+
+def assert_harness_scored_final(run_dir: Path, tmp_path: Path) -> None:
+    """The scores logged at the end are final/'s, as `python -m trainloop.evaluate` scores it."""
+    import json
+
+    from trainloop.tools.evaluate import main
+
+    (logged,) = [r for r in read_metrics(run_dir) if r.get("event") == "harness"]
+    main([str(run_dir), "--tasks", "pydoc_order,pydoc_words", "--limit", "20", "--output", str(tmp_path / "h.json")])
+    final = json.loads((tmp_path / "h.json").read_text())["results"]
+    keys = [k for k in logged if "/" in k and not k.endswith("_stderr")]
+    assert keys and all(abs(final[k.split("/")[0]][k.split("/")[1] + ",none"] - logged[k]) <= 1e-6 for k in keys), \
+        (logged, final)
 
 
 @pytest.mark.slow

@@ -78,10 +78,11 @@ def problems(cfg) -> list[str]:
     return out
 
 
-def task_manager(tasks: list[str], include_path: str | None = None, key: str = f"{KEY}.tasks"):
+def task_manager(tasks: list[str], include_path: str | None = None, keys: tuple[str, str] = (f"{KEY}.tasks",
+                 f"{KEY}.include_path")):
     """lm_eval's TaskManager, knowing every one of `tasks`: the shipped tasks' folder and include_path are
     indexed first (milliseconds); the harness's registry (some 15,000 YAML files, 15 s) only when a task is
-    in neither. A task found nowhere: ConfigError naming `key`."""
+    in neither. A task found nowhere: ConfigError naming `keys` (the tasks' and the folder's)."""
     quiet_harness()
     from lm_eval.tasks import TaskManager
 
@@ -93,27 +94,17 @@ def task_manager(tasks: list[str], include_path: str | None = None, key: str = f
         manager = TaskManager(include_path=paths)
     unknown = _unknown(manager, tasks)
     if unknown:
+        shipped = sorted(re.search(r"^task:\s*(\S+)", f.read_text(), re.MULTILINE).group(1)
+                         for f in SHIPPED.glob("*.yaml"))
         raise ConfigError(
-            f"{key}: no task {', '.join(unknown)} in the shipped tasks ({SHIPPED}: "
-            f"{', '.join(sorted(_declared_tasks(paths[:1])))}), "
-            + (f"{paths[1]} " if len(paths) > 1 else "eval.harness.include_path (not set) ")
-            + "or the harness's registry; `lm_eval ls tasks --include_path DIR` lists the tasks a folder holds")
+            f"{keys[0]}: no task {', '.join(unknown)} in the shipped tasks ({SHIPPED}: {', '.join(shipped)}), "
+            f"{include_path if include_path is not None else keys[1] + ' (not set)'} or the harness's registry; "
+            "`lm_eval ls tasks --include_path DIR` lists the tasks a folder holds")
     return manager
 
 
 def _unknown(manager, tasks: list[str]) -> list[str]:
     return [task for task in tasks if not manager.match_tasks([task])]
-
-
-def _declared_tasks(paths: list[str]) -> list[str]:
-    """The task names the YAML files in `paths` declare (for the message above)."""
-    names = []
-    for path in paths:
-        for file in Path(path).glob("*.yaml"):
-            match = re.search(r"^task:\s*(\S+)", file.read_text(), re.MULTILINE)
-            if match:
-                names.append(match.group(1))
-    return names
 
 
 def quiet_harness() -> None:

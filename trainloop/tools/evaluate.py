@@ -97,7 +97,7 @@ def score(args) -> dict:
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise ConfigError(f"--include_path {args.include_path} is not a folder: give the folder that holds your "
                           "task YAML files")
-    manager = harness.task_manager(tasks, args.include_path, key="--tasks")
+    manager = harness.task_manager(tasks, args.include_path, keys=("--tasks", "--include_path"))
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
