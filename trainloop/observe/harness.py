@@ -210,7 +210,9 @@ class Harness:
                 get_task_dict(list(h.tasks), manager)
         except Exception as err:  # noqa: BLE001 - the harness raises what its datasets raise
             raise ConfigError(f"{KEY}.tasks: the harness could not load {', '.join(h.tasks)}: "
-                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; a registry "
+                              "task downloads its data from the hub: without one, score local tasks "
+                              f"({KEY}.include_path)") from err
         # the harness may give a tokenizer without one a pad token: the run's own (saved in final/) stays as it is
         return cls(h, copy.deepcopy(tokenizer), manager)
 
