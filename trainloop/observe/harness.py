@@ -227,7 +227,7 @@ class Harness:
 
         quiet_harness()
         with sampling(strategy, model, seed=TORCH_SEED) as module, own_random_streams(), without_bars():
-            lm = LiveLM(module, self.tokenizer, self.cfg.batch_size, synced=strategy.world_size > 1)
+            lm = LiveLM(module, self.tokenizer, self.cfg.batch_size, strategy.device, synced=strategy.world_size > 1)
             # stderr of a mean in closed form; of another aggregate from 100 resamples, not the command line's 100,000
             results = evaluate(lm, list(self.cfg.tasks), self.manager, limit=self.cfg.limit,
                                num_fewshot=self.cfg.num_fewshot, batch_size=self.cfg.batch_size, bootstrap_iters=100)

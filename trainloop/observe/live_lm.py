@@ -16,10 +16,11 @@ def _tied_already(*args, **kwargs) -> None:
 
 class LiveLM(HFLM):
     """HFLM over `model` as it is (the unwrapped module the strategy holds, sharded or not, adapted or
-    not), without progress bars (the run's own is on screen). `synced`: a generation runs its forwards
-    until every rank has finished (synced_gpus), as several processes score together."""
+    not), without progress bars (the run's own is on screen). `device`: where its inputs go. `synced`: a
+    generation runs its forwards until every rank has finished (synced_gpus), as several processes score
+    together."""
 
-    def __init__(self, model, tokenizer, batch_size: int, synced: bool):
+    def __init__(self, model, tokenizer, batch_size: int, device, synced: bool):
         # HFLM ties a model's input and output embeddings as it takes it, for a model just loaded; the
         # live one's are tied already, and tying again re-assigns a weight FSDP2 or ZeRO-3 holds sharded
         model.tie_weights = _tied_already
@@ -27,6 +28,8 @@ class LiveLM(HFLM):
             super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
         finally:
             del model.tie_weights
+        # the device training's batches go to: the model's first weight may sit elsewhere (offloaded to the CPU)
+        self._device = device
         self.synced = synced
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
