@@ -302,7 +302,8 @@ def validate(cfg: Any) -> None:
     for key in POSITIVE:
         if _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
-    for key in ("checkpoint.every_steps", "trainer.stop_at_step", "logging.peak_tflops", "trainer.eval_batches"):
+    for key in ("checkpoint.every_steps", "trainer.stop_at_step", "logging.peak_tflops", "trainer.eval_batches",
+                "eval.harness.every", "eval.harness.limit"):
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 

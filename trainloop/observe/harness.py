@@ -30,8 +30,6 @@ from pathlib import Path
 
 from trainloop.errors import ConfigError
 
-log = logging.getLogger("trainloop")
-
 KEY = "eval.harness"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # trainloop/
 SHIPPED = PACKAGE_DIR / "examples" / "harness"  # an installed wheel's copy
@@ -54,9 +52,6 @@ def problems(cfg) -> list[str]:
     from trainloop.objectives import OBJECTIVES
 
     h, out = cfg.eval.harness, []
-    for key in ("every", "limit"):
-        if getattr(h, key) is not None and getattr(h, key) <= 0:
-            out.append(f"{KEY}.{key}={getattr(h, key)} must be greater than 0, or null")
     if h.num_fewshot is not None and h.num_fewshot < 0:
         out.append(f"{KEY}.num_fewshot={h.num_fewshot} must be 0 or more, or null")
     if not h.tasks:

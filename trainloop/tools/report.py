@@ -110,12 +110,13 @@ def read_curves(run_dir: Path) -> dict[Series, list[tuple[int, float]]]:
             if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record and series.reads(record):
                 curves[series][record["step"]] = float(value)
         if record.get("event") == "harness" and "step" in record:  # eval.harness: a series per TASK/METRIC
-            metrics = [key for key, value in record.items()
-                       if "/" in key and not key.endswith("_stderr") and isinstance(value, (int, float))]
-            for key in metrics:  # a style per metric of its task, in the order the harness wrote them
-                task, metric = key.split("/", 1)
-                style = STYLES[[m for m in metrics if m.startswith(task + "/")].index(key) % len(STYLES)]
-                curves.setdefault(Series(key, metric, style), {})[record["step"]] = float(record[key])
+            drawn: dict[str, int] = {}  # a style per metric of its task, in the order the harness wrote them
+            for key, value in record.items():
+                if "/" in key and not key.endswith("_stderr") and isinstance(value, (int, float)):
+                    task, metric = key.split("/", 1)
+                    style = STYLES[drawn.get(task, 0) % len(STYLES)]
+                    drawn[task] = drawn.get(task, 0) + 1
+                    curves.setdefault(Series(key, metric, style), {})[record["step"]] = float(value)
     return {series: sorted(values.items()) for series, values in curves.items()}
 
 
