@@ -105,10 +105,6 @@ def wrap_lora(model, cfg: AdapterConfig, head: str = "lm"):
         return get_peft_model(model, lora_config(cfg, head))
 
 
-def trainable_names(model) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
 def problems(cfg) -> list[str]:
     """Adapters and quantized weights: the combinations that cannot work, each with its reason."""
     a, q = cfg.adapter, cfg.model.quantization
