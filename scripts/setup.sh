@@ -11,6 +11,25 @@ VENV=${VENV:-.venv}
 # or find-links folder does not hold, which says nothing about this install.
 "$VENV/bin/python" -m pip install -qq --upgrade pip
 "$VENV/bin/python" -m pip install -qq -c constraints.txt -e ".[test]"
+# Two of the test tools are installed so that the suite's hundreds of processes do not import them
+# (pyproject.toml's test extra says more; `pip install -e '.[eval,mlflow]'` installs both as a user gets them):
+# - lm-evaluation-harness (tests/test_harness.py) without scikit-learn, which brings scipy, and with scipy
+#   installed every import of transformers' model classes imports scipy.optimize (0.5 s).
+"$VENV/bin/python" -m pip install -qq -c constraints.txt --no-deps lm-eval
+# - MLflow's client (tests/test_trackers.py) in $VENV/mlflow, off the venv's import path, its requirements in
+#   the venv: DeepSpeed imports mlflow whenever it can (its autotuner, at `import deepspeed`, which accelerate
+#   does in every run's export), 1.8 s a process. tests/conftest.py puts it on the pytest workers' path.
+if [ ! -d "$VENV/mlflow/mlflow" ]; then
+  "$VENV/bin/python" -m pip install -qq -c constraints.txt --no-deps --target "$VENV/mlflow" mlflow-skinny
+fi
+"$VENV/bin/python" - "$VENV/mlflow" > "$VENV/mlflow-requirements.txt" <<'PY'
+import importlib.metadata
+import sys
+
+[dist] = [d for d in importlib.metadata.distributions(path=[sys.argv[1]]) if d.metadata["Name"] == "mlflow-skinny"]
+print("\n".join(r for r in dist.requires if "extra ==" not in r))
+PY
+"$VENV/bin/python" -m pip install -qq -c constraints.txt -r "$VENV/mlflow-requirements.txt"
 
 # DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against libaio.
 if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then

@@ -20,10 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-import torch
+# MLflow's client, which scripts/setup.sh installs beside the venv (pyproject.toml's test extra says why): on the
+# path of the pytest workers, where tests/test_trackers.py runs it, before accelerate reads what is installed.
+# A child process that logs to MLflow gets it with clean_env(PYTHONPATH=str(MLFLOW)).
+MLFLOW = Path(sys.prefix) / "mlflow"
+if MLFLOW.is_dir() and str(MLFLOW) not in sys.path:
+    sys.path.append(str(MLFLOW))
 
-from trainloop.config.compose import CONFIG_DIR, compose_config
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trainloop.config.compose import CONFIG_DIR, compose_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step
+from helpers import MLFLOW, SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step
 from trainloop.observe.trackers import TRACKERS, Trackers
 
 
@@ -274,7 +274,7 @@ def test_a_preempted_run_leaves_every_logged_line_in_its_trackers(tmp_path, monk
 
 
     run_dir = tmp_path / "run"
-    env = clean_env()
+    env = clean_env(PYTHONPATH=str(MLFLOW))
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen([sys.executable, "-m", "trainloop", "+preset=smoke", "trainer.max_steps=500",
                              "trainer.log_every=1", "logging.progress_bar=false",
