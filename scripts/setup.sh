@@ -18,18 +18,19 @@ VENV=${VENV:-.venv}
 "$VENV/bin/python" -m pip install -qq -c constraints.txt --no-deps lm-eval
 # - MLflow's client (tests/test_trackers.py) in $VENV/mlflow, off the venv's import path, its requirements in
 #   the venv: DeepSpeed imports mlflow whenever it can (its autotuner, at `import deepspeed`, which accelerate
-#   does in every run's export), 1.8 s a process. tests/conftest.py puts it on the pytest workers' path.
-if [ ! -d "$VENV/mlflow/mlflow" ]; then
-  "$VENV/bin/python" -m pip install -qq -c constraints.txt --no-deps --target "$VENV/mlflow" mlflow-skinny
+#   does in every run's export), 1.8 s a process. tests/helpers.py puts it on the pytest workers' path.
+MLFLOW_PIN=$(grep '^mlflow-skinny==' constraints.txt)
+if [ ! -d "$VENV/mlflow/mlflow_skinny-${MLFLOW_PIN#*==}.dist-info" ]; then  # absent, or another version
+  rm -rf "$VENV/mlflow"
+  "$VENV/bin/python" -m pip install -qq --no-deps --target "$VENV/mlflow" "$MLFLOW_PIN"
 fi
-"$VENV/bin/python" - "$VENV/mlflow" > "$VENV/mlflow-requirements.txt" <<'PY'
+"$VENV/bin/python" - "$VENV/mlflow" <<'PY' | "$VENV/bin/python" -m pip install -qq -c constraints.txt -r /dev/stdin
 import importlib.metadata
 import sys
 
 [dist] = [d for d in importlib.metadata.distributions(path=[sys.argv[1]]) if d.metadata["Name"] == "mlflow-skinny"]
 print("\n".join(r for r in dist.requires if "extra ==" not in r))
 PY
-"$VENV/bin/python" -m pip install -qq -c constraints.txt -r "$VENV/mlflow-requirements.txt"
 
 # DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against libaio.
 if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then
