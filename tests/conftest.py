@@ -1,5 +1,5 @@
 """The suite's fixtures and hooks: the environment every test starts from, DeepSpeed's compiled
-ops (built once, in the background), and the per-test time-out. What tests share besides fixtures
+ops (built once, in the background), the per-test time-out, and each xdist worker's threads. What tests share besides fixtures
 (compose, train, launch, ...) is in helpers.py."""
 
 from __future__ import annotations
@@ -129,6 +129,15 @@ _stderr: int | None = None
 def pytest_configure(config):
     global _stderr
     _stderr = os.dup(2)  # output capture is off here; during a test fd 2 is pytest's capture file
+    # An xdist worker's in-process runs compute on the worker's share of the cores, as each launched
+    # rank does on one (clean_env): with torch's default, a thread per core in every worker, the
+    # threads spin waiting on each other (2 cores, 2 workers: test_efficiency, test_grpo,
+    # test_checkpoint and test_activation_offload took 176 s; 146 s with one thread each).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set before the conftest loads
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def pytest_timeout_set_timer(item, settings):
