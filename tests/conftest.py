@@ -1,6 +1,6 @@
 """The suite's fixtures and hooks: the environment every test starts from, DeepSpeed's compiled
-ops (built once, in the background), the per-test time-out, and each xdist worker's threads. What tests share besides fixtures
-(compose, train, launch, ...) is in helpers.py."""
+ops (built once, in the background), the per-test time-out, and each xdist worker's threads. What
+tests share besides fixtures (compose, train, launch, ...) is in helpers.py."""
 
 from __future__ import annotations
 
