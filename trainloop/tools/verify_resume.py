@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 # Set by this command; the same keys among the user's overrides are replaced.
 FORCED = ("trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.stop_at_step",
@@ -116,18 +117,24 @@ def compare(straight: Path, resumed: Path, steps: int) -> Comparison:
     )
 
 
-def launch(launcher: list[str], overrides: list[str], log_file: Path) -> None:
-    """One run of trainloop, its output in log_file; raises SystemExit with the tail if it fails."""
-    args = [*launcher, "-m", "trainloop", *overrides]
+def launch(run: Callable[[list[str], Path], int], overrides: list[str], log_file: Path) -> None:
+    """One run of trainloop through `run` (its output in log_file); raises SystemExit with the tail if it fails."""
     t0 = time.perf_counter()
-    with open(log_file, "w") as out:
-        code = subprocess.call(args, stdout=out, stderr=subprocess.STDOUT)
-    print(f"  {' '.join(shlex.quote(a) for a in args[len(launcher):])}  -> exit {code} "
+    code = run(overrides, log_file)
+    print(f"  -m trainloop {' '.join(shlex.quote(a) for a in overrides)}  -> exit {code} "
           f"({time.perf_counter() - t0:.0f} s, log {log_file})", flush=True)
     if code != 0:
         tail = log_file.read_text()[-3000:]
         print(f"verify_resume: a run failed (exit {code}); the end of its log:\n{tail}", file=sys.stderr)
         raise SystemExit(2 if code == 2 else 1)
+
+
+def subprocess_runs(launcher: list[str]) -> Callable[[list[str], Path], int]:
+    """Each run as `LAUNCHER -m trainloop OVERRIDES` in a process of its own; returns its exit code."""
+    def run(overrides: list[str], log_file: Path) -> int:
+        with open(log_file, "w") as out:
+            return subprocess.call([*launcher, "-m", "trainloop", *overrides], stdout=out, stderr=subprocess.STDOUT)
+    return run
 
 
 def key_of(override: str) -> str:
@@ -161,7 +168,9 @@ def parse(argv: list[str]):
     return args, overrides
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run: Callable[[list[str], Path], int] | None = None) -> int:
+    """The command; `run` (overrides, log file -> exit code) runs each of its trainloop runs, by
+    default as a launch of its own (tests/helpers.warm_runs: on warm ranks)."""
     args, user = parse(sys.argv[1:] if argv is None else argv)
     if args.check:
         return check_checkpoints(args.check)
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={args.nproc}"]
     else:
         launcher = [sys.executable]
+    run = run or subprocess_runs(launcher)
     root = args.dir or Path(tempfile.mkdtemp(prefix="verify_resume_"))
     straight, resumed = (root / "straight").resolve(), (root / "resumed").resolve()
     for d in (straight, resumed):
@@ -194,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     root.mkdir(parents=True, exist_ok=True)
     print(f"verify_resume: {n} steps straight vs {half} + resume + {n - half}, in {root}", flush=True)
-    launch(launcher, [*overrides, "checkpoint.resume=null", f"hydra.run.dir={straight}"], root / "straight.log")
-    launch(launcher, [*overrides, "checkpoint.resume=null", f"trainer.stop_at_step={half}",
-                      f"hydra.run.dir={resumed}"], root / "first_half.log")
+    launch(run, [*overrides, "checkpoint.resume=null", f"hydra.run.dir={straight}"], root / "straight.log")
+    launch(run, [*overrides, "checkpoint.resume=null", f"trainer.stop_at_step={half}",
+                 f"hydra.run.dir={resumed}"], root / "first_half.log")
     if check_checkpoints(resumed / "checkpoints"):
         return 1
-    launch(launcher, [*overrides, "checkpoint.resume=auto", f"hydra.run.dir={resumed}"], root / "second_half.log")
+    launch(run, [*overrides, "checkpoint.resume=auto", f"hydra.run.dir={resumed}"], root / "second_half.log")
 
     result = compare(straight, resumed, n)
     print(result.report(args.rtol))
