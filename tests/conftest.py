@@ -1,20 +1,23 @@
-"""The suite's fixtures and hooks: the environment every test starts from, DeepSpeed's compiled
-ops (built once, in the background), the per-test time-out, and each xdist worker's threads. What
-tests share besides fixtures (compose, train, launch, ...) is in helpers.py."""
+"""The suite's fixtures and hooks: the environment every test starts from, what the suite makes once
+(distill's teacher), DeepSpeed's compiled ops (built once, in the background), the per-test
+time-out, each xdist worker's threads and its warm ranks (closed at the end, none left). What tests
+share besides fixtures (compose, train, launch, warm, ...) is in helpers.py."""
 
 from __future__ import annotations
 
 import faulthandler
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, launch
+from helpers import TEACHER, clean_env, close_warm_pool, launch, make_teacher, teacher_dir
 
 # DeepSpeed JIT-compiles its CPU ops into TORCH_EXTENSIONS_DIR under a hash that includes this
 # venv's include paths: two venvs sharing ~/.cache/torch_extensions rebuild each other's ops
@@ -31,6 +34,34 @@ def distributed_left_as_found():
 
     with distributed_as_found():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def teacher(request) -> Path | None:
+    """helpers.TEACHER, made once for the whole suite run (by whichever worker comes first); not for a
+    pytest of files elsewhere that loads this conftest as a plugin (tests/test_timeout.py)."""
+    here = Path(__file__).parent
+    if not any(here in Path(item.path).parents for item in request.session.items):
+        return None
+    return make_teacher()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A worker's warm ranks end with it, and nothing they started outlives them."""
+    left = close_warm_pool()
+    if left:
+        os.write(_stderr or 2, f"warm ranks: processes {left} were alive after the pool closed (now killed)\n".encode())
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):
+    """The controller (or the only process) removes what the suite made once for all its workers."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    workers = getattr(config.option, "testrunuid", None)  # the workers' suite id; under -n 0 this process's
+    for made in {TEACHER, *([teacher_dir(workers)] if workers else [])}:
+        shutil.rmtree(made, ignore_errors=True)
+        Path(f"{made}.lock").unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -129,6 +160,9 @@ _stderr: int | None = None
 def pytest_configure(config):
     global _stderr
     _stderr = os.dup(2)  # output capture is off here; during a test fd 2 is pytest's capture file
+    # the controller names the run before xdist starts its workers, so that it knows what they share
+    if hasattr(config.option, "testrunuid") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
     # An xdist worker's in-process runs compute on the worker's share of the cores, as each launched
     # rank does on one (clean_env): with torch's default, a thread per core in every worker, the
     # threads spin waiting on each other (2 cores, 2 workers: test_efficiency, test_grpo,

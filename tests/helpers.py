@@ -7,6 +7,8 @@ module imports from another lives here.
 - `launch(args, ...)`: a subprocess (python -m trainloop, torchrun, accelerate, deepspeed) with a
   clean environment; returns the CompletedProcess. `start`/`finish`: the same in the background.
 - `torchrun(n)`, `accelerate_launch(n)`: the launchers' command lines for n processes on a free port.
+- `warm(n, args, ...)`: `python -m trainloop ARGS` on n warm ranks (tests/warm_ranks.py): the launcher's
+  environment without a launcher's imports; what multi-process runs that test numbers use.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 # MLflow's client, which scripts/setup.sh installs beside the venv (pyproject.toml's test extra says why): on the
 # path of the pytest workers, where tests/test_trackers.py runs it, before accelerate reads what is installed.
@@ -71,29 +75,49 @@ NEEDS = {  # options whose required keys the user must give
 }
 
 
-def tiny_teacher() -> Path:
-    """A teacher for objective=distill's table-wide tests: a random 4-layer Llama at the tiny models'
-    vocabulary, with the built-in tokenizer, saved once per test process in a directory of its own."""
-    import atexit
+def suite_id() -> str:
+    """The same in every xdist worker of one `pytest` (and its controller, tests/conftest.py)."""
+    return os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+
+
+def teacher_dir(suite: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"trainloop-teacher-{suite}"
+
+
+# A teacher for objective=distill's table-wide tests: a random 4-layer Llama at the tiny models'
+# vocabulary, with the built-in tokenizer. Its path is known at import (tests name it in their
+# parameters); it is made once per suite run, by make_teacher (tests/conftest.py, before any test).
+TEACHER = teacher_dir(suite_id())
+
+
+def make_teacher() -> Path:
+    """TEACHER, made by the first worker that gets here; the others wait on its lock and find it."""
+    import fcntl
     import shutil
-    import tempfile
 
     from transformers import AutoModelForCausalLM
 
     from trainloop.data.tokenizer import byte_level_tokenizer
     from trainloop.model.builder import build_model_config
 
-    path = Path(tempfile.mkdtemp(prefix="trainloop-teacher-"))
-    atexit.register(shutil.rmtree, path, True)
-    cfg = compose_config(["+preset=smoke", "model.num_layers=4"], check=False)
-    tokenizer = byte_level_tokenizer()
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(build_model_config(cfg.model, len(tokenizer))).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    TEACHER.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{TEACHER}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (TEACHER / "config.json").is_file():
+            return TEACHER
+        making = Path(tempfile.mkdtemp(prefix=f"{TEACHER.name}-", dir=TEACHER.parent))
+        cfg = compose_config(["+preset=smoke", "model.num_layers=4"], check=False)
+        tokenizer = byte_level_tokenizer()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(build_model_config(cfg.model, len(tokenizer)))
+        model.save_pretrained(making)
+        tokenizer.save_pretrained(making)
+        shutil.rmtree(TEACHER, ignore_errors=True)
+        making.rename(TEACHER)
+    return TEACHER
 
 
-TEACHER = tiny_teacher()
 NEEDS[("objective", "distill")] = [f"objective.teacher={TEACHER}"]
 # What each objective trains on, on top of the smoke preset, with the repository's test data (a new
 # row adds its own).
@@ -133,6 +157,36 @@ def train(run_dir: Path, *overrides: str, small: bool = True):
     run_dir.mkdir(parents=True, exist_ok=True)
     run(cfg, run_dir=run_dir)
     return run_dir
+
+
+def once(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """`make(path)` run once per suite run, whichever xdist worker asks first (the others wait on its
+    lock, then find it made), into a directory all workers share; returns the path. A reference
+    several tests or modules compare against is made here, not again on every worker."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "once"
+    shared.mkdir(exist_ok=True)
+    path, made = shared / name, shared / f"{name}.made"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            make(path)
+            made.touch()
+    return path
+
+
+def reference_run(tmp_path_factory, *overrides: str, small: bool = False) -> Path:
+    """`train(DIR, *overrides)` once per suite run (see `once`), keyed by its overrides: every test
+    comparing with the same run reads the same directory, and none may write into it."""
+    import hashlib
+
+    key = hashlib.sha1(json.dumps([small, overrides]).encode()).hexdigest()[:16]
+    return once(tmp_path_factory, f"run-{key}", lambda path: train(path, *overrides, small=small))
 
 
 def train_preempted_and_resumed(run_dir: Path, step: int, *overrides: str) -> str:
@@ -176,8 +230,8 @@ def one_resumed_and_two_processes(tmp_path: Path, run: list[str], keys: tuple[st
     assert logged(tmp_path / "resumed", keys) == one, said  # SIGTERM, then a resume: bitwise the run not stopped
     for strategy in ("ddp", "fsdp"):
         run_dir = tmp_path / strategy
-        launch([*torchrun(2), *SMALL, *run, "data.batch_size=2", f"hydra.run.dir={run_dir}",
-                *(["fsdp=full_shard"] if strategy == "fsdp" else [])], cwd=tmp_path)
+        warm(2, [*SMALL, *run, "data.batch_size=2", f"hydra.run.dir={run_dir}",
+                 *(["fsdp=full_shard"] if strategy == "fsdp" else [])], cwd=tmp_path)
         assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
         assert_same_logged(logged(run_dir, keys), one, 1e-5, strategy)
     return one
@@ -302,6 +356,46 @@ def launch(args: list[str], cwd: Path | None = None, timeout: float = 600, check
         pytest.fail(f"{' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
                     f"\n--- stderr\n{done.stderr[-6000:]}")
     return done
+
+
+_warm_pool = None
+
+
+def warm(world_size: int, args: list[str], cwd: Path | None = None, timeout: float = 600, check: bool = True,
+         env: dict | None = None, module: str = "trainloop", script: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (or `python SCRIPT ARGS`) on `world_size` ranks forked from this worker's
+    warm-rank server (tests/warm_ranks.py), each with torchrun's environment on a free port (none for
+    one rank: a plain `python -m`), run in `cwd`. Returns what `launch` returns: the ranks' output
+    joined in rank order, the first failed rank's exit code. Past the timeout it fails with every
+    rank's stacks; a rank killed by a signal fails it in one line; with check, so does any failure."""
+    global _warm_pool
+    from warm_ranks import WarmRanks
+
+    if _warm_pool is None:
+        _warm_pool = WarmRanks(clean_env(), Path(tempfile.gettempdir()) / f"trainloop-warm-ranks-{os.getpid()}.log")
+    job = _warm_pool.run(world_size, args, Path(cwd or os.getcwd()), env or clean_env(), timeout, module,
+                         str(script) if script else None, port=free_port())
+    failure = job.failure(timeout)
+    if failure and (check or job.timed_out or job.returncode < 0):
+        pytest.fail(failure, pytrace=False)
+    return subprocess.CompletedProcess(job.args, job.returncode, job.stdout, job.stderr)
+
+
+def warm_runs(processes: int = 1):
+    """verify_resume.main's `run`: each of its trainloop runs on `processes` warm ranks, the output in its log."""
+    def run(overrides: list[str], log_file: Path) -> int:
+        done = warm(processes, overrides, check=False)
+        Path(log_file).write_text(done.stdout + done.stderr)
+        return done.returncode
+    return run
+
+
+def close_warm_pool() -> list[int]:
+    """End this worker's warm-rank server; the pids of its processes found alive after (then killed)."""
+    global _warm_pool
+    left = _warm_pool.close() if _warm_pool is not None else []
+    _warm_pool = None
+    return left
 
 
 def start(args: list[str], output: Path) -> subprocess.Popen:
