@@ -14,7 +14,7 @@ import torch
 
 from helpers import (
     accelerate_launch, adapter_tensors, compose, conversation, executable, finish, launch, logits_agree,
-    pretrained_llama, start, train, write_rows,
+    pretrained_llama, start, train, warm_runs, write_rows,
 )
 from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
@@ -57,7 +57,8 @@ def test_qlora_trains_resumes_and_exports(tmp_path, base, child_env, bits):
     LoRA resume had a run of its own, on an unquantized base: the same path, 2 minutes of CI.)"""
     code = verify_resume.main(["--steps", "4", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
                                *hf(base), "adapter=lora", "adapter.dropout=0.1", "adapter.r=4",
-                               f"model.quantization={bits}", "precision=bf16" if bits == "4bit" else "precision=fp32"])
+                               f"model.quantization={bits}", "precision=bf16" if bits == "4bit" else "precision=fp32"],
+                              run=warm_runs())
     assert code == 0
     log = (tmp_path / "second_half.log").read_text()
     assert "resumed from" in log

@@ -4,7 +4,7 @@ largest difference over its largest value): text and chat data (masked tokens), 
 output layers, LoRA, GPT-2 and Mixtral (its router's penalty), the per-token log-probabilities DPO
 scores with, evaluation, and FSDP2 on 2 processes. The output layer is left as it was, and what cannot work is refused by name.
 
-Real parts only: the composed config, the run's data and model builders, FSDP2 under torchrun.
+Real parts only: the composed config, the run's data and model builders, FSDP2 on 2 warm ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import OBJECTIVE_NEEDS, compose, conversation, launch, read_metrics, torchrun, train, write_rows
+from helpers import OBJECTIVE_NEEDS, compose, conversation, read_metrics, train, warm, write_rows
 from trainloop.config.compose import ConfigError, validate
 from trainloop.objectives import build_objective
 
@@ -175,7 +175,7 @@ def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
     do DPO's per-token log-probabilities and their gradients (a backward that recomputes)."""
 
     out = tmp_path / "fsdp.json"
-    launch([*torchrun(2, module=None), __file__, str(out), *chat_data], cwd=Path(__file__).parent, timeout=300)
+    warm(2, [str(out), *chat_data], cwd=Path(__file__).parent, timeout=300, script=Path(__file__))
     found = json.loads(out.read_text())
     assert found["world_size"] == 2 and found["sharded_head"]
     print(found)
@@ -183,7 +183,7 @@ def test_fsdp2_on_two_processes_equals_the_full_logits(tmp_path, chat_data):
 
 
 def fsdp_worker(out: str, *overrides: str) -> None:
-    """Under torchrun: the run's own build with fsdp=full_shard; one batch through both losses."""
+    """On 2 ranks (helpers.warm): the run's own build with fsdp=full_shard; one batch through both losses."""
     from torch.distributed.tensor import DTensor
 
     from trainloop.parallel.accelerator import build_accelerator

@@ -1,4 +1,4 @@
-"""Context parallelism (parallel.cp_size, issue 37) for real: torchrun over gloo on CPU, each rank
+"""Context parallelism (parallel.cp_size, issue 37) for real: 2 processes over gloo on CPU, each rank
 holding half of every sequence, attention over the whole sequence by all-to-all, compared with one
 process on the same global batch.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, conversation, grad_norms, launch, read_metrics, torchrun, train, write_rows
+from helpers import compose, conversation, grad_norms, launch, read_metrics, reference_run, train, warm, write_rows
 from trainloop.config.compose import ConfigError, validate
 
 STEPS = 8
@@ -49,7 +49,7 @@ def assert_same_run(got: Path, want: Path, steps: range = range(1, STEPS + 1)) -
 
 
 def context_parallel(run_dir: Path, *overrides: str, processes: int = 2) -> Path:
-    launch([*torchrun(processes), *RUN, "parallel.cp_size=2", *overrides, f"hydra.run.dir={run_dir}"],
+    warm(processes, [*RUN, "parallel.cp_size=2", *overrides, f"hydra.run.dir={run_dir}"],
            cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir) if "world_size" in r} == {processes}
     return run_dir
@@ -58,7 +58,7 @@ def context_parallel(run_dir: Path, *overrides: str, processes: int = 2) -> Path
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
     """One process on packed documents (each row's position ids restart per document)."""
-    return train(tmp_path_factory.mktemp("text") / "one", *RUN, small=False)
+    return reference_run(tmp_path_factory, *RUN)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from helpers import (
     DDP_TOLERANCE, REPO, TWO_PROCESS_RUN, TWO_PROCESS_STEPS, ZERO_TOLERANCE, accelerate_launch, clean_env,
-    free_port, launch, losses, read_metrics, run_log, torchrun, train,
+    free_port, launch, losses, read_metrics, reference_run, run_log, torchrun, warm,
 )
 
 
@@ -47,12 +47,11 @@ def assert_loadable(run_dir: Path) -> None:
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-@pytest.fixture(scope="session")  # the DeepSpeed tests that use it run last (conftest)
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> dict[int, float]:
-    """Per-step losses of one process at batch 8: what 2 processes at batch 4 must reproduce."""
-    run_dir = train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8",
-                    "checkpoint.save_final_model=false", small=False)
-    return losses(run_dir)
+    """Per-step losses of one process at batch 8: what 2 processes at batch 4 must reproduce (the run
+    tests/test_fsdp.py compares with too, made once)."""
+    return losses(reference_run(tmp_path_factory, "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8"))
 
 
 @pytest.mark.slow
@@ -163,8 +162,8 @@ def test_two_nodes_over_loopback(tmp_path, reference, launcher):
 def test_zero3_nvme_offload_swaps_to_the_given_folder(tmp_path, deepspeed_ops):
     """The set-up for models too big for memory: built partitioned (zero3_init), swapped to disk."""
     run_dir, swap = tmp_path / "run", tmp_path / "swap"
-    launch([*torchrun(2), "+preset=[smoke,zero3_nvme]", f"deepspeed.nvme_path={swap}", "deepspeed.zero3_init=true",
-            *TWO_PROCESS_RUN[1:], "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    warm(2, ["+preset=[smoke,zero3_nvme]", f"deepspeed.nvme_path={swap}", "deepspeed.zero3_init=true",
+             *TWO_PROCESS_RUN[1:], "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert ("DeepSpeed ZeRO-3 engaged with optimizer offload to nvme and parameter offload to nvme"
             in run_log(run_dir))
     assert len(losses(run_dir)) == 3

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import SMALL, compose, launch, read_metrics, reset_accelerate, train
+from helpers import SMALL, compose, launch, read_metrics, reference_run, reset_accelerate, train
 from trainloop.config.compose import ConfigError, validate
 
 STEPS = ["trainer.max_steps=5", "trainer.eval_every=5"]
@@ -45,7 +45,7 @@ def optimizer_state(run_dir) -> dict:
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """fp32 AdamW, SDPA, no compile: what every option is compared with."""
-    return losses(train(tmp_path_factory.mktemp("baseline") / "run", *STEPS))
+    return losses(reference_run(tmp_path_factory, *STEPS, small=True))
 
 
 def trains(losses_: list[float]) -> bool:

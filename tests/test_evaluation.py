@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import launch, torchrun
+from helpers import warm
 from evaluation_ranks import CASES, THIS, evaluations, write_data
 
 
@@ -18,7 +18,7 @@ from evaluation_ranks import CASES, THIS, evaluations, write_data
 def test_two_processes_evaluate_every_objective_as_one_does(tmp_path):
     write_data(tmp_path)
     with ThreadPoolExecutor(1) as pool:  # the one-process reference is computed while the ranks start
-        two = pool.submit(launch, [*torchrun(2, module=None), str(THIS), str(tmp_path), "4"], cwd=tmp_path, timeout=300)
+        two = pool.submit(warm, 2, [str(tmp_path), "4"], cwd=tmp_path, timeout=300, script=THIS)
         one = evaluations(tmp_path, 8)
         two = json.loads(two.result().stdout.strip().splitlines()[-1])
     assert set(one) == set(two) == set(CASES)

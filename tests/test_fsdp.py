@@ -1,5 +1,5 @@
 """FSDP2 for real: torch's fully_shard applied by trainloop, 2 CPU processes over gloo under
-torchrun and `accelerate launch --multi_gpu`, and one process.
+warm ranks (tests/warm_ranks.py) and `accelerate launch --multi_gpu`, and one process.
 
 Each run trains the smoke model for 10 steps and is compared step by step with one process at
 batch 8 without FSDP (fp32): the losses and gradient norms must agree to 1e-5 relative, and the
@@ -17,8 +17,8 @@ import torch
 
 from helpers import (
     TWO_PROCESS_RUN, TWO_PROCESS_STEPS, WEIGHT_TOLERANCE, accelerate_launch, assert_same_weights, compose,
-    grad_norms, launch, losses, pretrained_llama, read_metrics, relative_difference, run_log,
-    safetensors_of, torchrun, train,
+    grad_norms, launch, losses, pretrained_llama, read_metrics, reference_run, relative_difference, run_log,
+    safetensors_of, train, warm,
 )
 from trainloop.config.compose import ConfigError, validate
 
@@ -40,14 +40,14 @@ SAMPLE = 'eval.prompts=["Hello"]'  # greedy samples at every evaluation
 HARNESS = ["eval.harness.tasks=[pydoc_order,pydoc_words]", "eval.harness.limit=20"]
 
 
-def two_processes(launcher: str) -> list[str]:
-    return torchrun(2) if launcher == "torchrun" else accelerate_launch(2)
-
-
 def launch_fsdp(tmp_path: Path, launcher: str, presets: str, *extra: str, batch: int = 4) -> Path:
+    """2 processes on warm ranks, or under `accelerate launch` (launcher "accelerate")."""
     run_dir = tmp_path / "run"
-    launch([*two_processes(launcher), f"+preset=[{presets}]", *TWO_PROCESS_RUN, f"data.batch_size={batch}", *extra,
-            f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    args = [f"+preset=[{presets}]", *TWO_PROCESS_RUN, f"data.batch_size={batch}", *extra, f"hydra.run.dir={run_dir}"]
+    if launcher == "accelerate":
+        launch([*accelerate_launch(2), *args], cwd=tmp_path)
+    else:
+        warm(2, args, cwd=tmp_path)
     assert [p.parent for p in tmp_path.rglob("metrics.jsonl")] == [run_dir]
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     return run_dir
@@ -56,20 +56,19 @@ def launch_fsdp(tmp_path: Path, launcher: str, presets: str, *extra: str, batch:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """One process at batch 8, no FSDP: what 2 FSDP processes at batch 4 must reproduce."""
-    return train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8", small=False)
+    return reference_run(tmp_path_factory, "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8")
 
 
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory) -> Path:
-    return train(tmp_path_factory.mktemp("one_process_lora"), "+preset=[smoke,lora]", *TWO_PROCESS_RUN, "data.batch_size=8",
-                 SAMPLE, *HARNESS, small=False)
+    return reference_run(tmp_path_factory, "+preset=[smoke,lora]", *TWO_PROCESS_RUN, "data.batch_size=8", SAMPLE, *HARNESS)
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp_regionally_compiled_matches_one_process_and_exports_the_gathered_weights(tmp_path, reference):
-    """Acceptance 1, 4 and 5 in one launch: torchrun, 2 shards, each block compiled with inductor
+def test_fsdp_regionally_compiled_matches_one_process_and_exports_the_gathered_weights(tmp_path, reference):
+    """Acceptance 1, 4 and 5 in one launch: 2 processes, 2 shards, each block compiled with inductor
     and then sharded (torchtitan's order); the same losses, norms and final weights as 1 x 8."""
-    run_dir = launch_fsdp(tmp_path, "torchrun", "smoke,fsdp", "compile=inductor", "compile.regional=true")
+    run_dir = launch_fsdp(tmp_path, "warm", "smoke,fsdp", "compile=inductor", "compile.regional=true")
     log = run_log(run_dir)
     assert FSDP_LINE in log and "compute in float32" in log and "backend gloo" in log, log[-3000:]
     assert "torch.compile: 2 LlamaDecoderLayer blocks, backend inductor" in log
@@ -128,7 +127,7 @@ def test_a_pretrained_model_is_loaded_by_the_main_process_alone(tmp_path):
     model = f"model.name_or_path={pretrained_llama(tmp_path / 'pretrained')}"
     reference = train(tmp_path / "one", "+preset=smoke", "model=hf", model, *TWO_PROCESS_RUN, "data.batch_size=8", small=False)
     (tmp_path / "two").mkdir()
-    run_dir = launch_fsdp(tmp_path / "two", "torchrun", "smoke,fsdp", "model=hf", model)
+    run_dir = launch_fsdp(tmp_path / "two", "warm", "smoke,fsdp", "model=hf", model)
     assert "1 of 2 processes built the model on the meta device and received their shards" in run_log(run_dir)
     assert_same_curve(run_dir, reference)
     assert_same_weights(run_dir / "final", reference / "final")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, end_family, launch, losses, ranks_of, read_metrics, start, torchrun
+from helpers import compose, end_family, launch, losses, ranks_of, read_metrics, start, torchrun, warm
 from trainloop.checkpoint.compatibility import check_format, run_fingerprint
 from trainloop.config.compose import ConfigError
 
@@ -47,15 +47,15 @@ def final_weights(run_dir: Path) -> dict:
 def chain(tmp_path_factory) -> Path:
     """The straight run and the three resumes of check 2 (see the module's docstring)."""
     root = tmp_path_factory.mktemp("fsdp_resume")
-    launch([*torchrun(2), *FSDP, "checkpoint.every_steps=4", f"hydra.run.dir={root / 'straight'}"])
-    launch([*torchrun(2), *FSDP, f"checkpoint.resume={checkpoint(root / 'straight', 4)}",
+    warm(2, [*FSDP, "checkpoint.every_steps=4", f"hydra.run.dir={root / 'straight'}"])
+    warm(2, [*FSDP, f"checkpoint.resume={checkpoint(root / 'straight', 4)}",
             f"hydra.run.dir={root / 'same'}"])
     done = launch(["python", "-m", "trainloop", *FSDP, "data.batch_size=8", "checkpoint.every_steps=2",
                    "checkpoint.save_final_model=false",
                    "checkpoint.async_save=true", f"checkpoint.resume={checkpoint(root / 'straight', 4)}",
                    f"hydra.run.dir={root / 'one'}"])
     (root / "one.log").write_text(done.stdout + done.stderr)
-    done = launch([*torchrun(2), *FSDP, f"checkpoint.resume={checkpoint(root / 'one', 6)}",
+    done = warm(2, [*FSDP, f"checkpoint.resume={checkpoint(root / 'one', 6)}",
                    "checkpoint.save_final_model=false",
                    f"hydra.run.dir={root / 'two'}"])
     (root / "two.log").write_text(done.stdout + done.stderr)

@@ -4,7 +4,7 @@ one line; objective=grpo's advantages and loss are TRL 1.16's on the same tensor
 runs); and a tiny model learns a verifiable toy task on CPU, on one process, two and with LoRA.
 
 Real parts only: the composed config, `datasets` and pyarrow reading jsonl and parquet, the
-built-in byte-level tokenizer, a tiny transformers Llama (peft's LoRA), TRL's GRPOTrainer, torchrun.
+built-in byte-level tokenizer, a tiny transformers Llama (peft's LoRA), TRL's GRPOTrainer, 2 processes over gloo.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import (
-    SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, run_log, torchrun, train, write_rows,
+    SMALL, clean_env, compose, launch, once, read_metrics, reset_accelerate, run_log, train, warm, write_rows,
 )
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -388,7 +388,7 @@ def test_num_iterations_trains_each_generated_batch_that_many_steps(tmp_path):
 
 def on_two_processes(run_dir: Path, *overrides: str) -> str:
     """A 2-process run's log."""
-    done = launch([*torchrun(2), *SMALL, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    done = warm(2, [*SMALL, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     return done.stdout + done.stderr
 
@@ -396,9 +396,7 @@ def on_two_processes(run_dir: Path, *overrides: str) -> str:
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> Path:
     """2 processes over gloo, 2 prompts each, under DDP: the run the sharded strategies must match."""
-    run_dir = tmp_path_factory.mktemp("grpo") / "ddp"
-    on_two_processes(run_dir, *FULL, "data.batch_size=2")
-    return run_dir
+    return once(tmp_path_factory, "grpo-ddp", lambda path: on_two_processes(path / "ddp", *FULL, "data.batch_size=2")) / "ddp"
 
 
 @pytest.mark.slow
@@ -474,13 +472,13 @@ def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewar
     command = ["python", "-m", "trainloop", *SMALL, *FULL, "trainer.max_steps=9", "trainer.eval_every=5",
                "objective.num_iterations=3", f"objective.rewards=[{REWARDS}:letters_then_sigterm]"]
     straight = tmp_path / "straight"
-    launch([*command, f"hydra.run.dir={straight}"])
+    warm(1, [*command[3:], f"hydra.run.dir={straight}"])
     run = tmp_path / "run"
     stopped = launch([*command, f"hydra.run.dir={run}"], check=False, env=clean_env(GRPO_SIGTERM_AT_CALL="2"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert max(r["step"] for r in read_metrics(run) if "loss" in r) == 4
     assert (run / "checkpoints" / "step_0000004" / "objective_0.pt").is_file()
-    launch([*command, f"hydra.run.dir={run}"])
+    warm(1, [*command[3:], f"hydra.run.dir={run}"])
 
     def after(run_dir, step):
         keys = ("loss", "reward", "reward_std", "clip_ratio", "completion_length", "eval_reward", "samples")

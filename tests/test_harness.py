@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, compose, launch, panels, read_metrics, train
+from helpers import REPO, compose, launch, panels, read_metrics, reference_run, train
 
 SHIPPED = REPO / "examples" / "harness"
 LIMIT = 60  # documents per task: the harness's numbers are compared, not the model's quality
@@ -30,7 +30,7 @@ def harness_lines(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory) -> Path:
     """A smoke run of 20 steps scored at steps 10 and 20 (the last)."""
-    return train(tmp_path_factory.mktemp("scored"), "+preset=smoke", *HARNESS, "eval.harness.every=10", small=False)
+    return reference_run(tmp_path_factory, "+preset=smoke", *HARNESS, "eval.harness.every=10")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALL, conversation, launch, read_metrics, torchrun, train, write_rows
+from helpers import SMALL, conversation, read_metrics, train, warm, write_rows
 
 CHAT = ["data=chat", "data.packing=none", "data.seq_len=256", "trainer.max_steps=3",
         "trainer.eval_every=3", "trainer.eval_batches=null", "data.validation_fraction=0.08"]
@@ -62,7 +62,7 @@ def test_uneven_targets_give_the_same_step_with_accumulation_and_on_two_processe
     accumulated = train(tmp_path / "accum4", *data, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
     assert_same_run(accumulated, whole)
     run_dir = tmp_path / "two"
-    launch([*torchrun(2), *SMALL, *data, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    warm(2, [*SMALL, *data, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     assert_same_run(run_dir, whole)
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from helpers import (
-    ZERO_TOLERANCE, accelerate_launch, assert_samples_are_the_final_models, clean_env, compose, launch,
-    read_metrics, torchrun, train,
+    ZERO_TOLERANCE, assert_samples_are_the_final_models, clean_env, compose, read_metrics, reference_run, train,
+    warm,
 )
 
 MOE = ["+preset=smoke", "model.arch=mixtral", "model.num_experts=4"]
@@ -36,8 +36,7 @@ def train_lines(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     """1 process, batch 4, 2 accumulation steps: the micro-batches 2 processes at batch 4 see."""
-    return train(tmp_path_factory.mktemp("moe_one"), *MOE, *RUN, "trainer.gradient_accumulation_steps=2",
-                 small=False)
+    return reference_run(tmp_path_factory, *MOE, *RUN, "trainer.gradient_accumulation_steps=2")
 
 
 def assert_router_metrics(run_dir: Path, num_experts: int = 4) -> list[dict]:
@@ -171,20 +170,19 @@ def test_one_process_trains_balances_exports_and_generates(one_process, tmp_path
     assert min(lines[-1]["expert_token_share"]) > min(unbalanced[-1]["expert_token_share"])
 
 
-# strategy: (launcher, what the run log says runs, tolerance of the losses against 1 process)
+# strategy: (what the run log says runs, tolerance of the losses against 1 process)
 STRATEGIES = {
-    "ddp": ("torchrun", "DistributedType.MULTI_CPU (2 process(es)", TOLERANCE),
-    "zero3": ("accelerate", "DeepSpeed ZeRO-3 engaged (DistributedType.DEEPSPEED, 2 process(es)", ZERO_TOLERANCE),
-    "fsdp": ("accelerate", "FSDP2 full_shard over 2 shard(s)", TOLERANCE),
+    "ddp": ("DistributedType.MULTI_CPU (2 process(es)", TOLERANCE),
+    "zero3": ("DeepSpeed ZeRO-3 engaged (DistributedType.DEEPSPEED, 2 process(es)", ZERO_TOLERANCE),
+    "fsdp": ("FSDP2 full_shard over 2 shard(s)", TOLERANCE),
 }
 WEIGHT_TOLERANCE = {"ddp": 1e-4, "zero3": 1e-2, "fsdp": 1e-4}  # per tensor, as test_fsdp measures it
 
 
 def launch_two(tmp_path: Path, strategy: str) -> Path:
     run_dir = tmp_path / "run"
-    command = torchrun(2) if STRATEGIES[strategy][0] == "torchrun" else accelerate_launch(2)
-    launch([*command, *MOE[1:], f"+preset=[smoke,{strategy}]", *RUN, f"hydra.run.dir={run_dir}"],
-           cwd=tmp_path, env=clean_env(DS_ACCELERATOR="cpu"))
+    warm(2, [*MOE[1:], f"+preset=[smoke,{strategy}]", *RUN, f"hydra.run.dir={run_dir}"],
+         cwd=tmp_path, env=clean_env(DS_ACCELERATOR="cpu"))
     return run_dir
 
 
@@ -219,7 +217,7 @@ def two_processes_train_like_one(tmp_path: Path, one_process: Path, strategy: st
     generated together at the last evaluation are final/'s own greedy completions."""
     from transformers import AutoModelForCausalLM
 
-    _, engaged, tolerance = STRATEGIES[strategy]
+    engaged, tolerance = STRATEGIES[strategy]
     run_dir = launch_two(tmp_path, strategy)
     log = (run_dir / "train.log").read_text()
     assert engaged in log and "(0.45M trained; 4 experts per block, 2 per token)" in log, log[-2000:]
@@ -255,7 +253,7 @@ def test_tp2_splits_the_attention_keeps_the_experts_whole_and_trains_like_one_pr
     the first 10 losses, aux losses and tokens per expert are the 1-process ones. Ranks of a tp
     group that routed different tokens, or experts split as if they were one MLP, are far off."""
     run_dir = tmp_path / "run"
-    launch([*torchrun(2), *MOE[1:], "+preset=[smoke,tp]", *RUN, "trainer.gradient_accumulation_steps=2",
+    warm(2, [*MOE[1:], "+preset=[smoke,tp]", *RUN, "trainer.gradient_accumulation_steps=2",
             "trainer.stop_at_step=10", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert ("FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp, 8 linear layers split column-/row-wise over tp (attention "
             "only: the routed experts layers.*.mlp.experts and the router whole on each tp rank)"

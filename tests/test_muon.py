@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import SMALL, build_and_step, compose, storage_bytes
+from helpers import SMALL, build_and_step, compose, storage_bytes, warm_runs
 from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
 from trainloop.tools.plan import model_shape, plan_memory
@@ -50,7 +50,7 @@ def test_planned_state_bytes_are_the_live_ones(arch):
 @pytest.mark.slow
 def test_muon_trains_and_resumes_bitwise(tmp_path, capsys, child_env):  # noqa: F811
     code = verify_resume.main(["--steps", "6", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
-                               "optimizer=muon", "trainer.eval_batches=2"])
+                               "optimizer=muon", "trainer.eval_batches=2"], run=warm_runs())
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("bitwise identical") == 2, out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, compose, launch, torchrun, train
+from helpers import SMALL, compose, train, warm
 from trainloop.checkpoint.compatibility import check_world_size_change
 from trainloop.config.compose import ConfigError
 from trainloop.data.order import GlobalOrder, ValidationOrder
@@ -136,7 +136,7 @@ def test_another_world_size_needs_the_same_global_batch_and_ddp():
 
 def on_two_processes(run_dir: Path, *overrides: str) -> str:
     """A 2-process run; its output (rank 0 also logs into run_dir/train.log)."""
-    done = launch([*torchrun(2), *SMALL, *overrides, f"hydra.run.dir={run_dir}"])
+    done = warm(2, [*SMALL, *overrides, f"hydra.run.dir={run_dir}"])
     return done.stdout + done.stderr
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (parallel.pp_size, issue 36) for real: torchrun over gloo on CPU, the decoder
+"""Pipeline parallelism (parallel.pp_size, issue 36) for real: 2 and 4 processes over gloo on CPU, the decoder
 blocks cut into stages, torch.distributed.pipelining's schedules, compared with one process.
 
 One 1-process run (batch 2, 4 micro-batches a step, 10 steps) is what every schedule must
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    adapter_tensors, assert_same_weights, compose, end_family, grad_norms, launch, logits_agree, losses,
-    pretrained_llama, ranks_of, read_metrics, relative_difference, reset_accelerate, run_log, start, torchrun, train,
-    wait_for_step,
+    adapter_tensors, assert_same_weights, compose, end_family, grad_norms, logits_agree, losses, pretrained_llama,
+    ranks_of, read_metrics, reference_run, relative_difference, reset_accelerate, run_log, start, torchrun, train,
+    wait_for_step, warm,
 )
 
 STEPS = 10
@@ -39,12 +39,12 @@ SCHEDULES = {"gpipe": ["model.gradient_checkpointing=true", "trainer.loss_chunk_
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    return train(tmp_path_factory.mktemp("one_process"), *RUN, small=False)
+    return reference_run(tmp_path_factory, *RUN)
 
 
 def launch_pp(run_dir: Path, *overrides: str) -> Path:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    launch([*torchrun(2), *RUN, "parallel.pp_size=2", *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    warm(2, [*RUN, "parallel.pp_size=2", *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     return run_dir
 
 
@@ -80,7 +80,7 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
         assert re.findall(r"exitcode\s+:\s*(-?\d+)", out) == ["75", "75"], out[-4000:]
         at = {int(n) for n in re.findall(r"stopped by (?:SIGTERM|a signal to another rank) after step (\d+)", out)}
         assert len(at) == 1 and HALF <= min(at) < STEPS, out[-4000:]
-        launch([*torchrun(2), *command], cwd=tmp_path)
+        warm(2, [*command], cwd=tmp_path)
         assert f"resumed from {stopped / 'checkpoints' / f'step_{min(at):07d}'}" in run_log(stopped)
         got, want = losses(stopped), losses(run)
         assert sorted(got) == list(range(1, STEPS + 1)) and all(got[s] == want[s] for s in got), (got, want)
@@ -114,7 +114,7 @@ def test_two_stages_on_a_4_process_mesh_train_as_one_process_does(tmp_path, refe
     sharded = mesh != "replicated"
     run = tmp_path / "run"
     stop = [] if sharded else [f"trainer.stop_at_step={HALF}"]
-    launch([*torchrun(4), *RUN, "parallel.pp_size=2", *overrides, f"hydra.run.dir={run}", *stop], cwd=tmp_path)
+    warm(4, [*RUN, "parallel.pp_size=2", *overrides, f"hydra.run.dir={run}", *stop], cwd=tmp_path)
     assert says in run_log(run)
     got, want = losses(run), losses(reference)
     assert sorted(got) == list(range(1, (STEPS if sharded else HALF) + 1))
@@ -123,7 +123,7 @@ def test_two_stages_on_a_4_process_mesh_train_as_one_process_does(tmp_path, refe
         assert_same_weights(run / "final", reference / "final")
     if mesh == "fsdp":  # its step-HALF checkpoint resumes under FSDP2 alone on the 4 processes (2x2 -> 1x4)
         alone = tmp_path / "fsdp_alone"
-        launch([*torchrun(4), *RUN, *FSDP, "data.batch_size=1", "trainer.gradient_accumulation_steps=2",
+        warm(4, [*RUN, *FSDP, "data.batch_size=1", "trainer.gradient_accumulation_steps=2",
                 f"checkpoint.resume={run / 'checkpoints' / SAVED}", "checkpoint.save_final_model=false",
                 f"hydra.run.dir={alone}"], cwd=tmp_path)
         got = losses(alone)
@@ -159,7 +159,7 @@ def test_lora_on_two_stages_trains_as_one_process_and_exports_what_peft_loads(tm
             "trainer.max_steps=10", "trainer.eval_every=5", "checkpoint.every_steps=null"]
     alone = train(tmp_path / "alone", *lora, small=False)
     run = tmp_path / "run"
-    launch([*torchrun(2), *lora, "parallel.pp_size=2", f"hydra.run.dir={run}"], cwd=tmp_path)
+    warm(2, [*lora, "parallel.pp_size=2", f"hydra.run.dir={run}"], cwd=tmp_path)
     got, want = losses(run), losses(alone)
     assert sorted(got) == list(range(1, 11)) and max(abs(got[s] - want[s]) for s in got) < TOLERANCE, (got, want)
     assert abs(got[10] - got[1]) > 1e-3  # the adapter trained

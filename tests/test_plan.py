@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALL, build_and_step, clean_env, compose, launch, storage_bytes, torchrun
+from helpers import SMALL, build_and_step, clean_env, compose, launch, storage_bytes, warm
 from trainloop.optim.optimizers import OPTIMIZERS
 from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
 
@@ -353,9 +353,10 @@ def test_fsdp_memory_of_2_processes_is_predicted_per_process():
     steps load beside the training state (gloo, DTensor dispatch) weighs more on a model this
     small (one micro-batch a step: 284 MiB measured, 251 MiB predicted, ratio 0.88); on the
     57M-parameter model of BENCHMARKS.md the ratio was 0.94."""
-    proc = launch([*torchrun(2, module="trainloop.plan"), "--json", "--no-presets", "--measure", "2",
-                   "+preset=fsdp", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",
-                   "data.seq_len=64", "data.batch_size=2", "trainer.gradient_accumulation_steps=2"], timeout=300)
+    proc = warm(2, ["--json", "--no-presets", "--measure", "2",
+                    "+preset=fsdp", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",
+                    "data.seq_len=64", "data.batch_size=2", "trainer.gradient_accumulation_steps=2"],
+                timeout=300, module="trainloop.plan")
     report = json.loads(proc.stdout)
     plan = report["config"]["plan"]
     assert plan["world_size"] == 2 and 15e6 < plan["num_params"] < 30e6

@@ -7,6 +7,7 @@ cross epoch boundaries, where accelerate also forces an optimizer step on an odd
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import finish, launch, ranks_of, start, wait_for_step
+from helpers import finish, launch, once, ranks_of, start, wait_for_step, warm_runs
 from trainloop.tools import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
@@ -37,7 +38,8 @@ def resumed_at(log: str) -> tuple[int, int, int]:
 def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
     """Acceptance 1: 20 steps straight = 10 + resume + 10, losses and weights bitwise."""
     # 108 training blocks, 16 a step: 6 steps an epoch, so step 10 is in the second one
-    code = verify_resume.main(["--steps", "20", "--rtol", "0", "--dir", str(tmp_path), *RESUME, "data.batch_size=8"])
+    code = verify_resume.main(["--steps", "20", "--rtol", "0", "--dir", str(tmp_path), *RESUME, "data.batch_size=8"],
+                              run=warm_runs())
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("bitwise identical") == 2, out
@@ -62,10 +64,14 @@ def test_one_process_resume_is_bitwise(tmp_path, capsys, child_env):
 @pytest.fixture(scope="module")
 def ddp_verified(tmp_path_factory):
     """verify_resume on 2 processes; its straight run is also the uninterrupted baseline below."""
-    root = tmp_path_factory.mktemp("ddp")
-    proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", "0",
-                  "--steps", str(DDP_STEPS), "--dir", str(root / "runs"), *RESUME], root / "output.txt")
-    return root / "runs", finish(proc, timeout=900), (root / "output.txt").read_text()
+    def verify(root: Path) -> None:
+        with open(root / "output.txt", "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = verify_resume.main(["--nproc", "2", "--rtol", "0", "--steps", str(DDP_STEPS),
+                                       "--dir", str(root / "runs"), *RESUME], run=warm_runs(2))
+        (root / "code").write_text(str(code))
+
+    root = once(tmp_path_factory, "resume-ddp_verified", verify)
+    return root / "runs", int((root / "code").read_text()), (root / "output.txt").read_text()
 
 
 @pytest.mark.slow
@@ -87,10 +93,10 @@ def test_two_process_resume_is_bitwise(ddp_verified):
 def test_deepspeed_resume_within_1e6(stage, tmp_path, deepspeed_ops):
     """Acceptance 2 (DeepSpeed): 2 processes under ZeRO-2 and ZeRO-3, within 1e-6 relative.
     With 20 steps the resume falls on an epoch's end (an empty rest of the epoch to skip)."""
-    proc = start([sys.executable, "-m", "trainloop.verify_resume", "--nproc", "2", "--rtol", "1e-6",
-                  "--steps", "20", "--dir", str(tmp_path / "runs"), *RESUME, f"deepspeed={stage}"],
-                 tmp_path / "output.txt")
-    code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
+    with open(tmp_path / "output.txt", "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = verify_resume.main(["--nproc", "2", "--rtol", "1e-6", "--steps", "20", "--dir", str(tmp_path / "runs"),
+                                   *RESUME, f"deepspeed={stage}"], run=warm_runs(2))
+    out = (tmp_path / "output.txt").read_text()
     assert code == 0, out[-4000:]
     assert "resume OK" in out
     log = (tmp_path / "runs" / "second_half.log").read_text()

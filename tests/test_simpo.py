@@ -5,7 +5,7 @@ full fine-tune (no adapter: nothing else to hold) learns a rule the held-out pai
 processes give the step of 1 over the same global batch.
 
 Real parts only: the composed config, data=preference on tests/data/preference.jsonl, the
-built-in byte-level tokenizer, a tiny transformers Llama, TRL's CPOTrainer, torchrun over gloo.
+built-in byte-level tokenizer, a tiny transformers Llama, TRL's CPOTrainer, 2 processes over gloo.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import SMALL, assert_same_logged, compose, launch, logged, read_metrics, torchrun, train, write_rows
+from helpers import SMALL, assert_same_logged, compose, logged, read_metrics, train, warm, write_rows
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
@@ -178,7 +178,7 @@ def test_two_processes_give_the_step_of_one(tmp_path):
 
     one = logged(train(tmp_path / "one", *STEP, "data.batch_size=4"), keys)
     run_dir = tmp_path / "two"
-    launch([*torchrun(2), *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    warm(2, [*SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     assert len(one) == 4 * 4  # 3 train lines, 1 eval line
     assert_same_logged(logged(run_dir, keys), one, 1e-6)

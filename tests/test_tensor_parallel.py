@@ -1,4 +1,4 @@
-"""Tensor parallelism (parallel.tp_size) for real: torchrun over gloo on CPU, each block's matrices
+"""Tensor parallelism (parallel.tp_size) for real: 2 and 4 processes over gloo on CPU, each block's matrices
 split column-/row-wise over the tp ranks, FSDP2 over the rest, compared with one process.
 
 One 1-process run at batch 8 (no FSDP, no TP, 12 steps; and one with LoRA) is what every layout
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    assert_same_weights, compose, free_port, grad_norms, launch, losses, read_metrics,
-    relative_difference, run_log, safetensors_of, torchrun, train,
+    assert_same_weights, compose, free_port, grad_norms, launch, losses, once, read_metrics, reference_run,
+    relative_difference, run_log, safetensors_of, train, warm,
 )
 
 STEPS = 12
@@ -47,7 +47,7 @@ def assert_same_losses(run_dir: Path, reference: Path, steps) -> float:
 
 def launch_tp(run_dir: Path, processes: int, *overrides: str, presets: str = "smoke,tp") -> Path:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    launch([*torchrun(processes), f"+preset=[{presets}]", *RUN, *overrides,
+    warm(processes, [f"+preset=[{presets}]", *RUN, *overrides,
             f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {processes}
     return run_dir
@@ -67,21 +67,19 @@ def resume_briefly(run_dir: Path, processes: int, saved: Path, *overrides: str, 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """One process at batch 8, neither FSDP nor TP."""
-    return train(tmp_path_factory.mktemp("one_process"), "+preset=smoke", *RUN, "data.batch_size=8", SAMPLE,
-                 small=False)
+    return reference_run(tmp_path_factory, "+preset=smoke", *RUN, "data.batch_size=8", SAMPLE)
 
 
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory) -> Path:
     """The same with LoRA adapters on every linear layer of the blocks."""
-    return train(tmp_path_factory.mktemp("one_process_lora"), "+preset=[smoke,lora]", *RUN, "data.batch_size=8",
-                 small=False)
+    return reference_run(tmp_path_factory, "+preset=[smoke,lora]", *RUN, "data.batch_size=8")
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory) -> Path:
     """tp=2 on 2 processes: one data-parallel rank, so the whole batch of 8 on each tp rank."""
-    return launch_tp(tmp_path_factory.mktemp("tp2") / "run", 2, "data.batch_size=8", SAMPLE)
+    return once(tmp_path_factory, "tensor_parallel-tp2", lambda path: launch_tp(path / "run", 2, "data.batch_size=8", SAMPLE)) / "run"
 
 
 @pytest.mark.slow
