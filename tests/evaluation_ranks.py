@@ -1,6 +1,6 @@
 """Each objective's evaluation at step 0, built by trainloop's own build(), on the processes this
-runs in: `torchrun --nproc_per_node 2 tests/evaluation_ranks.py DIR 4` (tests/test_evaluation.py: on warm ranks) (rank 0 prints {case:
-evaluation} as one JSON line), or `evaluations(DIR, 8)` in one process (tests/test_evaluation.py).
+runs in: `torchrun --nproc_per_node 2 tests/evaluation_ranks.py DIR 4`, or 2 warm ranks (rank 0 prints
+{case: evaluation} as one JSON line), or `evaluations(DIR, 8)` in one process (tests/test_evaluation.py).
 No case's validation split is a whole number of global batches of 8, so an item padded in or
 dropped moves its numbers, and a rank left without items must still join every forward (FSDP2)."""
 

@@ -370,10 +370,10 @@ def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_p
     import subprocess
     import time
 
-
-    command = [sys.executable, "-m", "trainloop", *SMALL, *FULL, "objective.precompute_reference=true",
-               "data.batch_size=4", "trainer.max_steps=20", "trainer.eval_every=5", "checkpoint.save_final_model=false"]
-    warm(1, [*command[3:], f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    args = [*SMALL, *FULL, "objective.precompute_reference=true", "data.batch_size=4", "trainer.max_steps=20",
+            "trainer.eval_every=5", "checkpoint.save_final_model=false"]
+    command = [sys.executable, "-m", "trainloop", *args]  # the stopped run: a real process, its real SIGTERM
+    warm(1, [*args, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
     with open(tmp_path / "output.txt", "w") as output:
         proc = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
@@ -392,7 +392,7 @@ def test_sigterm_and_a_resume_give_bitwise_the_losses_of_a_run_not_stopped(tmp_p
     assert 2 <= stopped < 20
     given = re.search(r"; run the same command with (\S+) again to continue", out)
     assert given and given[1] == f"hydra.run.dir={run}", out[-2000:]
-    again = warm(1, [*command[3:], given[1]], cwd=tmp_path)
+    again = warm(1, [*args, given[1]], cwd=tmp_path)
     assert "reference's log-probabilities of 38 + 10 pairs read from" in again.stdout + again.stderr
     assert [step for step, key, _ in dpo_losses(run) if key == "loss"] == list(range(1, 21))  # resumed, not restarted
     assert dpo_losses(run) == dpo_losses(tmp_path / "straight")

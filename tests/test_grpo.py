@@ -469,16 +469,17 @@ def test_sigterm_mid_run_and_the_same_command_again_give_the_straight_runs_rewar
     the step ends, is saved inside its window (steps 4 to 6), exit 75; the same command again
     resumes it, and the losses, rewards and completions of every later step are bitwise the ones
     of a run that was not stopped."""
-    command = ["python", "-m", "trainloop", *SMALL, *FULL, "trainer.max_steps=9", "trainer.eval_every=5",
-               "objective.num_iterations=3", f"objective.rewards=[{REWARDS}:letters_then_sigterm]"]
+    args = [*SMALL, *FULL, "trainer.max_steps=9", "trainer.eval_every=5", "objective.num_iterations=3",
+            f"objective.rewards=[{REWARDS}:letters_then_sigterm]"]
     straight = tmp_path / "straight"
-    warm(1, [*command[3:], f"hydra.run.dir={straight}"])
+    warm(1, [*args, f"hydra.run.dir={straight}"])
     run = tmp_path / "run"
-    stopped = launch([*command, f"hydra.run.dir={run}"], check=False, env=clean_env(GRPO_SIGTERM_AT_CALL="2"))
+    stopped = launch(["python", "-m", "trainloop", *args, f"hydra.run.dir={run}"], check=False,
+                     env=clean_env(GRPO_SIGTERM_AT_CALL="2"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert max(r["step"] for r in read_metrics(run) if "loss" in r) == 4
     assert (run / "checkpoints" / "step_0000004" / "objective_0.pt").is_file()
-    warm(1, [*command[3:], f"hydra.run.dir={run}"])
+    warm(1, [*args, f"hydra.run.dir={run}"])
 
     def after(run_dir, step):
         keys = ("loss", "reward", "reward_std", "clip_ratio", "completion_length", "eval_reward", "samples")

@@ -80,7 +80,7 @@ def test_two_stages_train_as_one_process_does(tmp_path, reference, schedule):
         assert re.findall(r"exitcode\s+:\s*(-?\d+)", out) == ["75", "75"], out[-4000:]
         at = {int(n) for n in re.findall(r"stopped by (?:SIGTERM|a signal to another rank) after step (\d+)", out)}
         assert len(at) == 1 and HALF <= min(at) < STEPS, out[-4000:]
-        warm(2, [*command], cwd=tmp_path)
+        warm(2, command, cwd=tmp_path)
         assert f"resumed from {stopped / 'checkpoints' / f'step_{min(at):07d}'}" in run_log(stopped)
         got, want = losses(stopped), losses(run)
         assert sorted(got) == list(range(1, STEPS + 1)) and all(got[s] == want[s] for s in got), (got, want)
