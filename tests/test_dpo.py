@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import (
-    SMALL, clean_env, compose, finish, launch, logits_agree, read_metrics, torchrun, train, wait_for_step, warm,
+    SMALL, clean_env, compose, finish, logits_agree, read_metrics, train, wait_for_step, warm,
     write_rows,
 )
 from trainloop.config.compose import ConfigError, check_command_line, validate
@@ -269,8 +269,7 @@ def test_accumulation_and_two_processes_give_the_step_of_the_whole_batch(tmp_pat
     accumulated = train(tmp_path / "accum4", *STEP, "data.batch_size=1", "trainer.gradient_accumulation_steps=4")
     assert_same_losses(accumulated, whole)
     run_dir = tmp_path / "two"
-    # torchrun, not warm ranks: this DDP + LoRA run hangs at exit on warm ranks (issue 57's note)
-    launch([*torchrun(2), *SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    warm(2, [*SMALL, *STEP, "data.batch_size=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert {r["world_size"] for r in read_metrics(run_dir)} == {2}
     assert_same_losses(run_dir, whole)
 

@@ -141,7 +141,7 @@ def test_every_job_starts_clean_after_a_trainloop_run_and_a_closed_pool_leaves_n
         job = threading.Thread(target=left_running, daemon=True)
         job.start()
         deadline = time.monotonic() + 120
-        while len(pool_processes(pool.token)) < 5:  # the server, 2 ranks, each with its child
+        while len(pool_processes(pool.token)) < 6:  # the server, the store, 2 ranks, each with its child
             assert time.monotonic() < deadline, pool_processes(pool.token)
             time.sleep(0.1)
     finally:

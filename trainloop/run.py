@@ -96,7 +96,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
             if guard.preempted_by:  # the last line says so: a job script's cue to requeue (scripts/slurm.sbatch)
                 metrics.write({"step": state.step, "event": "preempted", "by": guard.preempted_by,
                                "checkpoint": str(checkpointer.last_good())})
-                accelerator.end_training()
+                end_training(accelerator)
                 raise Preempted(f"stopped by {guard.preempted_by} after step {state.step}, checkpoint "
                                 f"saved in {checkpointer.last_good()}; run {same_command(run_dir)} again to continue")
         if state.step < cfg.trainer.max_steps:
@@ -129,4 +129,13 @@ def end_distributed(strategy) -> None:
     """
     if strategy.world_size > 1:
         strategy.accelerator.wait_for_everyone()
-    strategy.accelerator.end_training()
+    end_training(strategy.accelerator)
+
+
+def end_training(accelerator) -> None:
+    """accelerate's end_training (the trackers finished, the process group destroyed), the group
+    still referenced until the process ends: DDP's reducer must not hold its last reference."""
+    from trainloop.parallel.process_group import hold_default_group
+
+    hold_default_group()
+    accelerator.end_training()

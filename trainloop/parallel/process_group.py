@@ -42,6 +42,25 @@ def single_process_group_env() -> None:
 PROCESS_GROUP_ENV = (*LAUNCHER_RANK_VARS, "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+_held_groups: list = []  # see hold_default_group
+
+
+def hold_default_group() -> None:
+    """Before a multi-process run destroys its process group: keep the group referenced for the rest
+    of the process (a launched rank ends with os._exit, which frees nothing; trainloop.__main__.leave).
+
+    A DDP model's reducer references the group and is freed with the GIL held (its binding does not
+    drop it). Had destroy_process_group dropped the world's reference, the reducer's would be the
+    last, and ProcessGroupGloo's destructor then waits, GIL held, for a worker thread that needs the
+    GIL to free the tensors of the work it just ran: 2-process runs hung at exit about one in ten
+    on 2 loaded cores (pytorch/pytorch#56297).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        _held_groups.append(dist.group.WORLD)
+
+
 @contextmanager
 def distributed_as_found():
     """Leave torch.distributed and the rank variables as they were before a run in this process.
