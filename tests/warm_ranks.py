@@ -288,7 +288,8 @@ class WarmRanks:
                 ended = self.read(60)
                 if ended is None:
                     raise RuntimeError("the warm-rank server did not reap the ranks it was told to kill")
-            outputs = [tuple((out / f"rank{rank}.{kind}").read_text(errors="replace") for kind in ("out", "err"))
+            # as written: read_text would turn a progress bar's carriage returns into newlines
+            outputs = [tuple((out / f"rank{rank}.{kind}").read_bytes().decode(errors="replace") for kind in ("out", "err"))
                        for rank in range(world_size)]
             for path in out.iterdir():  # the ranks' files and the store's
                 path.unlink()
