@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import compose, conversation, read_metrics, train, write_rows
+from helpers import compose, conversation, read_metrics, reset_accelerate, train, warm, write_rows
 
 from trainloop.config.compose import ConfigError, validate
 from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE, message_problem, parse_tool_calls
@@ -278,6 +278,56 @@ def test_a_template_without_tool_support_is_said(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trainloop"):
         tokenized(f"data.path={path}", f"data.chat_template={template}")
     assert "the chat template renders no tools (data.tools_field='tools')" in caplog.text
+
+
+def test_a_seq_len_that_cuts_the_answers_warns_with_the_share_of_target_tokens_lost(tmp_path, caplog):
+    """Issue 58, item 8: rows whose tool schemas fill most of data.seq_len keep a few of their answers'
+    tokens; the warning gives the share of the target tokens lost (counted here from the rows as
+    tokenized), the rows left with none, the longest row and the data.seq_len that would hold it."""
+    from trainloop.build import build
+    from trainloop.parallel import build_strategy
+    from trainloop.parallel.accelerator import build_accelerator
+
+    path = write_rows(tmp_path / "tools.jsonl", ROWS * 4)
+    ids, labels = tokenized(f"data.path={path}")
+    seq_len = len(ids[0]) - 5  # inside the first row's last answer
+    lost = total = emptied = 0
+    for row in labels:
+        targets = [i for i, label in enumerate(row) if label != -100 and i > 0]
+        total, lost = total + len(targets), lost + sum(i >= seq_len for i in targets)
+        emptied += bool(targets) and all(i >= seq_len for i in targets)
+    cut = sum(len(row) > seq_len for row in ids)
+    assert 0 < lost < total and cut
+    cfg = compose("+preset=smoke", "data=chat", f"data.path={path}", f"data.seq_len={seq_len}", "model.max_position_embeddings=1024")
+    validate(cfg)
+    reset_accelerate()
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        build(cfg, build_strategy(cfg, build_accelerator(cfg)))
+    longest = max(len(row) for row in ids)
+    assert (f"data: data.seq_len={seq_len} (data.overlong=truncate) cuts {100 * lost / total:.0f}% of the target "
+            f"tokens, the ones trained on: {cut} of {len(ids)} rows lose some, {emptied} keep none; the longest row has "
+            f"{longest} tokens, so data.seq_len={longest} would hold every row") in caplog.text, caplog.text
+
+
+def test_inspect_prints_the_rows_as_the_model_sees_them_with_the_trained_tokens_marked(tmp_path):
+    """Issue 58, item 11: `python -m trainloop.inspect` with a run's overrides prints each row rendered, its
+    trained tokens between [[ and ]], its lengths and what data.seq_len cuts; exit 0, nothing trained."""
+    path = write_rows(tmp_path / "tools.jsonl", ROWS)
+    ids, labels = tokenized(f"data.path={path}")
+    seq_len = len(ids[0]) - 5
+    done = warm(1, ["data=chat", f"data.path={path}", f"data.seq_len={seq_len}", "--rows", "3"], cwd=tmp_path,
+                module="trainloop.inspect")
+    rows = done.stdout.removesuffix("\n").split("\n\n")
+    assert len(rows) == 3, done.stdout
+    trained = [sum(label != -100 for label in row) for row in labels]
+    lost = sum(label != -100 for label in labels[0][seq_len:])
+    assert rows[0].startswith(f"--- row 0: {len(ids[0])} tokens, {trained[0]} trained; longer than data.seq_len="
+                              f"{seq_len}: cut at >8 (data.overlong=truncate), {lost} of its {trained[0]} trained "
+                              "tokens lost\n")
+    assert rows[2] == (f"--- row 2: {len(ids[2])} tokens, {trained[2]} trained\n<|user|>\nHi{EOS}\n<|assistant|>\n"
+                       f"[[Hello.{EOS}\n]]")
+    assert f"[[{TARGETS['adding'][0]}]]" in rows[0] and " >8 " in rows[0]
+    assert not list(tmp_path.glob("outputs")) and not list(tmp_path.rglob("metrics.jsonl"))
 
 
 def test_a_short_run_trains_on_tool_calling_conversations(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import GROUPS, NEEDS, OPTIONS, compose, launch, read_metrics, train
+from helpers import GROUPS, NEEDS, OPTIONS, compose, launch, read_metrics, train, warm
 from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
 
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
@@ -176,3 +176,14 @@ def test_combinations_that_cannot_work_are_refused():
     ]:
         with pytest.raises(ConfigError, match=match):
             validate(compose(*overrides))
+
+
+def test_a_config_every_rank_refuses_is_said_once_under_a_launcher(tmp_path):
+    """Issue 58, item 10: on 2 ranks a bad value is refused by both (exit 2), and said by the main rank alone,
+    not once per rank above the launcher's report."""
+    done = warm(2, ["+preset=smoke", "optimizer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                check=False)
+    assert done.returncode == 2
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("trainloop: error")]
+    assert errors == ["trainloop: error: invalid config:"], done.stderr
+    assert "optimizer.lr=-1.0 must be greater than 0, or null" in done.stderr

@@ -108,6 +108,12 @@ def test_the_three_row_forms_give_one_pair_per_row(tmp_path, caplog):
     ({"prompt": [{"role": "user", "content": "1+1="}], "chosen": [{"role": "assistant", "content": "2"}],
       "rejected": [{"role": "assistant", "content": "3"}, {"role": "user", "content": "sure?"}]},
      r"rejected's last turn is the user's, not the assistant's"),
+    ({"prompt": [{"role": "user", "content": "1+1="}], "chosen": [{"role": "assistant", "content": ""}],
+      "rejected": [{"role": "assistant", "content": "3"}]},
+     r"chosen's last turn, the assistant's, is empty: a completion needs its text"),  # as "chosen": "" is
+    ({"chosen": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+      "rejected": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": ""}]},
+     r"rejected's last turn, the assistant's, is empty"),
 ])
 def test_a_bad_row_is_refused_naming_its_file_and_line(tmp_path, row, says):
     path = write_rows(tmp_path / "pairs.jsonl", [*sums(5), row, *sums(5)])

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from helpers import (
-    SMALL, clean_env, compose, launch, once, read_metrics, reset_accelerate, run_log, train, warm, write_rows,
+    SMALL, clean_env, compose, launch, once, pretrained_llama, read_metrics, reset_accelerate, run_log, train, warm,
+    write_rows,
 )
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -518,6 +519,65 @@ def test_a_reward_function_of_the_wrong_length_is_named(tmp_path):
 
 CHEAP = [*TASK, "data.batch_size=2", "objective.num_generations=2", "objective.max_new_tokens=4",
          "trainer.eval_batches=1"]  # 4 completions a step
+
+
+def test_train_from_python_takes_a_reward_function_defined_in_the_caller(tmp_path):
+    """Issue 58, item 11: trainloop.train runs GRPO in this process with a reward function defined here (a
+    notebook's), named by its own name in the metrics; it returns the run dir and the last train and eval
+    values, and train.log has the run's lines. The same key given twice is refused."""
+    import trainloop
+
+    scored = []
+
+    def short(prompts, completions, **columns):
+        scored.append(len(completions))
+        return [1.0 if len(c) < 3 else 0.0 for c in completions]
+
+    overrides = [*SMALL, *(o for o in CHEAP if not o.startswith("objective.rewards")), "trainer.max_steps=2"]
+    done = trainloop.train(overrides, rewards=[short], run_dir=tmp_path / "run")
+    assert done.run_dir == tmp_path / "run" and scored
+    assert {"loss", "reward", "rewards/short", "eval_loss", "eval_reward"} <= set(done.metrics) and \
+        done.metrics["step"] == 2
+    assert re.search(r"\] - step 2  loss ", (tmp_path / "run" / "train.log").read_text())
+    with pytest.raises(ConfigError, match=r"^objective.rewards is given twice: as Python objects to trainloop.train"):
+        trainloop.train(CHEAP, rewards=[short], run_dir=tmp_path / "twice")
+
+
+def test_completions_cut_at_the_budget_are_counted_and_most_cut_warns_once_naming_the_key(tmp_path, caplog):
+    """Issue 58, item 2: 4 new tokens are too few for the random model to end its answers: truncated_share
+    says so on every line, and one warning names objective.max_new_tokens."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        run = train(tmp_path / "run", *CHEAP, "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2")
+    shares = [r["truncated_share"] for r in read_metrics(run) if "loss" in r]
+    assert len(shares) == 2 and all(share > 0.5 for share in shares), shares
+    warned = [r.getMessage() for r in caplog.records if "objective.max_new_tokens" in r.getMessage()]
+    assert len(warned) == 1 and re.match(r"objective=grpo: \d of 4 completions since the last line were cut at "
+                                         r"objective.max_new_tokens=4: .*raise objective.max_new_tokens", warned[0])
+
+
+def test_a_pretrained_model_trains_at_the_objectives_default_lr_and_the_start_up_line_says_so(tmp_path, caplog):
+    """Issue 58, item 4: objective=grpo with model=hf and no optimizer.lr trains at TRL's GRPOConfig default,
+    1e-6 (a from-scratch 1e-3 collapsed a pretrained policy in 4 steps), and the start-up line says so; the
+    tiny model trained from scratch keeps 1e-3, and a given optimizer.lr is taken as given."""
+    import logging
+
+    base = pretrained_llama(tmp_path / "base")
+    one_step = [*CHEAP, "trainer.max_steps=1", "trainer.log_every=1", "trainer.eval_every=1"]
+    runs = {"hf": ["model=hf", f"model.name_or_path={base}"], "hf_given": ["model=hf", f"model.name_or_path={base}",
+            "optimizer.lr=3e-5"], "tiny": []}
+    said = {}
+    for name, overrides in runs.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trainloop"):
+            run = train(tmp_path / name, *one_step, *overrides)
+        said[name] = caplog.text
+        runs[name] = [r["lr"] for r in read_metrics(run) if "loss" in r]
+    assert runs == {"hf": [1e-6], "hf_given": [3e-5], "tiny": [1e-3]}
+    assert "blocks of 64 tokens | lr 1e-06: objective=grpo's default for a pretrained model (TRL's GRPOConfig)\n" \
+        in said["hf"]
+    assert "default for a pretrained model" not in said["hf_given"] + said["tiny"]
 
 
 @pytest.mark.parametrize("function, value, row", [("nan_first", "nan", 0), ("infinite_last", "inf", 2)])

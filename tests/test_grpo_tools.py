@@ -126,6 +126,40 @@ def test_tool_replies_and_the_prompt_get_no_loss_and_no_advantage():
     reset_accelerate()
 
 
+def test_a_tool_that_fails_on_every_call_is_warned_of_once(caplog):
+    """Issue 58, item 10: every call of a line answered with an error (a tool that raises) is one warning
+    naming objective.tools, not only tool_failure_share 1 in metrics.jsonl."""
+    import logging
+
+    from trainloop.objectives.grpo import GRPO as Objective
+
+    cfg = compose("+preset=smoke", *GRPO[:2], "objective.rewards=[trainloop.objectives.rewards:exact_answer]",
+                  f"objective.tools=[{TOOLS}:broken]", "objective.max_new_tokens=160")
+    strategy, objective, model = built(cfg)
+    tokenizer = objective.tokenizer
+    messages = [{"role": "user", "content": "What is stored under a?"}]
+    prompt = torch.tensor([tokenizer.apply_chat_template(messages, chat_template=objective.template,
+                                                         tools=Objective.prompt_tools(cfg), add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)] * 2)
+    call = tokenizer('<tool_call>{"name": "broken", "arguments": {"key": "a"}}</tool_call>',
+                     add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        rollout = objective.tool_rollout(strategy, model, prompt, torch.ones_like(prompt),
+                                         torch.cat([prompt, torch.tensor([call, call])], 1), objective.sampling,
+                                         [{"prompt": messages}] * 2)
+    assert rollout["tool_calls"].tolist() == [2.0, 2.0]
+    scores = objective.score(rollout)
+    assert not isinstance(scores, ConfigError), scores
+    with caplog.at_level(logging.WARNING, logger="trainloop"):
+        for _ in range(2):  # two lines, one warning
+            objective.record([rollout], scores, scores[:, 0])
+            assert objective.window(strategy)["tool_failure_share"] == 1.0
+    warned = [r.getMessage() for r in caplog.records if "tool calls" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("objective=grpo: every one of the 2 tool calls since the last "
+                                                     "line failed"), warned
+    reset_accelerate()
+
+
 def test_a_run_with_tools_renders_their_schemas_into_the_prompts_and_trains(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"Look up {key}."}], "answer": answer}
             for key, answer in (("alpha", "417"), ("beta", "92")) * 8]
@@ -180,7 +214,7 @@ VAULT = f"{TOOLS}:Vault"
      r"objective.environment=.*: its method lookup has the name of a tool of objective.tools"),
     ([f"objective.environment={TOOLS}:Unmakeable"],
      r"objective.environment=.*: making an instance raised RuntimeError: no database"),
-    ([f"objective.environment={TOOLS}:Missing"], r"objective.environment='.*:Missing': .* has no function Missing"),
+    ([f"objective.environment={TOOLS}:Missing"], r"objective.environment='.*:Missing': .* has no class Missing"),
     ([f"objective.environment={TOOLS}:Quiet", "objective.rewards=[]"], r"objective.rewards=\[\] names no reward"),
     ([f"objective.environment={VAULT}", "objective.reward_weights=[1,2,3]"],
      r"objective.reward_weights has 3 weights for 1 reward functions: give one per function, then optionally "
@@ -191,11 +225,17 @@ def test_an_environment_that_cannot_work_is_refused_naming_the_key(overrides, sa
         validate(compose("+preset=smoke", *GRPO, *overrides, f"data.path={DATA / 'prompts.jsonl'}"))
 
 
-def test_each_rollout_has_its_own_environment_reset_with_its_row():
+def test_each_rollout_has_its_own_environment_reset_with_its_row(tmp_path, caplog):
     """Four rollouts of two rows: each its own Vault, reset with its row (whose text is appended to the
     prompt, rendered again with the vault's schema); the model's call (written here) is answered by its
     own vault with its row's secret; get_reward is a reward column named Vault, weighted 1.0 after the
-    functions'; the reward functions get the instances. The next step reuses the instances."""
+    functions'; the reward functions get the instances. The next step reuses the instances. A sample
+    is a transcript of every turn, in event=samples and the log (issue 58, item 3)."""
+    import logging
+
+    from trainloop.objectives.grpo import shown
+    from trainloop.observe.metrics import Metrics
+
     cfg = compose("+preset=smoke", *GRPO[:2], "objective.rewards=[trainloop.objectives.rewards:exact_answer]",
                   f"objective.environment={VAULT}", "objective.max_new_tokens=160",
                   "objective.num_generations=2", "data.seq_len=300")
@@ -222,6 +262,28 @@ def test_each_rollout_has_its_own_environment_reset_with_its_row():
     assert objective.rewards.names == ["exact_answer", "Vault"] and objective.rewards.weights == [1.0, 1.0]
     scores = objective.score(rollout)
     assert scores[:, 1].tolist() == [1.0] * 4  # each vault was opened once (the rows have no answer: NaN)
+    samples = shown(rollout, "prompt", objective.rewards.names, scores)
+    turns = samples[0]["text"].splitlines()
+    assert samples[0]["prompt"] == "user: Open the vault. (the vault is locked)" and samples[0]["conversation"]
+    assert turns[:2] == ["assistant calls vault({})", "tool vault: 417"] and turns[2].startswith("assistant: ")
+    assert samples[0]["rewards"] == {"exact_answer": None, "Vault": 1.0}
+    metrics = Metrics(tmp_path, True, 1, 0, False, 1)
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        metrics.samples(1, samples)
+    metrics.close()
+    assert [r["samples"] for r in read_metrics(tmp_path)] == [samples]
+    assert ("step 1: sample 1\n  user: Open the vault. (the vault is locked)\n  assistant calls vault({})\n"
+            "  tool vault: 417\n  assistant: ") in caplog.text and "\n  rewards: exact_answer None, Vault 1\n" in caplog.text
+
+    # a budget that ends right after the call (issue 58, item 2): the vault still answers, the reward
+    # functions get its reply, and the rollout counts as cut (truncated_share)
+    objective.cfg.max_new_tokens = len(call["input_ids"]) + 3
+    with torch.no_grad():
+        cut = objective.tool_rollout(strategy, model, ids, mask, out, objective.sampling, rows, vaults)
+    assert [m[1:] for m in cut["messages"]] == [[{"role": "tool", "name": "vault", "content": s}]
+                                                for s in ("417", "417", "92", "92")]
+    assert cut["truncated"].all() and [v.opened for v in vaults] == [2, 2, 2, 2]
+    assert cut["input_ids"].shape[1] == ids.shape[1] + len(call["input_ids"]) + 1  # the reply's tokens did not fit
     objective.environments.start()
     assert objective.environments.draw(4) == vaults  # made once, reset often
     reset_accelerate()

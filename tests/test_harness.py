@@ -107,6 +107,24 @@ def test_a_task_the_harness_cannot_find_stops_before_training():
         Harness.for_config(cfg, tokenizer=None)
 
 
+def test_a_local_task_that_cannot_load_is_named_without_a_hint_about_the_hub(tmp_path):
+    """A task of include_path whose data file is missing (issue 58, item 10): the hint is to fix the
+    task, not the registry's "downloads its data from the hub"."""
+    import shutil
+
+    from trainloop.errors import ConfigError
+    from trainloop.observe.harness import Harness
+
+    shutil.copy(SHIPPED / "local_jsonl.py", tmp_path)
+    yaml = (SHIPPED / "pydoc_order.yaml").read_text()
+    (tmp_path / "broken.yaml").write_text(yaml.replace("task: pydoc_order", "task: broken_order")
+                                          .replace("file: pydoc_order.jsonl", "file: missing.jsonl"))
+    cfg = compose("+preset=smoke", "eval.harness.tasks=[broken_order]", f"eval.harness.include_path={tmp_path}")
+    with pytest.raises(ConfigError, match=r"^eval.harness.tasks: the harness could not load broken_order: "
+                                          r"FileNotFoundError: .*missing.jsonl.*; fix the task's YAML file or its data$"):
+        Harness.for_config(cfg, tokenizer=None)
+
+
 def test_the_harness_not_installed_stops_the_run_in_one_line(tmp_path):
     """Run as a user without the extra: lm_eval not importable (sys.modules' None is how Python says so)."""
     code = ("import sys; sys.modules['lm_eval'] = None; sys.argv[1:] = ['+preset=smoke', "
@@ -154,6 +172,18 @@ def test_evaluate_refuses_what_holds_no_model(tmp_path, capsys):
         main([str(tmp_path), "--tasks", "pydoc_order"])
     assert stop.value.code == 2
     assert f"error: {tmp_path} holds no model: give a run directory with a final/" in capsys.readouterr().err
+
+
+def test_evaluate_names_a_missing_directory_before_it_reads_the_tasks(tmp_path, capsys):
+    """The directory first (issue 58, item 1): a task nobody has would take the registry's index (a
+    minute) to refuse, and was reported instead of the typo in the path."""
+    from trainloop.tools.evaluate import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "absent"), "--tasks", "no_such_task"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'absent'} does not exist: give a run directory, its " \
+        "final/, or a checkpoint\n"
 
 
 def test_scores_name_each_task_and_metric():

@@ -76,6 +76,8 @@ def test_each_row_is_an_item_with_its_label_and_the_row_befores_completion(tmp_p
     ({"prompt": "", "completion": "there", "label": True}, "data.prompt_field='prompt' is empty"),
     ({"prompt": [{"role": "user", "content": "Hi"}], "completion": "there", "label": True},
      "mixes text and conversations"),
+    ({"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": ""}], "label": True},
+     "completion's last turn, the assistant's, is empty: a completion needs its text"),
 ])
 def test_a_bad_row_is_refused_naming_file_and_line(tmp_path, row, says):
     good = {"prompt": "What?", "completion": " This.", "label": True}
@@ -100,12 +102,14 @@ def test_what_cannot_work_is_refused_by_name(overrides, says):
 
 # --- the loss: TRL's ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("beta,desirable,undesirable", [(0.1, 1.0, 1.0), (0.5, 1.0, 1.0), (0.1, 1.33, 0.75),
-                                                        (0.5, 0.8, 1.2)])
-def test_the_loss_and_gradients_are_trls_on_the_same_batch(tmp_path, beta, desirable, undesirable):
+@pytest.mark.parametrize("beta,desirable,undesirable,one_label", [
+    (0.1, 1.0, 1.0, False), (0.5, 1.0, 1.0, False), (0.1, 1.33, 0.75, False), (0.5, 0.8, 1.2, False),
+    (0.1, 1.0, 1.0, True)])
+def test_the_loss_and_gradients_are_trls_on_the_same_batch(tmp_path, beta, desirable, undesirable, one_label):
     """TRL's KTOTrainer (LoRA, reference = adapters disabled) tokenizes the rows, rotates the completions for its
     KL pairs and computes its loss with its own _compute_loss; objective=kto computes on the same model, from the
-    same tensors: loss and gradients within 1e-5, and TRL's rewards and KL."""
+    same tensors: loss and gradients within 1e-5, and TRL's rewards and KL. With every row desirable (one_label),
+    the rejected side and the margin are left out, as TRL leaves them out (issue 58, item 6), never logged as 0."""
     import datasets
     from trl import KTOConfig, KTOTrainer
 
@@ -114,7 +118,7 @@ def test_the_loss_and_gradients_are_trls_on_the_same_batch(tmp_path, beta, desir
     from trainloop.model.builder import build_model, build_model_config
     from trainloop.objectives import build_objective
 
-    rows = unpaired(rule_pairs([(a, 2 * a + 1) for a in range(3)]))
+    rows = [row for row in unpaired(rule_pairs([(a, 2 * a + 1) for a in range(3)])) if row["label"] or not one_label]
     cfg = compose("+preset=smoke", *KTO, "adapter=lora", "data.path=rows.jsonl", f"objective.beta={beta}",
                   f"objective.desirable_weight={desirable}", f"objective.undesirable_weight={undesirable}")
     validate(cfg)
@@ -158,8 +162,12 @@ def test_the_loss_and_gradients_are_trls_on_the_same_batch(tmp_path, beta, desir
     for name, grad in grads.items():
         torch.testing.assert_close(grad, trl_grads[name], atol=1e-5, rtol=0, msg=name)
     means, trl = objective.means(objective.sums), trainer._metrics["train"]
-    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl"):
+    keys = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl")
+    assert [key for key in keys if key in means] == [key for key in keys if trl.get(key)] == \
+        [key for key in keys if not (one_label and key.endswith("rejected"))]
+    for key in (key for key in keys if key in means):
         assert means[key] == pytest.approx(trl[key][-1], abs=1e-5), key
+    assert ("rewards/margin" in means) is bool(trl.get("rewards/margins")) is not one_label
     assert means["kl"] > 0  # the clamp did not hide the estimate
 
 

@@ -101,11 +101,14 @@ def test_the_loss_and_gradients_are_trls_on_the_same_batch(tmp_path, center, mar
 # --- a run --------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_reward_model_learns_the_rule_and_final_scores_with_transformers_alone(tmp_path):
+def test_a_reward_model_learns_the_rule_and_final_scores_with_transformers_alone(tmp_path, capsys):
     """Trained on tests/data/preference.jsonl's rule, final/ loads with AutoModelForSequenceClassification
     and scores the chosen completion of at least 95% of 40 pairs it never saw above the rejected one; the
-    train and eval lines carry the accuracy and margin."""
+    train and eval lines carry the accuracy and margin. trainloop.evaluate refuses the run and its
+    checkpoint in one line naming the score head (issue 58, item 1): the harness scores a language model."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trainloop.tools.evaluate import main as evaluate
 
     data = Path(__file__).resolve().parent / "data" / "preference.jsonl"
     run = train(tmp_path / "run", *REWARD, f"data.path={data}", "trainer.max_steps=30", "trainer.eval_every=15",
@@ -130,6 +133,15 @@ def test_a_reward_model_learns_the_rule_and_final_scores_with_transformers_alone
 
     right = sum(score(r["prompt"] + r["chosen"]) > score(r["prompt"] + r["rejected"]) for r in held_out)
     assert right >= 38, f"{right}/40 held-out pairs ranked by the rule"
+
+    (checkpoint,) = (run / "checkpoints").glob("step_*")
+    capsys.readouterr()
+    for path, named in ((run, f"{final} is a reward model (LlamaForSequenceClassification: a score head"),
+                        (checkpoint, f"{checkpoint} is a checkpoint of a reward model (objective=reward: a score head")):
+        with pytest.raises(SystemExit) as stop:
+            evaluate([str(path), "--tasks", "pydoc_order"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith(f"error: {named}") and err.count("\n") == 1, err
 
 
 @pytest.mark.slow
@@ -236,7 +248,7 @@ def test_what_cannot_work_is_refused_by_name(overrides, named):
 def test_a_reward_model_that_is_not_one_is_refused_naming_its_place(tmp_path):
     prompts = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
     causal = pretrained_llama(tmp_path / "causal")
-    for directory, named in ((causal, "is a LlamaForCausalLM with 2 labels, not a sequence classifier with one score"),
+    for directory, named in ((causal, "is a LlamaForCausalLM, not a sequence classifier with one score"),
                              (tmp_path / "absent", "is no directory")):
         cfg = compose("+preset=smoke", "data=prompts", "objective=grpo", f"data.path={prompts}",
                       f"objective.reward_models=[{directory}]")

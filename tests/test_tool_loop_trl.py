@@ -7,7 +7,8 @@ Real parts only: the built-in byte-level tokenizer and chat template (given, for
 response template for the template's `<tool_call>...</tool_call>` turns ending in `<|endoftext|>`), tools
 loaded by file path, and one tiny transformers Llama whose greedy generation writes the later turns on
 both sides. TRL's trainer is not built: its loop runs on a stand-in holding the state it reads.
-Where the two differ, the test says so and pins it: the exact-budget rule.
+Where the two differ, the test says so and pins it: the exact-budget rule, and the replies that do not
+fit, which the reward functions still get here (TRL drops them; issue 58, item 2).
 """
 
 from __future__ import annotations
@@ -159,9 +160,11 @@ def reply_length(parts, calls, replies) -> int:
 
 
 def test_replies_that_do_not_fit_leave_the_completion_as_it_was(parts):
-    """The budget holds the first turn (two calls, both failing) and half their replies: TRL drops the replies
-    and ends the rollout, as take_turns does; the completion is the first turn, all of it trained. Both count
-    the calls run and their failures (TRL's tools/call_frequency and tools/failure_frequency)."""
+    """The budget holds the first turn (two calls, both failing) and half their replies: both end the rollout,
+    the completion the first turn, all of it trained, and count the calls run and their failures (TRL's
+    tools/call_frequency and tools/failure_frequency). The one difference, by design: TRL drops the replies
+    from the messages; take_turns keeps them there, marking the rollout cut, so that the reward functions see
+    what the tools answered (a user's vault environment had run the call, and its reward saw none)."""
     calls, replies = CASES["failing calls"]
     text = written(*calls)
     first = len(parts[0](text, add_special_tokens=False)["input_ids"]) + 1
@@ -170,7 +173,8 @@ def test_replies_that_do_not_fit_leave_the_completion_as_it_was(parts):
         both(parts, [text], budget)
     assert turns[0].ids == completion_ids[0] and len(completion_ids[0]) == first
     assert turns[0].trained == tool_mask[0] == [1] * first
-    assert turns[0].messages == trl_messages[0] == first_messages[0]  # the calls, unanswered
+    assert turns[0].messages[:1] == trl_messages[0] == first_messages[0]  # the calls; TRL has no reply after them
+    assert [m["content"] for m in tool_messages(turns[0].messages)] == replies
     assert len(turns[0].messages[0]["tool_calls"]) == 2 and turns[0].ended
     assert (trl_calls, trl_failures) == (turns[0].calls, turns[0].failed) == (2, 2)
 

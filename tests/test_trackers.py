@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import MLFLOW, SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step
+from trainloop.build import settle_learning_rate
 from trainloop.observe.trackers import TRACKERS, Trackers
 
 
@@ -60,7 +61,9 @@ def test_the_default_run_writes_tensorboard_scalars_equal_to_metrics_jsonl(tmp_p
 
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = HParamsPluginData.FromString(start).session_start_info.hparams
-    assert hparams["optimizer.lr"].number_value == pytest.approx(compose(*SMALL).optimizer.lr)
+    trained = compose(*SMALL)
+    settle_learning_rate(trained)  # the rate the run trained at: optimizer=adamw's for a model from scratch
+    assert hparams["optimizer.lr"].number_value == pytest.approx(trained.optimizer.lr) == 1e-3
     assert hparams["model.name"].string_value == "tiny"
     assert not [p for p in (run_dir / "tensorboard").iterdir() if p.is_dir()]
 
@@ -73,7 +76,8 @@ def test_mlflow_logs_params_and_metrics_to_a_file_store_in_the_run_dir(tmp_path,
     client, run = mlflow_run(run_dir / "mlruns", monkeypatch)
     assert run.info.run_name == run_dir.name and run.info.status == "FINISHED"
     cfg = compose(*SMALL, "logging.trackers=[mlflow]", "logging.telemetry_every=2")
-    assert run.data.params["optimizer.lr"] == str(cfg.optimizer.lr)
+    settle_learning_rate(cfg)
+    assert run.data.params["optimizer.lr"] == str(cfg.optimizer.lr) == "0.001"
     assert run.data.params["trainer.max_steps"] == "4"
     assert run.data.params["logging.trackers"] == '["mlflow"]'
     for key in ("loss", "eval_loss", "tokens_per_s"):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
-from helpers import SMALL, compose, launch, read_metrics, reset_accelerate, train
+from helpers import SMALL, compose, launch, read_metrics, reset_accelerate, train, warm
 
 
 def test_run_leaves_metrics_and_a_loadable_model(tmp_path):
@@ -94,3 +95,23 @@ def test_an_in_process_run_leaves_torch_distributed_as_it_found_it(tmp_path):
     accelerator = build_accelerator(compose(*SMALL))  # what the next 1-process run starts with
     assert (accelerator.distributed_type, accelerator.num_processes) == (DistributedType.NO, 1)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("bar", ["default", "forced"])
+def test_train_log_holds_every_step_and_eval_and_a_file_gets_no_bar_unless_forced(tmp_path, bar):
+    """Issue 58, item 7. Output to files, as under nohup or SLURM: by default no bar, so no carriage-return
+    frames, and each step and eval a line; logging.progress_bar=true draws the bar there anyway, the step
+    lines in it, not repeated as lines. train.log holds a line for every log step and every eval either way."""
+    run_dir = tmp_path / "run"
+    done = warm(1, ["+preset=smoke", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2",
+                    "trainer.eval_batches=1", "checkpoint.save_final_model=false", f"hydra.run.dir={run_dir}",
+                    *(["logging.progress_bar=true"] if bar == "forced" else [])], cwd=tmp_path)
+    log = (run_dir / "train.log").read_text()
+    assert re.findall(r"\] - step (\d+)  loss ", log) == ["1", "2", "3", "4"], log
+    assert re.findall(r"\] - step (\d+): eval_loss ", log) == ["2", "4"], log
+    shown = done.stdout + done.stderr
+    assert re.findall(r"step (\d+): eval_loss ", shown) == ["2", "4"], shown
+    if bar == "default":
+        assert "\r" not in shown and re.findall(r"step (\d+)  loss ", shown) == ["1", "2", "3", "4"], shown
+    else:
+        assert re.search(r"\r.*4/4 \[", shown) and not re.search(r"step \d+  loss ", shown), shown

@@ -83,10 +83,15 @@ def main() -> None:
         nonlocal run_started
         run_started = True
         try:
-            check_command_line(cfg, HydraConfig.get().overrides.task)
+            try:
+                check_command_line(cfg, HydraConfig.get().overrides.task)
+            except ConfigError as err:
+                err.every_rank = True
+                raise
             return run(cfg, run_dir=HydraConfig.get().runtime.output_dir, record=LaunchRecord.from_hydra(cfg))
-        except ConfigError as err:  # a known bad input: one message, no traceback
-            print(f"trainloop: error: {err}", file=sys.stderr)
+        except ConfigError as err:  # a known bad input: one message, no traceback (once, where every rank finds it)
+            if not err.every_rank or int(os.environ.get("RANK", "0")) == 0:
+                print(f"trainloop: error: {err}", file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
         except NonFiniteError as err:
             print(f"trainloop: error: {err}", file=sys.stderr)

@@ -44,6 +44,24 @@ class Built:
     batch_search: Any = None  # trainloop.memory.batch_size.BatchSearch with trainer.auto_batch_size
 
 
+def settle_learning_rate(cfg) -> str | None:
+    """Set optimizer.lr where the config sets none (None): for a pretrained model (model=hf) the
+    objective's default, TRL's for the same trainer (Objective.pretrained_lr: a from-scratch rate of
+    1e-3 wrecks a pretrained model within a few steps), else the optimizer's from-scratch default.
+    Returns what the start-up line says of a default it took; None where the config set the rate."""
+    from trainloop.objectives import OBJECTIVES
+    from trainloop.optim.optimizers import optimizer_named
+
+    if cfg.optimizer.lr is not None:
+        return None
+    if cfg.model.name == "hf":
+        lr, source = OBJECTIVES[cfg.objective.name].pretrained_lr
+        cfg.optimizer.lr = lr
+        return f"lr {lr:g}: objective={cfg.objective.name}'s default for a pretrained model (TRL's {source})"
+    cfg.optimizer.lr = optimizer_named(cfg.optimizer.name).scratch_lr
+    return f"lr {cfg.optimizer.lr:g}: optimizer={cfg.optimizer.name}'s default for a model trained from scratch"
+
+
 def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, blocks=None,
           before_model: Callable[[], None] | None = None) -> Built:
     """Build a run from `cfg` on `strategy` (trainloop.parallel.build_strategy).
@@ -75,6 +93,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.optim.optimizers import build_optimizer, build_scheduler
     from trainloop.parallel import check_context_model
 
+    settle_learning_rate(cfg)  # a run settled it already; the planner's measurement and the benchmarks here
     accelerator = strategy.accelerator
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     carry_chat_template(tokenizer, trained_chat_template(cfg.data, tokenizer))  # final/ is prompted as trained

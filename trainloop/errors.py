@@ -22,7 +22,10 @@ EXIT_INTERRUPTED = 130
 
 
 class ConfigError(ValueError):
-    """A config (or input) that cannot work; exit EXIT_BAD_CONFIG. The message names the key and what to change."""
+    """A config (or input) that cannot work; exit EXIT_BAD_CONFIG. The message names the key and what to change.
+    `every_rank`: found by the config's own checks, which every rank makes alike, so the main rank alone says it."""
+
+    every_rank = False
 
 
 class CheckpointError(ConfigError):

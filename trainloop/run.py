@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainloop.config.compose import check_complete, validate
+from trainloop.config.compose import ConfigError, check_complete, validate
 from trainloop.rundir import LaunchRecord, hold_run_dir, same_command
 
 log = logging.getLogger("trainloop")
@@ -28,13 +28,21 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None
     """
     from trainloop.parallel.process_group import distributed_as_found
 
-    check_complete(cfg)
-    validate(cfg)
+    from trainloop.build import settle_learning_rate
+
+    try:
+        check_complete(cfg)
+        validate(cfg)
+    except ConfigError as err:
+        err.every_rank = True  # each rank refuses the same config: under a launcher the main rank alone says so
+        raise
+    settled = settle_learning_rate(cfg)  # before anything reads optimizer.lr: the checkpoint's config records it
     with hold_run_dir(run_dir) if is_main_rank() else nullcontext(), distributed_as_found():
-        return train_in_run_dir(cfg, run_dir, record)
+        return train_in_run_dir(cfg, run_dir, record, settled)
 
 
-def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None) -> float | None:
+def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None,
+                     settled: str | None = None) -> float | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default; HF_HUB_OFFLINE=0 to download
 
     from trainloop.build import build
@@ -46,14 +54,15 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.loop import TrainState, train
     from trainloop.memory.batch_size import with_batch
     from trainloop.observe.flops import peak_tflops
-    from trainloop.observe.metrics import Metrics, library_progress_bars
+    from trainloop.observe.metrics import Metrics, library_progress_bars, shows_bar
     from trainloop.observe.trackers import Trackers
     from trainloop.parallel import build_strategy
     from trainloop.parallel.accelerator import agree_run_dir, build_accelerator
     from trainloop.preemption import Preemption
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines are noise
-    library_progress_bars(cfg.logging.progress_bar, loads_rows=data_format(cfg.data.name).loads_rows)
+    bar = shows_bar(cfg.logging.progress_bar)
+    library_progress_bars(bar, loads_rows=data_format(cfg.data.name).loads_rows)
     accelerator = build_accelerator(cfg)
     strategy = build_strategy(cfg, accelerator)
     run_dir = agree_run_dir(accelerator, run_dir)
@@ -72,9 +81,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     n_params, n_trained = strategy.count_parameters(model)
     experts = getattr(model_config, "num_local_experts", None)  # a mixture of experts (model.arch=mixtral)
     routing = f"; {experts} experts per block, {model_config.num_experts_per_tok} per token" if experts else ""
-    log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained%s) | %d train / %d valid blocks of %d tokens",
+    log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained%s) | %d train / %d valid blocks of %d tokens%s",
              run_dir, strategy.describe(model), n_params / 1e6, n_trained / 1e6, routing, len(train_set),
-             len(built.valid_set), cfg.data.seq_len)
+             len(built.valid_set), cfg.data.seq_len, f" | {settled}" if settled and cfg.model.name == "hf" else "")
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state, model, built.scheduler)
@@ -82,7 +91,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
         record.write(run_dir)
     trackers = Trackers.start(accelerator, recorded, run_dir)  # None with logging.trackers=[]
     metrics = Metrics(run_dir, accelerator.is_main_process, cfg.trainer.max_steps, state.step,
-                      cfg.logging.progress_bar, strategy.world_size, flops_per_token=built.flops_per_token,
+                      bar, strategy.world_size, flops_per_token=built.flops_per_token,
                       peak_tflops=peak_tflops(accelerator.device, cfg.precision.name, cfg.logging.peak_tflops)
                       if accelerator.is_main_process else None, trackers=trackers, headline=built.objective.headline)
     if built.batch_search is not None:

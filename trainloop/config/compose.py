@@ -101,7 +101,7 @@ CHOICES = {
 
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.max_position_embeddings",
-    "model.vocab_multiple", "data.seq_len", "data.batch_size", "optimizer.lr",
+    "model.vocab_multiple", "data.seq_len", "data.batch_size",
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
     "model.num_experts", "model.experts_per_token", "eval.max_new_tokens", "parallel.tp_size",
@@ -303,7 +303,7 @@ def validate(cfg: Any) -> None:
         if _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
     for key in ("checkpoint.every_steps", "trainer.stop_at_step", "logging.peak_tflops", "trainer.eval_batches",
-                "eval.harness.every", "eval.harness.limit"):
+                "eval.harness.every", "eval.harness.limit", "optimizer.lr"):
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
             problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 

@@ -87,7 +87,10 @@ class DataConfig:
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd, muon
-    lr: float = 1e-3  # peak learning rate, reached after scheduler.warmup_steps
+    # peak learning rate, reached after scheduler.warmup_steps; None: for a pretrained model (model=hf) the
+    # objective's default, TRL's for its trainer (1e-6 for dpo, simpo, kto and grpo, 1e-4 for reward, 2e-5 for
+    # causal_lm and distill), for a model trained from scratch (model=tiny) the optimizer's (1e-3; sgd 1e-1)
+    lr: Optional[float] = None
     weight_decay: float = 0.1  # on matrices and embeddings; never on biases and norm weights
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
     eps: float = 1e-8  # Adam's denominator term
@@ -140,7 +143,9 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    progress_bar: bool = True  # a tqdm bar on the main process; false: a log line every log_every steps, and no library bars
+    # a tqdm bar on the main process (and the libraries' bars); None: only where stderr is a terminal, never in a
+    # file (nohup, SLURM); true or false forces it. train.log has every log step, eval and sample line either way
+    progress_bar: Optional[bool] = None
     telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
     profile_steps: Optional[list[int]] = None  # [START, END]: torch.profiler trace of these optimizer steps (1-based, inclusive) in RUN_DIR/profile/
     profile_ranks: str = "main"  # main: profile the main process only; all: every rank

@@ -188,6 +188,25 @@ class Documents:
             return end > start
         return bool(self.read(doc, start, end)[1].any())
 
+    def targets(self, doc: int, start: int, end: int) -> int:
+        """How many of tokens [start, end) of a document are targets."""
+        if not self.masked:
+            return max(end - start, 0)
+        return int(np.count_nonzero(self.read(doc, start, end)[1]))
+
+    def all_targets(self) -> int:
+        """The target tokens of every document, less each one's first (nothing before it predicts it)."""
+        if not self.masked:
+            return int(np.clip(self.lengths - 1, 0, None).sum())
+        total = 0
+        for part in self.parts:
+            _, offsets, mask = part.arrays
+            offsets, mask = np.asarray(offsets, dtype=np.int64), np.asarray(mask, dtype=bool)
+            firsts = offsets[:-1][offsets[1:] > offsets[:-1]]
+            total += int(np.count_nonzero(mask)) - int(np.count_nonzero(mask[firsts]))
+            part.release()
+        return total
+
 
 def token_batches(tokens, batch_size: int = 10_000):
     """A tokenized `datasets.Dataset` (input_ids, labels if some tokens are not targets) in batches:
@@ -265,11 +284,36 @@ def fit_pieces(cfg, documents: Documents) -> tuple[np.ndarray, np.ndarray]:
     said = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
     if said:
         log.info("data: of %d rows (data.seq_len=%d, data.overlong=%s): %s", len(lengths), seq_len, cfg.overlong, said)
+    if documents.masked and overlong.any():
+        warn_of_cut_targets(cfg, documents, overlong, doc[keep], start[keep], end[keep])
     if not len(pieces) and not len(full):
         key = "data.overlong" if counts["dropped as overlong"] else "data.train_on"
         raise ConfigError(f"{key}={getattr(cfg, key.split('.')[1])}: every one of the {len(lengths)} rows was "
                           f"dropped ({said}); raise data.seq_len, or set data.overlong=truncate or split")
     return full, pieces
+
+
+def warn_of_cut_targets(cfg, documents: Documents, overlong: np.ndarray, doc, start, end) -> None:
+    """A warning where fitting the rows to data.seq_len took target tokens away (chat or prompt/completion
+    rows whose answers are cut): the share of the target tokens lost, the rows left with none, the longest
+    row and the data.seq_len that would hold it. A piece's first token is no target in a block (nothing
+    before it predicts it), nor is a row's first."""
+    cut_rows = np.flatnonzero(overlong)
+    kept = dict.fromkeys(cut_rows.tolist(), 0)
+    for d, s, e in zip(doc.tolist(), start.tolist(), end.tolist()):
+        if d in kept:
+            kept[d] += documents.targets(d, s + 1, e)
+    had = {d: documents.targets(d, 1, int(documents.lengths[d])) for d in kept}
+    lost = sum(had[d] - kept[d] for d in kept)
+    if not lost:
+        return
+    total = documents.all_targets()
+    emptied = sum(1 for d in kept if had[d] and not kept[d])
+    longest = int(documents.lengths.max())
+    log.warning("data: data.seq_len=%d (data.overlong=%s) cuts %.0f%% of the target tokens, the ones trained on: %d "
+                "of %d rows lose some, %d keep none; the longest row has %d tokens, so data.seq_len=%d would hold "
+                "every row", cfg.seq_len, cfg.overlong, 100 * lost / max(total, 1), len(kept), len(documents.lengths),
+                emptied, longest, longest)
 
 
 class FreeSpace:

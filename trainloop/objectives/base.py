@@ -55,6 +55,9 @@ class Objective:
     head = "lm"  # what the model ends in: a key of trainloop.model.heads.HEADS (reward: "score", one scalar)
     sequences = 1  # sequences per item of the data: one forward's batch is data.batch_size x this
     headline: tuple[str, ...] = ()  # window() keys the progress bar and the log line show beside loss and lr
+    # optimizer.lr for a pretrained model (model=hf) where the config sets none: the default of TRL's trainer
+    # for the same objective (its config class, named in the start-up line); a model from scratch keeps 1e-3
+    pretrained_lr: tuple[float, str] = (2e-5, "SFTConfig")
 
     @classmethod
     def reads(cls) -> tuple[str, ...]:

@@ -86,6 +86,7 @@ def prompt_lengths(labels: torch.Tensor, attention_mask: torch.Tensor | None) ->
 
 class Distill(Objective):
     name = "distill"
+    pretrained_lr = (2e-05, "GKDConfig")
     keys = DistillConfig
     chunks_loss = True
     headline = ("nll",)

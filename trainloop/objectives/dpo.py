@@ -76,6 +76,7 @@ def held(frozen) -> str:
 
 class DPO(PairObjective):
     name = "dpo"
+    pretrained_lr = (1e-06, "DPOConfig")
     keys = DPOConfig
 
     def __init__(self, cfg, device):

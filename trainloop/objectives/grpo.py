@@ -283,8 +283,28 @@ def completion_logps(model, batch: dict, temperature: float, entropy: bool = Fal
     return tuple(t[:, -width:] for t in out) if entropy else out[:, -width:]
 
 
+def shown(rollout: dict, prompt_field: str, names: list[str], rewards) -> list[dict]:
+    """The first SHOWN completions of a rollout as event=samples shows them, with their rewards (None where a
+    function did not apply). A conversation (a chat prompt, a rollout with tool calls) is a transcript, every
+    turn a line: the calls, the tools' replies and the answer (`conversation`: the log prints it as a block)."""
+    from trainloop.objectives.rewards import transcript
+
+    out = []
+    for i, (row, text) in enumerate(list(zip(rollout["rows"], rollout["texts"]))[:SHOWN]):
+        prompt = row[prompt_field]
+        chat = not isinstance(prompt, str)
+        if chat:
+            text = rollout["transcripts"][i] if "transcripts" in rollout else transcript([{"role": "assistant",
+                                                                                              "content": text}])
+        out.append({"prompt": transcript(prompt) if chat else prompt, "text": text,
+                    "rewards": {n: None if v != v else float(v) for n, v in zip(names, rewards[i].tolist())},
+                    **({"conversation": True} if chat else {})})
+    return out
+
+
 class GRPO(Objective):
     name = "grpo"
+    pretrained_lr = (1e-06, "GRPOConfig")
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")
     keys = GRPOConfig
@@ -320,6 +340,7 @@ class GRPO(Objective):
         from trainloop.objectives.rewards import Rewards
 
         o = self.cfg = cfg.objective
+        self.said_cut = self.said_failing = False  # the warnings of most completions cut, of every tool call failing: once a run
         self.environments = None  # objective.environment's instances, one per rollout of a step
         if o.environment is not None:
             from trainloop.objectives.tools import Environments
@@ -591,7 +612,7 @@ class GRPO(Objective):
         attention = torch.cat([prompt_mask, present], 1)
         return {"input_ids": torch.cat([prompt_ids, completion], 1), "attention_mask": attention,
                 "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "completion_mask": trained, "rows": rows,
-                "truncated": torch.tensor([not t.ids or t.ids[-1] != self.eos for t in turns],
+                "truncated": torch.tensor([t.ended or not t.ids or t.ids[-1] != self.eos for t in turns],
                                           device=completion.device),
                 "messages": [t.messages for t in turns], "environments": environments,
                 "tool_calls": torch.tensor([[t.calls, t.failed] for t in turns], dtype=torch.float64).sum(0)}
@@ -615,10 +636,11 @@ class GRPO(Objective):
         ids = rollout["input_ids"][:, -mask.shape[1]:]
         prompts = [row[self.prompt_field] for row in rows]
         if "messages" in rollout:  # with tools: the model's turns and the tools' replies, as TRL passes them
-            from trainloop.objectives.rewards import text_of
+            from trainloop.objectives.rewards import text_of, transcript
 
             completions = rollout["messages"]
             texts = [text_of(m) for m in completions]
+            rollout["transcripts"] = [transcript(m) for m in completions]
         else:
             texts = [self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True) for i in range(len(rows))]
             chat = not isinstance(prompts[0], str)
@@ -757,11 +779,7 @@ class GRPO(Objective):
                               *torch.cat(per_function), mask.sum(), truncated.sum(), *calls.to(summed.device)])
         self.sums[:len(values)] += values.to(self.sums.device)
         self.longest = max(self.longest, int(mask.max().item()))
-        first = rollouts[0]
-        self.shown = [{"prompt": json.dumps(row[self.prompt_field]) if not isinstance(row[self.prompt_field], str)
-                       else row[self.prompt_field], "text": text,
-                       "rewards": {n: None if torch.isnan(v) else v.item() for n, v in zip(self.rewards.names, r)}}
-                      for row, text, r in list(zip(first["rows"], first["texts"], rewards))[:SHOWN]]
+        self.shown = shown(rollouts[0], self.prompt_field, self.rewards.names, rewards)
 
     # --- the loss ---------------------------------------------------------------------------------
 
@@ -851,6 +869,18 @@ class GRPO(Objective):
             values["vespo_phi"] = counted / max(units, 1)
         if self.cfg.beta != 0.0:
             values["kl"] = kl / max(tokens, 1)
+        if completions and truncated > completions / 2 and not self.said_cut and strategy.accelerator.is_main_process:
+            self.said_cut = True
+            turns = ", the model's turns and the tools' replies together" if self.multi_turn else ""
+            log.warning("objective=grpo: %d of %d completions since the last line were cut at objective.max_new_tokens="
+                        "%d%s: their rewards score unfinished answers; raise objective.max_new_tokens (said once)",
+                        truncated, completions, self.cfg.max_new_tokens, turns)
+        if calls and failed == calls and not self.said_failing and strategy.accelerator.is_main_process:
+            self.said_failing = True
+            log.warning("objective=grpo: every one of the %d tool calls since the last line failed (answered with "
+                        "{'error': ...}: a tool that raised, no such tool, other arguments or past "
+                        "objective.tool_timeout_s): see the replies in the samples, and check objective.tools and "
+                        "objective.environment (said once)", calls)
         return values
 
     def examples(self) -> list[dict]:

@@ -38,6 +38,7 @@ class KTOConfig:
 
 class KTO(Objective):
     name = "kto"
+    pretrained_lr = (1e-06, "KTOConfig")
     keys = KTOConfig
     unpaired = True
     sequences = 1  # the completion: its mismatched one runs without gradients, as the reference does (not counted)
@@ -178,14 +179,14 @@ class KTO(Objective):
     @staticmethod
     def means(total: torch.Tensor) -> dict:
         """The rewards and log-probabilities per desirable and undesirable row, their margin, and the mean KL
-        estimate of the micro-batches."""
+        estimate of the micro-batches. A side with no row is left out (and the margin with it), as TRL
+        leaves it out, not logged as 0."""
         value = dict(zip(SUMS, (x.item() for x in total)))
-        chosen, rejected = max(value["chosen"], 1.0), max(value["rejected"], 1.0)
-        out = {"rewards/chosen": value["rewards/chosen"] / chosen,
-               "rewards/rejected": value["rewards/rejected"] / rejected,
-               "logps/chosen": value["logps/chosen"] / chosen, "logps/rejected": value["logps/rejected"] / rejected,
-               "kl": value["kl"] / max(value["micro_batches"], 1.0)}
-        out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
+        out = {f"{kind}/{side}": value[f"{kind}/{side}"] / value[side]
+               for side in ("chosen", "rejected") if value[side] for kind in ("rewards", "logps")}
+        out["kl"] = value["kl"] / max(value["micro_batches"], 1.0)
+        if value["chosen"] and value["rejected"]:
+            out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
 
     def window(self, strategy) -> dict:

@@ -36,6 +36,7 @@ class RewardConfig:
 
 class Reward(PairObjective):
     name = "reward"
+    pretrained_lr = (0.0001, "RewardConfig")
     keys = RewardConfig
     head = "score"
     chunks_loss = False  # one score per sequence: no logits over the vocabulary to chunk

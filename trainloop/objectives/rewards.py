@@ -46,6 +46,22 @@ def text_of(completion) -> str:
     return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
+def transcript(messages: list[dict]) -> str:
+    """A conversation as a person reads it, a line a turn: `role: content`, a tool call as
+    `assistant calls NAME({...})`, a tool's reply as `tool NAME: content`."""
+    import json
+
+    lines = []
+    for message in messages:
+        role = message["role"] + (f" {message['name']}" if message["role"] == "tool" and message.get("name") else "")
+        if message.get("content") or not message.get("tool_calls"):
+            lines.append(f"{role}: {message.get('content') or ''}")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            lines.append(f"{message['role']} calls {function['name']}({json.dumps(function.get('arguments', {}))})")
+    return "\n".join(lines)
+
+
 def exact_answer(prompts, completions, answer=None, **columns) -> list[float | None]:
     """1.0 where the completion, stripped of surrounding white space, is the row's `answer` column
     (compared as text), else 0.0; None for rows without an answer."""
@@ -62,13 +78,13 @@ def format_match(prompts, completions, **columns) -> list[float]:
     return [float(FORMAT.fullmatch(text_of(c)) is not None) for c in completions]
 
 
-def load_reward(spec: str) -> Callable:
-    """The function `spec` names: `package.module:function` or `path/to/file.py:function`.
-    Raises ConfigError naming what is wrong."""
+def load_reward(spec: str, what: str = "function") -> Callable:
+    """The function (or, `what` "class", the class) `spec` names: `package.module:NAME` or
+    `path/to/file.py:NAME`. Raises ConfigError naming what is wrong."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise ConfigError(f"{spec!r} names no function: give module:function (mypkg.rewards:exact_answer) "
-                          "or path/to/file.py:function")
+        example = "mypkg.rewards:exact_answer" if what == "function" else "mypkg.envs:Vault"
+        raise ConfigError(f"{spec!r} names no {what}: give module:{what} ({example}) or path/to/file.py:{what}")
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
@@ -90,7 +106,7 @@ def load_reward(spec: str) -> Callable:
             raise ConfigError(f"{spec!r}: module {where} cannot be imported ({type(err).__name__}: {err})") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise ConfigError(f"{spec!r}: {where} has no function {name}")
+        raise ConfigError(f"{spec!r}: {where} has no {what} {name}")
     return function
 
 
@@ -117,9 +133,12 @@ def reward_model_problem(directory: str) -> str | None:
     except (OSError, ValueError) as err:
         return f"{directory} holds no model config ({err})"
     classes = config.architectures or []
-    if not any(name.endswith("ForSequenceClassification") for name in classes) or config.num_labels != 1:
-        return (f"{directory} is a {', '.join(classes) or 'model'} with {config.num_labels} labels, not a sequence "
-                "classifier with one score: train one with objective=reward")
+    if not any(name.endswith("ForSequenceClassification") for name in classes):
+        what = f"a {', '.join(classes)}" if classes else "a model of no architecture"
+        return f"{directory} is {what}, not a sequence classifier with one score: train one with objective=reward"
+    if config.num_labels != 1:
+        return (f"{directory} is a {', '.join(classes)} with {config.num_labels} labels, not one score: train a "
+                "reward model with objective=reward")
     if not any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return f"{directory} has no tokenizer files: the completions are scored in its own tokens"
     return None

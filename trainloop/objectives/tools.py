@@ -128,7 +128,7 @@ class Turns:
     messages: list[dict] = field(default_factory=list)  # as TRL hands them to the reward functions
     calls: int = 0  # tool calls run (also those whose replies did not fit)
     failed: int = 0  # of them answered with an error
-    ended: bool = False  # no room left for the replies to its last calls: the completion ends with them unanswered
+    ended: bool = False  # no room left for the replies to its last calls: the completion is cut after them
 
     def add_model_turn(self, ids: list[int], tokenizer, eos: int) -> None:
         from trainloop.data.formats.chat import parse_tool_calls
@@ -175,8 +175,9 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
             turn.calls += len(calls)  # run, whether or not their replies fit (as TRL counts them)
             turn.failed += sum(failed for _, failed in answers)
             after = reply_ids(tokenizer, template, replies)
-            if len(turn.ids) + len(after) >= budget:  # no room for the replies and a token more: it ends here
-                turn.ended = True
+            if len(turn.ids) + len(after) >= budget:  # no room for the replies and a token more: it ends here,
+                turn.ended = True  # cut (truncated), its tools' replies in the messages the reward functions get
+                turn.messages += replies
                 continue
             turn.messages += replies
             turn.ids += after
@@ -208,7 +209,7 @@ class Environments:
 
         self.spec = spec
         try:
-            self.factory = load_reward(spec)
+            self.factory = load_reward(spec, "class")
         except ConfigError as err:
             raise ConfigError(f"objective.environment={err}") from None
         where = f"objective.environment={spec!r}"

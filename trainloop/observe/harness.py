@@ -98,6 +98,13 @@ def task_manager(tasks: list[str], include_path: str | None = None, keys: tuple[
     return manager
 
 
+def local(manager, tasks: list[str], include_path: str | None) -> bool:
+    """Every one of `tasks` is a YAML file of the shipped tasks' folder or of include_path."""
+    roots = [SHIPPED.resolve(), *([Path(include_path).resolve()] if include_path is not None else [])]
+    paths = [getattr(manager.task_index.get(task), "yaml_path", None) for task in tasks]
+    return all(path is not None and any(Path(path).resolve().is_relative_to(root) for root in roots) for path in paths)
+
+
 def _unknown(manager, tasks: list[str]) -> list[str]:
     return [task for task in tasks if not manager.match_tasks([task])]
 
@@ -204,10 +211,10 @@ class Harness:
             with without_bars():
                 get_task_dict(list(h.tasks), manager)
         except Exception as err:  # noqa: BLE001 - the harness raises what its datasets raise
+            hint = ("fix the task's YAML file or its data" if local(manager, list(h.tasks), h.include_path) else
+                    f"a registry task downloads its data from the hub: without one, score local tasks ({KEY}.include_path)")
             raise ConfigError(f"{KEY}.tasks: the harness could not load {', '.join(h.tasks)}: "
-                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; a registry "
-                              "task downloads its data from the hub: without one, score local tasks "
-                              f"({KEY}.include_path)") from err
+                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; {hint}") from err
         # the harness may give a tokenizer without one a pad token: the run's own (saved in final/) stays as it is
         return cls(h, copy.deepcopy(tokenizer), manager)
 

@@ -27,8 +27,35 @@ def library_progress_bars(enabled: bool, loads_rows: bool) -> None:
         (datasets.enable_progress_bars if enabled else datasets.disable_progress_bars)()
 
 
+def shows_bar(setting: bool | None) -> bool:
+    """logging.progress_bar: None draws the bar only where stderr is a terminal; redirected to a file
+    (nohup, SLURM), its frames would fill the file with carriage returns."""
+    return sys.stderr.isatty() if setting is None else bool(setting)
+
+
+BESIDE_BAR = {"beside_bar": True}  # the `extra` of a line the bar already shows: train.log gets it, the console not
+
+
+class _NotOnConsole(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "beside_bar", False)
+
+
+NOT_ON_CONSOLE = _NotOnConsole()
+
+
+def console_handlers() -> list[logging.Handler]:
+    """The root logger's handlers that write to stdout or stderr (Hydra's console handler, not its file's)."""
+    streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    return [h for h in logging.getLogger().handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and any(h.stream is stream for stream in streams)]
+
+
 class Metrics:
-    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and drives the progress bar."""
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and drives the progress bar. Every
+    log step, eval, sample and harness line is logged (train.log, Hydra's file handler) with or
+    without the bar; with the bar, the console shows the step lines in the bar, not as lines."""
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
                  progress_bar: bool, world_size: int, flops_per_token: float | None = None,
@@ -41,12 +68,15 @@ class Metrics:
         self.peak_tflops = peak_tflops
         self.world_size = world_size
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self.bar = None
+        self.bar, self.quieted = None, []
         if enabled and progress_bar:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+            self.quieted = console_handlers()
+            for handler in self.quieted:
+                handler.addFilter(NOT_ON_CONSOLE)
         self.start = psutil.Process().create_time()  # `time` counts from process start: start-up shows
 
     def write(self, record: dict) -> None:
@@ -71,14 +101,18 @@ class Metrics:
             # a dict, not keywords, which tqdm would sort: the objective's values after the common ones
             self.bar.set_postfix({"loss": f"{values['loss']:.4f}", "lr": f"{values['lr']:.2e}",
                                   "tok_s": f"{values['tokens_per_s']:,.0f}", **mfu, **headline}, refresh=False)
-        elif self.enabled:
+        if self.enabled:
             log.info("step %d  loss %.4f  lr %.2e  %.0f tok/s%s", step, values["loss"], values["lr"],
-                     values["tokens_per_s"], "".join(f"  {key} {value}" for key, value in headline.items()))
+                     values["tokens_per_s"], "".join(f"  {key} {value}" for key, value in headline.items()),
+                     extra=BESIDE_BAR if self.bar is not None else None)
 
     def say(self, text: str) -> None:
-        """A line for the user, above the progress bar (or in the log without one); main process only."""
-        if self.enabled:
-            (self.bar.write if self.bar is not None else log.info)(text)
+        """A line for the user, in the log, and above the progress bar where there is one; main process only."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        log.info(text, extra=BESIDE_BAR if self.bar is not None else None)
 
     def eval(self, step: int, eval_loss: float, eval_ppl: float | None = None, **more: float) -> None:
         """The objective's evaluation (trainloop.objectives): its loss, perplexity (a token objective's)
@@ -92,11 +126,15 @@ class Metrics:
         """eval.prompts and what the model wrote after each (trainloop.observe.samples), or an objective's
         examples with their rewards (objective=grpo: None where a function did not apply): event=samples."""
         self.write({"step": step, "event": "samples", "samples": samples})
-        for sample in samples:
+        for number, sample in enumerate(samples, 1):
             rewards = ", ".join(f"{name} {'None' if value is None else f'{value:.4g}'}"
                                 for name, value in sample.get("rewards", {}).items())
-            self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}"
-                     + (f"  rewards: {rewards}" if rewards else ""))
+            if sample.get("conversation"):  # a transcript, a turn a line (objective=grpo on chat prompts, tools)
+                turns = "".join(f"\n  {line}" for line in f"{sample['prompt']}\n{sample['text']}".splitlines())
+                self.say(f"step {step}: sample {number}{turns}" + (f"\n  rewards: {rewards}" if rewards else ""))
+            else:
+                self.say(f"step {step}: {sample['prompt']!r} -> {sample['text']!r}"
+                         + (f"  rewards: {rewards}" if rewards else ""))
 
     def harness(self, step: int, scores: dict[str, float]) -> None:
         """lm-evaluation-harness's scores of the model (trainloop.observe.harness): event=harness, a key
@@ -118,6 +156,9 @@ class Metrics:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        for handler in self.quieted:
+            handler.removeFilter(NOT_ON_CONSOLE)
+        self.quieted = []
         if self.file is not None:
             self.file.close()
             self.file = None

@@ -229,6 +229,7 @@ class Optimizer:
     # the row whose update this one makes with less state, reading the same keys: `plan --suggest`
     # offers it where that row's optimizer is configured (the same method, its state quantized)
     stands_in_for: str = ""
+    scratch_lr: float = 1e-3  # optimizer.lr where the config sets none, for a model trained from scratch
 
 
 ADAM_KEYS = ("lr", "weight_decay", "betas", "eps")
@@ -247,7 +248,7 @@ OPTIMIZERS: dict[str, Optimizer] = {
                            "torch.Tensor and DTensor')"),
     "adamw8bit": Optimizer(_adamw8bit, **EIGHT_BIT),
     "paged_adamw8bit": Optimizer(_paged_adamw8bit, **EIGHT_BIT),
-    "sgd": Optimizer(_sgd, _sgd_state, reads=("lr", "weight_decay", "momentum")),
+    "sgd": Optimizer(_sgd, _sgd_state, reads=("lr", "weight_decay", "momentum"), scratch_lr=1e-1),
     # torch.optim.Muon on hidden_matrices, AdamW (optimizer.betas, eps, impl) on the rest. Under FSDP2
     # Newton-Schulz runs on the DTensor shards through DTensor ops (seen: 2 processes equal 1 to 1e-5)
     "muon": Optimizer(_muon, _muon_state, _muon_temporaries, reads=(*ADAM_KEYS, "impl", "momentum"),
@@ -295,6 +296,10 @@ def build_optimizer(cfg: OptimizerConfig, model, on_cuda: bool, cpu_offload: boo
     """The optimizer over the weight-decay groups. `cpu_offload`: DeepSpeed keeps the optimizer
     state in CPU memory and steps it there, which needs its own vectorised CPU Adam."""
     spec = optimizer_named(cfg.name)
+    if cfg.lr is None:  # built outside a run (which settles it first: settle_learning_rate), on a model from scratch
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.merge(cfg, {"lr": spec.scratch_lr})
     groups = spec.groups(model, cfg.weight_decay)
     if spec.cuda_only and not on_cuda:
         raise ConfigError(f"optimizer={cfg.name} needs a CUDA GPU; choose another optimizer on this machine")

@@ -26,15 +26,27 @@ def model_dir(path: Path, scratch: Path) -> Path:
     """The directory HFLM loads for `path`: itself, its final/, or a checkpoint made loadable in `scratch`."""
     if not path.exists():
         raise ConfigError(f"{path} does not exist: give a run directory, its final/, or a checkpoint")
-    if (path / "config.json").is_file():
-        return path
-    if (path / "final" / "config.json").is_file():
-        return path / "final"
+    for directory in (path, path / "final"):
+        if (directory / "config.json").is_file():
+            return language_model(directory)
     if (path / "trainer_state.json").is_file():  # a checkpoint (trainloop/checkpoint/commit.py writes it)
         return checkpoint_model(path, scratch)
     hint = " (the run has not finished: name one of its checkpoints/step_N)" if (path / "checkpoints").is_dir() else ""
     raise ConfigError(f"{path} holds no model: give a run directory with a final/, a model directory "
                       f"(with a config.json), or a checkpoint{hint}")
+
+
+def language_model(directory: Path) -> Path:
+    """`directory`, if its config.json describes a model with a language-model head (the harness
+    scores next-token log-probabilities); a reward model's score head is refused, named."""
+    config = json.loads((directory / "config.json").read_text())
+    heads = [name for name in config.get("architectures") or [] if name.endswith("ForSequenceClassification")]
+    if heads:
+        raise ConfigError(f"{directory} is a reward model ({heads[0]}: a score head, no language-model head), "
+                          "and lm-evaluation-harness scores a language model's next-token log-probabilities: "
+                          "read a reward model's accuracy from its run's eval lines (rewards/accuracy in "
+                          "metrics.jsonl), or evaluate a language model's run")
+    return directory
 
 
 def checkpoint_model(checkpoint: Path, scratch: Path) -> Path:
@@ -47,6 +59,11 @@ def checkpoint_model(checkpoint: Path, scratch: Path) -> Path:
 
     cfg = OmegaConf.load(checkpoint / "config.yaml")
     weights = checkpoint / "model.safetensors"
+    if cfg.objective.name == "reward":
+        raise ConfigError(f"{checkpoint} is a checkpoint of a reward model (objective=reward: a score head, no "
+                          "language-model head), and lm-evaluation-harness scores a language model's next-token "
+                          "log-probabilities: read its accuracy from the run's eval lines (rewards/accuracy in "
+                          "metrics.jsonl)")
     if cfg.adapter.name != "none" or not weights.is_file():
         why = "an adapter" if cfg.adapter.name != "none" else "its model in shards"
         raise ConfigError(f"{checkpoint} holds {why}, not a whole model: evaluate the run's final/, or score "
@@ -91,17 +108,17 @@ def score(args) -> dict:
     from trainloop.observe import harness
 
     tasks = [task for task in args.tasks.split(",") if task]
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError(f"python -m trainloop.evaluate needs lm-evaluation-harness, which is not installed: "
-                          f"{harness.INSTALL}")
-    if args.include_path is not None and not Path(args.include_path).is_dir():
-        raise ConfigError(f"--include_path {args.include_path} is not a folder: give the folder that holds your "
-                          "task YAML files")
-    manager = harness.task_manager(tasks, args.include_path, keys=("--tasks", "--include_path"))
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as scratch:
-        directory = model_dir(args.model, Path(scratch))
+        directory = model_dir(args.model, Path(scratch))  # before the tasks: indexing the registry takes a minute
+        if importlib.util.find_spec("lm_eval") is None:
+            raise ConfigError(f"python -m trainloop.evaluate needs lm-evaluation-harness, which is not installed: "
+                              f"{harness.INSTALL}")
+        if args.include_path is not None and not Path(args.include_path).is_dir():
+            raise ConfigError(f"--include_path {args.include_path} is not a folder: give the folder that holds "
+                              "your task YAML files")
+        manager = harness.task_manager(tasks, args.include_path, keys=("--tasks", "--include_path"))
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         return harness.evaluate("hf", tasks, manager, limit=args.limit, num_fewshot=args.num_fewshot,
                                 batch_size=args.batch_size, pretrained=str(directory), dtype=args.dtype, device=device)

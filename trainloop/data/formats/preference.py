@@ -265,6 +265,9 @@ def pair_problem(cfg: DataConfig, prompt, chosen, rejected) -> str | None:
             return f"{name} {problem}"
         if name != "prompt" and value[-1]["role"] != "assistant":
             return f"{name}'s last turn is the {value[-1]['role']}'s, not the assistant's: a completion is its reply"
+        if name != "prompt" and not value[-1].get("content") and not value[-1].get("tool_calls"):
+            return (f"{name}'s last turn, the assistant's, is empty: a completion needs its text (as a plain-text "
+                    f"{name} of \"\" is refused)")
     if prompt is None and shared_turns(chosen, rejected) == 0 and chosen != rejected:
         return "has no prompt column and chosen and rejected share no first turn: give a prompt"
     return None

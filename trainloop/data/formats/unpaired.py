@@ -124,6 +124,12 @@ class Unpaired(OneItemPerRow):
                 tensors[f"{prefix}input_ids"][row, :end] = torch.tensor(prompt + completion)
                 tensors[f"{prefix}labels"][row, len(prompt):end] = torch.tensor(completion, dtype=torch.int64)
         tensors[LABEL] = torch.tensor([bool(labels[i]) for i in kept])
+        desirable = int(tensors[LABEL].sum())
+        if desirable in (0, len(kept)):
+            side, absent = ("desirable (true)", "rejected") if desirable else ("undesirable (false)", "chosen")
+            log.warning("data: every one of the %d rows is labelled %s in data.label_field=%r: KTO then learns "
+                        "from one side only, against its KL reference point, and rewards/%s and logps/%s are left "
+                        "out of the log; give rows of both labels", len(kept), side, cfg.label_field, absent, absent)
         held_out = torch.zeros(len(kept), dtype=torch.bool)
         held_out[torch.from_numpy(split_documents(len(kept), cfg.validation_fraction, seed))] = True
         return (UnpairedRows({k: t[~held_out] for k, t in tensors.items()}),
@@ -159,4 +165,7 @@ def row_problem(cfg: DataConfig, prompt, completion, label) -> str | None:
         if completion[-1]["role"] != "assistant":
             return (f"completion's last turn is the {completion[-1]['role']}'s, not the assistant's: a completion is "
                     "its reply")
+        if not completion[-1].get("content") and not completion[-1].get("tool_calls"):
+            return ("completion's last turn, the assistant's, is empty: a completion needs its text (as a plain-text "
+                    "completion of \"\" is refused)")
     return None
