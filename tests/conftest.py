@@ -36,6 +36,19 @@ def distributed_left_as_found():
         yield
 
 
+@pytest.fixture(autouse=True)
+def stop_signals_left_as_found():
+    """A run preempted in this process ignores SIGTERM and SIGUSR1 from then on (trainloop.preemption): the
+    next test on the worker, and what it starts (an ignored signal lasts through exec), must not inherit it."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def teacher(request) -> Path | None:
     """helpers.TEACHER, made once for the whole suite run (by whichever worker comes first); not for a

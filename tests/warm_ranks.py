@@ -59,6 +59,11 @@ def serve(requests: int, replies: int) -> None:
     as `python -m trainloop` ends: exit handlers, non-daemon threads, flushed streams."""
     import importlib
 
+    # as a fresh `python` starts: an ignored signal is inherited through exec, and a pytest worker whose
+    # in-process run was preempted ignores SIGTERM for the rest of its life (trainloop.preemption)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in PRELOAD:
         importlib.import_module(name)
     assert threading.active_count() == 1, threading.enumerate()  # fork only a single-threaded process
