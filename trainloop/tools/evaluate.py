@@ -57,9 +57,11 @@ def checkpoint_model(checkpoint: Path, scratch: Path) -> Path:
     from trainloop.data.tokenizer import build_tokenizer
     from trainloop.model.builder import build_model_config, special_token_ids
 
+    from trainloop.objectives import OBJECTIVES
+
     cfg = OmegaConf.load(checkpoint / "config.yaml")
     weights = checkpoint / "model.safetensors"
-    if cfg.objective.name == "reward":
+    if OBJECTIVES[cfg.objective.name].head != "lm":  # the row's head: objective=reward ends in a score
         raise ConfigError(f"{checkpoint} is a checkpoint of a reward model (objective=reward: a score head, no "
                           "language-model head), and lm-evaluation-harness scores a language model's next-token "
                           "log-probabilities: read its accuracy from the run's eval lines (rewards/accuracy in "
