@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import re
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import (
-    accelerate_launch, adapter_tensors, compose, conversation, executable, finish, launch, logits_agree,
-    pretrained_llama, start, train, warm_runs, write_rows,
+    adapter_tensors, compose, conversation, executable, finish, launch, logits_agree,
+    pretrained_llama, start, train, warm, warm_runs, write_rows,
 )
 from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
@@ -93,7 +94,7 @@ def test_qlora_presets_compose():
 
 @pytest.mark.slow
 def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
-    proc = launch(["python", "-m", "trainloop", "+preset=smoke", "adapter=lora", "adapter.target_modules=[qkv,o_proj]",
+    proc = warm(1, ["+preset=smoke", "adapter=lora", "adapter.target_modules=[qkv,o_proj]",
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     error = [line for line in proc.stderr.splitlines() if line.startswith("trainloop: error:")]
@@ -107,18 +108,20 @@ def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
 # within 1e-6 is test_resume.py's (full fine-tune); ZeRO-3 is the DeepSpeed case LoRA changes
 @pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero3", "1e-6")])
 def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, strategy, rtol, deepspeed_ops):
-    """LoRA on 2 processes: DDP under torchrun (bitwise), ZeRO-3 under accelerate launch (within
-    1e-6). The adapter, gathered under ZeRO-3, is complete in the export, and the merged model
-    agrees with base + adapter."""
+    """LoRA on 2 processes: DDP under torchrun, given to verify_resume's command as --launcher (bitwise),
+    ZeRO-3 on warm ranks (within 1e-6). The adapter, gathered under ZeRO-3, is complete in the export, and
+    the merged model agrees with base + adapter."""
+    command = ["--rtol", rtol, "--steps", "4", "--dir", str(tmp_path / "runs"), "+preset=smoke", *hf(base),
+               "adapter=lora"]
     if strategy == "ddp":
-        launcher, extra = ["--nproc", "2"], []
+        torchrun = f"{' '.join(executable(['torchrun']))} --standalone --nproc_per_node 2"
+        proc = start([sys.executable, "-m", "trainloop.verify_resume", "--launcher", torchrun, *command],
+                     tmp_path / "output.txt")
+        code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
     else:
-        accelerate = executable(accelerate_launch(2, module=None))  # verify_resume takes it as one string
-        launcher, extra = ["--launcher", " ".join(accelerate)], [f"deepspeed={strategy}"]
-    proc = start([sys.executable, "-m", "trainloop.verify_resume", *launcher, "--rtol", rtol, "--steps", "4",
-                  "--dir", str(tmp_path / "runs"), "+preset=smoke", *hf(base), "adapter=lora", *extra],
-                 tmp_path / "output.txt")
-    code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
+        with open(tmp_path / "output.txt", "w") as out, redirect_stdout(out), redirect_stderr(out):
+            code = verify_resume.main([*command, f"deepspeed={strategy}"], run=warm_runs(2))
+        out = (tmp_path / "output.txt").read_text()
     assert code == 0, out[-4000:]
     log = (tmp_path / "runs" / "second_half.log").read_text()
     engaged = {"ddp": "DistributedType.MULTI_CPU (2 process", "zero3": "ZeRO-3 engaged"}

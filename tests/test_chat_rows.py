@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, launch, read_metrics, train
+from helpers import compose, read_metrics, train, warm
 from trainloop.config.compose import ConfigError, validate
 
 U = {"role": "user", "content": "What is two plus two?"}
@@ -157,7 +157,7 @@ def test_a_refused_row_is_one_line_from_the_command_line(tmp_path):
     template = tmp_path / "strict.jinja"
     template.write_text(STRICT_TEMPLATE)
     path = write_lines(tmp_path / "chat.jsonl", [{"messages": [U, A]}] * 3 + [{"messages": [A, U, A]}])
-    done = launch(["python", "-m", "trainloop", "+preset=smoke", "data=chat", f"data.path={path}",
+    done = warm(1, ["+preset=smoke", "data=chat", f"data.path={path}",
                    f"data.chat_template={template}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
     errors = [line for line in done.stderr.splitlines() if line.startswith("trainloop: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]

@@ -136,7 +136,7 @@ def test_fine_tunes_a_local_pretrained_model(tmp_path):
 # --- bad input: caught before training, with the key named -------------------------------
 
 def run_cli(*overrides: str, cwd: Path):
-    return launch(["python", "-m", "trainloop", *overrides], cwd=cwd, check=False, timeout=300)
+    return warm(1, [*overrides], cwd=cwd, check=False, timeout=300)
 
 
 @pytest.mark.slow

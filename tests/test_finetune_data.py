@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compose, conversation, launch, reset_accelerate, write_rows
+from helpers import compose, conversation, reset_accelerate, warm, write_rows
 from trainloop.config.compose import ConfigError, validate
 
 EOS = "<|endoftext|>"
@@ -232,7 +232,7 @@ def test_a_chat_template_file_is_used(chat_jsonl, tmp_path):
 
 def test_bad_chat_data_exits_2_with_one_line(tmp_path):
     path = write_rows(tmp_path / "bad.jsonl", [{"messages": [{"role": "bot", "content": "hi"}]}] * 4)
-    done = launch(["python", "-m", "trainloop", "+preset=smoke", "data=chat", f"data.path={path}",
+    done = warm(1, ["+preset=smoke", "data=chat", f"data.path={path}",
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
     errors = [line for line in done.stderr.splitlines() if line.startswith("trainloop: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, compose, launch, read_metrics, train
+from helpers import SMALL, compose, read_metrics, train, warm
 from trainloop.checkpoint.compatibility import (FINGERPRINT_KEYS, MAY_CHANGE_ON_RESUME, may_change_on_resume,
                                                 run_fingerprint)
 from trainloop.checkpoint.integrity import STATE_FILE
@@ -66,7 +66,7 @@ def refused(run: Path, *overrides: str) -> str:
     """The one `trainloop: error:` line of a resume of `run` with these overrides, refused (exit 2)
     before any step: the run dir gains no checkpoint and no metrics."""
     metrics = (run / "metrics.jsonl").read_text()
-    proc = launch(["python", "-m", "trainloop", *SMALL, *overrides,
+    proc = warm(1, [*SMALL, *overrides,
                    f"hydra.run.dir={run}"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("trainloop: error:")]

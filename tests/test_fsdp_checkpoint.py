@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, end_family, launch, losses, ranks_of, read_metrics, start, torchrun, warm
+from helpers import compose, end_family, losses, ranks_of, read_metrics, start, torchrun, warm
 from trainloop.checkpoint.compatibility import check_format, run_fingerprint
 from trainloop.config.compose import ConfigError
 
@@ -50,7 +50,7 @@ def chain(tmp_path_factory) -> Path:
     warm(2, [*FSDP, "checkpoint.every_steps=4", f"hydra.run.dir={root / 'straight'}"])
     warm(2, [*FSDP, f"checkpoint.resume={checkpoint(root / 'straight', 4)}",
             f"hydra.run.dir={root / 'same'}"])
-    done = launch(["python", "-m", "trainloop", *FSDP, "data.batch_size=8", "checkpoint.every_steps=2",
+    done = warm(1, [*FSDP, "data.batch_size=8", "checkpoint.every_steps=2",
                    "checkpoint.save_final_model=false",
                    "checkpoint.async_save=true", f"checkpoint.resume={checkpoint(root / 'straight', 4)}",
                    f"hydra.run.dir={root / 'one'}"])
@@ -102,7 +102,7 @@ def test_resume_is_bitwise_at_the_same_world_size_and_reshards_across_world_size
 @pytest.mark.slow
 def test_a_checkpoint_of_the_other_format_is_refused(chain, tmp_path):
     """A run without FSDP cannot load DCP shards, nor FSDP2 accelerate's files: refused by name."""
-    refused = launch(["python", "-m", "trainloop", "+preset=smoke", "data.batch_size=8",
+    refused = warm(1, ["+preset=smoke", "data.batch_size=8",
                       f"checkpoint.resume={checkpoint(chain / 'straight', 4)}", f"hydra.run.dir={tmp_path}"],
                      check=False)
     assert refused.returncode == 2, refused.stderr[-3000:]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import NEEDS, OPTIONS, compose, launch, reset_accelerate
+from helpers import NEEDS, OPTIONS, compose, reset_accelerate, warm
 from trainloop.config import schema
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -485,7 +485,7 @@ def test_auto_batch_size_budget_needs_auto_batch_size():
 @pytest.mark.parametrize("override,option", [("data.path=my.jsonl", "data=files"),
                                              ("model.name_or_path=some_model_dir", "model=hf")])
 def test_the_command_line_refuses_a_key_the_default_option_ignores(tmp_path, override, option):
-    proc = launch(["python", "-m", "trainloop", override, f"hydra.run.dir={tmp_path / 'run'}"],
+    proc = warm(1, [override, f"hydra.run.dir={tmp_path / 'run'}"],
                   cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert override.split("=")[0] in proc.stderr and option in proc.stderr, proc.stderr[-3000:]

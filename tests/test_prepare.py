@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import compose, conversation, launch, prepare, read_metrics, train, write_rows
+from helpers import compose, conversation, prepare, read_metrics, train, warm, write_rows
 from trainloop.config.compose import ConfigError, check_command_line
 
 
@@ -116,8 +116,8 @@ def test_another_tokenizer_is_refused_when_preparing_and_when_training(tmp_path,
     data = ["data=files", f"data.path={tiny_jsonl}", "data.text_field=content"]
     manifest = prepare(tmp_path / "shards", *data)
     ours = manifest["tokenizer"]["vocabulary"]
-    proc = launch(["python", "-m", "trainloop.prepare", str(tmp_path / "shards"), "--no-progress", *data,
-                   f"data.tokenizer={other_tokenizer}"], check=False, timeout=300)
+    proc = warm(1, [str(tmp_path / "shards"), "--no-progress", *data,
+                   f"data.tokenizer={other_tokenizer}"], module="trainloop.prepare", check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     error = [line for line in proc.stderr.splitlines() if line.startswith("trainloop: error:")]
     assert len(error) == 1 and ours in error[0] and "258 tokens" in error[0], proc.stderr[-3000:]
@@ -130,8 +130,8 @@ def test_another_tokenizer_is_refused_when_preparing_and_when_training(tmp_path,
 
 
 def test_no_progress_draws_no_bar(tmp_path, chat_jsonl):
-    proc = launch(["python", "-m", "trainloop.prepare", str(tmp_path / "shards"), "--no-progress", "data=chat",
-                   f"data.path={chat_jsonl}"], timeout=300)
+    proc = warm(1, [str(tmp_path / "shards"), "--no-progress", "data=chat",
+                   f"data.path={chat_jsonl}"], module="trainloop.prepare", timeout=300)
     assert "it/s]" not in proc.stderr and "examples/s]" not in proc.stderr, proc.stderr[-3000:]  # tqdm's rates
     assert "documents" in proc.stdout and (tmp_path / "shards" / "manifest.json").is_file()
 
@@ -144,7 +144,7 @@ def test_keys_prepare_fixed_are_refused_under_data_prepared(key):
 
 
 def test_prepare_refuses_a_key_it_does_not_read(tmp_path):
-    proc = launch(["python", "-m", "trainloop.prepare", str(tmp_path / "out"), "data.seq_len=256"],
+    proc = warm(1, [str(tmp_path / "out"), "data.seq_len=256"], module="trainloop.prepare",
                   cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "data.seq_len" in proc.stderr and "data=prepared" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,7 +7,7 @@ import re
 
 from omegaconf import OmegaConf
 
-from helpers import REPO, compose, launch
+from helpers import REPO, compose, warm
 from trainloop.config.compose import CONFIG_DIR
 from trainloop.tools.reference import DOCS_FILE, field_docs, render
 
@@ -143,11 +143,11 @@ class Example:
 
 def test_cli_writes_and_checks(tmp_path):
     out = tmp_path / "ref.md"
-    launch(["python", "-m", "trainloop.reference", "--write", str(out)])
+    warm(1, ["--write", str(out)], module="trainloop.reference")
     assert out.read_text() == render()
-    assert launch(["python", "-m", "trainloop.reference", "--check", str(out)], check=False).returncode == 0
+    assert warm(1, ["--check", str(out)], module="trainloop.reference", check=False).returncode == 0
     out.write_text(out.read_text().replace("| `trainer.max_steps` |", "| `trainer.steps` |"))
-    stale = launch(["python", "-m", "trainloop.reference", "--check", str(out)], check=False)
+    stale = warm(1, ["--check", str(out)], module="trainloop.reference", check=False)
     assert stale.returncode == 1 and "stale" in stale.stderr
 
 

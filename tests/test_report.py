@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from helpers import launch, legend_texts, panels, read_metrics, train
+from helpers import launch, legend_texts, panels, read_metrics, train, warm
 from trainloop.tools import report
 from trainloop.tools.report import DPI, FIGSIZE, main
 
@@ -39,7 +39,7 @@ def line(ax, label: str):
 def test_report_draws_both_runs_with_a_legend(two_runs, tmp_path):
     first, second = two_runs
     out = tmp_path / "out.png"
-    proc = launch(["python", "-m", "trainloop.report", str(first), str(second), "-o", str(out)])
+    proc = warm(1, [str(first), str(second), "-o", str(out)], module="trainloop.report")
     assert f"wrote {out} (2 run(s))" in proc.stdout
     final_eval = curve(first, "eval_loss")[1][-1]
     assert f"adamw: 4 steps, loss {curve(first, 'loss')[1][-1]:.4f}, eval_loss {final_eval:.4f}" in proc.stdout
@@ -149,7 +149,7 @@ def test_a_name_longer_than_the_picture_is_wrapped_inside_it(two_runs, tmp_path)
 
 
 def test_report_refuses_a_folder_without_metrics(tmp_path):
-    proc = launch(["python", "-m", "trainloop.report", str(tmp_path)], check=False)
+    proc = warm(1, [str(tmp_path)], module="trainloop.report", check=False)
     assert proc.returncode == 2
     assert f"{tmp_path}: no metrics.jsonl" in proc.stderr and not (tmp_path / "report.png").exists()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import finish, launch, once, ranks_of, start, wait_for_step, warm_runs
+from helpers import finish, launch, once, ranks_of, start, wait_for_step, warm, warm_runs
 from trainloop.tools import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
@@ -83,7 +83,7 @@ def test_two_process_resume_is_bitwise(ddp_verified):
     step, epoch, batch = resumed_at((root / "second_half.log").read_text())
     assert step == DDP_STEPS // 2 and epoch >= 1 and batch > 0
 
-    refused = launch(["python", "-m", "trainloop", *RESUME, f"hydra.run.dir={root / 'resumed'}"], check=False)
+    refused = warm(1, [*RESUME, f"hydra.run.dir={root / 'resumed'}"], check=False)
     assert refused.returncode == 2
     assert "world_size: 2 -> 1" in refused.stderr
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import SMALL, clean_env, launch, legend_texts, panels, read_metrics
+from helpers import SMALL, clean_env, launch, legend_texts, panels, read_metrics, warm
 from trainloop.tools.report import main as report
 
 
@@ -15,7 +15,7 @@ def test_sweep_runs_each_job_and_summarises_them(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # precision differs between jobs too: the jobs share one process, and accelerate refuses a
     # second Accelerator with another mixed precision unless its state is reset between jobs.
-    proc = launch(["python", "-m", "trainloop", "-m", *SMALL, "checkpoint.save_final_model=false",
+    proc = warm(1, ["-m", *SMALL, "checkpoint.save_final_model=false",
                    "optimizer=adamw,sgd", "precision=fp32,bf16", f"hydra.sweep.dir={sweep_dir}"],
                   cwd=tmp_path)
 
@@ -38,7 +38,7 @@ def test_sweep_runs_each_job_and_summarises_them(tmp_path):
     best = min(records, key=lambda r: r["eval_loss"])
     assert "(best)" in next(line for line in table.splitlines() if line.startswith(f"| {best['job']} |"))
 
-    again = launch(["python", "-m", "trainloop.sweep", str(sweep_dir)])
+    again = warm(1, [str(sweep_dir)], module="trainloop.sweep")
     assert again.stdout.strip() == table
 
     fig = report([str(sweep_dir)])  # a sweep dir stands for its jobs, each named by what it varies

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLFLOW, SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step
+from helpers import MLFLOW, SMALL, clean_env, compose, launch, read_metrics, reset_accelerate, train, wait_for_step, warm
 from trainloop.build import settle_learning_rate
 from trainloop.observe.trackers import TRACKERS, Trackers
 
@@ -167,7 +167,7 @@ def test_an_unknown_or_missing_tracker_is_refused_before_training(tmp_path):
     if missing is None:
         pytest.skip("every tracker accelerate supports is installed here")
     run_dir = tmp_path / "run"
-    done = launch(["python", "-m", "trainloop", "+preset=smoke", f"logging.trackers=[tensorbored,{missing}]",
+    done = warm(1, ["+preset=smoke", f"logging.trackers=[tensorbored,{missing}]",
                    f"hydra.run.dir={run_dir}"], cwd=tmp_path, check=False, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "'tensorbored' is not a tracker; choose from: tensorboard, mlflow, wandb" in done.stderr
