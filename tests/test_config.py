@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import GROUPS, NEEDS, OPTIONS, compose, launch, read_metrics, train, warm
+from helpers import GROUPS, NEEDS, OPTIONS, clean_env, compose, launch, read_metrics, train, warm
 from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
 
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
@@ -180,10 +180,16 @@ def test_combinations_that_cannot_work_are_refused():
 
 def test_a_config_every_rank_refuses_is_said_once_under_a_launcher(tmp_path):
     """Issue 58, item 10: on 2 ranks a bad value is refused by both (exit 2), and said by the main rank alone,
-    not once per rank above the launcher's report."""
+    not once per rank above the launcher's report; the launcher's own summary, below its traceback, names it
+    too: torch.distributed.elastic reads the ranks' error file as torchrun does."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
     done = warm(2, ["+preset=smoke", "optimizer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                check=False)
+                check=False, env=clean_env(TORCHELASTIC_ERROR_FILE=str(error_file)))
     assert done.returncode == 2
     errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("trainloop: error")]
     assert errors == ["trainloop: error: invalid config:"], done.stderr
     assert "optimizer.lr=-1.0 must be greater than 0, or null" in done.stderr
+    summary = ProcessFailure(local_rank=0, pid=0, exitcode=2, error_file=str(error_file)).message
+    assert summary.startswith("trainloop: error: invalid config:") and "optimizer.lr=-1.0" in summary

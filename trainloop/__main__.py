@@ -65,7 +65,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from trainloop.config.compose import CONFIG_DIR, ConfigError, check_command_line, register_configs
+    from trainloop.config.compose import CONFIG_DIR, ConfigError, register_configs
     from trainloop.lifetime import register_forked_children, watch_launcher
 
     register_configs()
@@ -83,18 +83,13 @@ def main() -> None:
         nonlocal run_started
         run_started = True
         try:
-            try:
-                check_command_line(cfg, HydraConfig.get().overrides.task)
-            except ConfigError as err:
-                err.every_rank = True
-                raise
-            return run(cfg, run_dir=HydraConfig.get().runtime.output_dir, record=LaunchRecord.from_hydra(cfg))
+            return run(cfg, run_dir=HydraConfig.get().runtime.output_dir, record=LaunchRecord.from_hydra(cfg),
+                       overrides=HydraConfig.get().overrides.task)
         except ConfigError as err:  # a known bad input: one message, no traceback (once, where every rank finds it)
-            if not err.every_rank or int(os.environ.get("RANK", "0")) == 0:
-                print(f"trainloop: error: {err}", file=sys.stderr)
+            say(f"trainloop: error: {err}", to_console=not err.every_rank or int(os.environ.get("RANK", "0")) == 0)
             sys.exit(EXIT_BAD_CONFIG)
         except NonFiniteError as err:
-            print(f"trainloop: error: {err}", file=sys.stderr)
+            say(f"trainloop: error: {err}")
             sys.exit(EXIT_NONFINITE)
         except Preempted as stop:  # exit codes: trainloop/errors.py
             print(f"trainloop: {stop}", file=sys.stderr)
@@ -116,6 +111,21 @@ def main() -> None:
         traceback.print_exc()
         code = EXIT_BAD_CONFIG
     leave(code, under_launcher=world_size > 1)
+
+
+def say(message: str, to_console: bool = True) -> None:
+    """A run's reason to stop: on stderr, and under torchrun (or `accelerate launch`, which runs it) in the
+    rank's error file too, so that the launcher's failure summary, the last thing it prints below its own
+    traceback, names the reason instead of a link to its docs."""
+    if to_console:
+        print(message, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # the format torch.distributed.elastic's ProcessFailure reads
+        import json
+        import time
+
+        with open(error_file, "w") as out:
+            json.dump({"message": message, "timestamp": int(time.time())}, out)
 
 
 def leave(code, under_launcher: bool) -> None:

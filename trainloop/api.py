@@ -44,8 +44,6 @@ def train(overrides: Sequence[str] = (), *, rewards: Sequence[Callable] = (), to
     """Train as `python -m trainloop OVERRIDES` does, in this process. `rewards` (objective.rewards), `tools`
     (objective.tools) and `environment` (objective.environment): Python objects, named by the config
     through trainloop.given; giving both an object and its key in `overrides` is refused."""
-    from accelerate.state import AcceleratorState, GradientState
-
     from trainloop.config.compose import compose_config
     from trainloop.run import run
 
@@ -64,10 +62,8 @@ def train(overrides: Sequence[str] = (), *, rewards: Sequence[Callable] = (), to
     run_dir = Path(run_dir)
     cfg = compose_config(overrides)  # checked as a run checks it, before anything is built
     run_dir.mkdir(parents=True, exist_ok=True)
-    AcceleratorState._reset_state(reset_partial_state=True)  # a run before this one in this process (a notebook's)
-    GradientState._reset_state()
     with logged_to(run_dir / "train.log"):
-        run(cfg, run_dir=run_dir)
+        run(cfg, run_dir=run_dir, overrides=overrides)
     return Trained(run_dir, last_metrics(run_dir))
 
 

@@ -6,10 +6,11 @@ import logging
 import os
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Sequence
 
 from omegaconf import DictConfig
 
-from trainloop.config.compose import ConfigError, check_complete, validate
+from trainloop.config.compose import ConfigError, check_command_line, check_complete, validate
 from trainloop.rundir import LaunchRecord, hold_run_dir, same_command
 
 log = logging.getLogger("trainloop")
@@ -19,8 +20,10 @@ def is_main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None = None) -> float | None:
-    """Train with `cfg`, writing into `run_dir`; return the last validation loss.
+def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None = None,
+        overrides: Sequence[str] = ()) -> float | None:
+    """Train with `cfg`, writing into `run_dir`; return the last validation loss. `overrides`: what the
+    user gave (the command line, trainloop.train's list), whose keys the chosen options must read.
 
     The main rank holds run_dir until the run ends (its run dir is the one every rank agrees
     on); `record`, this launch's Hydra files, is written to run_dir/.hydra once the run is
@@ -31,6 +34,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike, record: LaunchRecord | None
     from trainloop.build import settle_learning_rate
 
     try:
+        check_command_line(cfg, overrides)
         check_complete(cfg)
         validate(cfg)
     except ConfigError as err:

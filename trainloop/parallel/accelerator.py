@@ -199,6 +199,7 @@ def _without_op_load_notices():
 
 def build_accelerator(cfg):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     from trainloop.parallel import row  # the strategy the config chooses: its Accelerator arguments
@@ -216,6 +217,10 @@ def build_accelerator(cfg):
         # used or not; on a CPU DeepSpeed's own detection picks the same, with a banner.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     strategy = row(cfg)
+    # accelerate keeps process-wide singletons: a run before this one in this process (a notebook's, a sweep's
+    # job) would otherwise lend its precision or DeepSpeed plugin to this Accelerator, or have it refused
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     with _accelerate_env_for_plugin(), _without_op_load_notices():
         kwargs, group = strategy.accelerator_arguments(cfg, on_cuda)
         group = {"timeout": timedelta(seconds=cfg.trainer.collective_timeout_s), **group}

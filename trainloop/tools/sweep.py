@@ -35,16 +35,6 @@ class SweepSummary(Callback):
         if is_main_rank():  # a sweep dir used again starts a new summary
             (Path(config.hydra.sweep.dir) / SUMMARY).unlink(missing_ok=True)
 
-    def on_job_start(self, config, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN:
-            return
-        from accelerate.state import AcceleratorState, GradientState
-
-        # accelerate keeps process-wide singletons: a job whose precision or DeepSpeed stage
-        # differs from the previous job's would otherwise be refused by Accelerator().
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not is_main_rank():
             return
