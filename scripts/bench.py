@@ -88,7 +88,7 @@ def build_common(cfg):
     torch.manual_seed(cfg.trainer.seed)
     config = build_model_config(cfg.model, len(tokenizer))
     model = build_model(cfg.model, config)
-    if (attention := training_attention(cfg, config)) is not None:
+    if (attention := training_attention(cfg, config, blocks=True)) is not None:  # causal_lm on token blocks
         use(model, attention, f"data.packing={cfg.data.packing}")
     return train_set, model
 

@@ -82,10 +82,11 @@ def test_a_batch_carries_position_ids_only_where_a_row_restarts_them():
 def test_which_runs_take_which():
     from trainloop.model.attention import SDPA_CAUSAL, SDPA_DOCUMENTS, training_attention
     from trainloop.model.builder import build_model_config
+    from trainloop.objectives import items, row
 
     def takes(*overrides):
         cfg = compose("+preset=smoke", *overrides)
-        return training_attention(cfg, build_model_config(cfg.model, vocab_size=320))
+        return training_attention(cfg, build_model_config(cfg.model, vocab_size=320), items(row(cfg)) is None)
 
     assert takes("data.packing=stream") == SDPA_CAUSAL
     assert takes("data.packing=documents") == SDPA_DOCUMENTS
@@ -95,12 +96,11 @@ def test_which_runs_take_which():
 
 
 def test_the_objectives_that_train_on_token_blocks_take_it():
-    """attention.BLOCKS names the objectives that train on the data's token blocks (their rows say no
-    pairs, prompts or unpaired completions): theirs are the rows the training attention is told of."""
-    from trainloop.model.attention import BLOCKS
+    """The objectives that train on the data's token blocks (their rows say no pairs, prompts or unpaired
+    completions) are the ones whose packed documents the training attention is told of."""
     from trainloop.objectives import OBJECTIVES, items
 
-    assert set(BLOCKS) == {name for name, row in OBJECTIVES.items() if items(row) is None}
+    assert {name for name, row in OBJECTIVES.items() if items(row) is None} == {"causal_lm", "distill"}
 
 
 @pytest.mark.parametrize("packing", ["stream", "documents"])

@@ -174,6 +174,11 @@ def test_the_data_fingerprint_sees_the_pairs(tmp_path):
 @pytest.mark.parametrize("overrides, says", [
     (["data=preference", "objective=dpo", "+preset=zero3", "deepspeed.zero3_init=true"],
      "deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a copy of the model"),
+    # the objectives whose row says their reference is a copy of the model as built (Objective.copies_model)
+    (["data=unpaired", "objective=kto", "+preset=zero3", "deepspeed.zero3_init=true"],
+     "deepspeed.zero3_init=true with objective=kto and adapter=none"),
+    (["data=prompts", "objective=grpo", "objective.beta=0.04", "+preset=zero3", "deepspeed.zero3_init=true"],
+     "deepspeed.zero3_init=true with objective=grpo and adapter=none"),
     (["data=chat", "objective=dpo", "adapter=lora"], "objective=dpo trains on preference pairs, and data=chat holds "
                                                      "none: set data=preference"),
     (["data=preference"], "data=preference holds preference pairs, which objective=causal_lm does not train on"),

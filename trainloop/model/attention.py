@@ -31,9 +31,6 @@ log = logging.getLogger("trainloop")
 
 SDPA_CAUSAL, SDPA_DOCUMENTS = "sdpa_causal", "sdpa_documents"
 FOR_PACKING = {"stream": SDPA_CAUSAL, "documents": SDPA_DOCUMENTS}
-# the objectives whose rows are the data's token blocks (trainloop.objectives.items(row) is None, which
-# tests/test_attention.py checks): distill's teacher attends as its student
-BLOCKS = ("causal_lm", "distill")
 
 
 def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
@@ -102,13 +99,16 @@ def register() -> None:
     AttentionInterface.register(SDPA_DOCUMENTS, _sdpa)
 
 
-def training_attention(cfg, model_config) -> str | None:
-    """The attention a run's training forwards take instead of transformers' sdpa, or None. Context
-    parallelism (parallel.cp_size > 1) needs one for every objective: it swaps sequence for heads
-    around attention (its checks refuse what cannot: another implementation, a sliding window)."""
+def training_attention(cfg, model_config, blocks: bool) -> str | None:
+    """The attention a run's training forwards take instead of transformers' sdpa, or None. `blocks`: the
+    objective trains on the data's token blocks (trainloop.objectives.items(row) is None: causal_lm, and
+    distill, whose teacher attends as its student), whose packing says where documents end; other rows
+    come whole, padded, with their attention mask. Context parallelism (parallel.cp_size > 1) needs one
+    for every objective: it swaps sequence for heads around attention (its checks refuse what cannot:
+    another implementation, a sliding window)."""
     if cfg.parallel.cp_size > 1:
-        return FOR_PACKING.get(cfg.data.packing, SDPA_CAUSAL) if cfg.objective.name == "causal_lm" else SDPA_CAUSAL
-    if cfg.objective.name not in BLOCKS or cfg.model.attn_implementation != "sdpa":
+        return FOR_PACKING.get(cfg.data.packing, SDPA_CAUSAL) if blocks else SDPA_CAUSAL
+    if not blocks or cfg.model.attn_implementation != "sdpa":
         return None
     if getattr(model_config, "sliding_window", None):  # its mask is not causal alone
         return None

@@ -28,12 +28,34 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "prompt_tools",
-           "read_only_by"]
+           "read_only_by", "row"]
 
 
 def build_objective(cfg, device) -> Objective:
     """The objective the config names (`objective.name`, one of OBJECTIVES: trainloop.config.compose checks it)."""
     return OBJECTIVES[cfg.objective.name](cfg, device)
+
+
+def row(cfg) -> type[Objective]:
+    """The row of the objective the config names: what it declares (needs, head, items), before one is built."""
+    return OBJECTIVES[cfg.objective.name]
+
+
+def layout_problems(cfg, objective: type[Objective]) -> list[str]:
+    """What the objective needs (its row's `needs`, `copies_model`) against what the chosen layout gives
+    (trainloop.parallel's declarations): one line for each combination that cannot run, naming both."""
+    from trainloop.parallel import builds_partitioned, token_loss_only
+
+    found, needs = [], objective.needs
+    said = (needs[0] if len(needs) == 1 else f"{', '.join(needs[:-1])} and {needs[-1]}") if needs else ""
+    for key, layout, instead in token_loss_only(cfg) if needs else ():
+        found.append(f"{key} with objective={objective.name} needs {said}, which {layout} does not give yet (it "
+                     f"gives a next-token loss on target tokens, objective=causal_lm's); {instead}")
+    if (key := builds_partitioned(cfg)) and objective.copies_model(cfg):
+        found.append(f"{key} with objective={objective.name} and adapter=none: the frozen reference is a copy of the "
+                     "model as built, and zero.Init builds it already partitioned; set deepspeed.zero3_init=false "
+                     "(the copy is then partitioned like the policy), or adapter=lora")
+    return found
 
 
 def prompt_tools(cfg) -> list[dict] | None:
@@ -89,6 +111,7 @@ def problems(cfg, data_format=None) -> list[str]:
         return []
     problems = objective.problems(cfg)
     problems += loss_chunk_problems(cfg, objective)
+    problems += layout_problems(cfg, objective)
     wants, holds = items(objective), items(data_format) if data_format is not None else None
     names = {"objective": objective.name, "data": cfg.data.name}
     if wants is not None and wants != holds:

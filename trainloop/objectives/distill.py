@@ -86,6 +86,7 @@ def prompt_lengths(labels: torch.Tensor, attention_mask: torch.Tensor | None) ->
 
 class Distill(Objective):
     name = "distill"
+    needs = ("a frozen teacher's logits over the whole vocabulary",)
     pretrained_lr = (2e-05, "GKDConfig")
     keys = DistillConfig
     chunks_loss = True

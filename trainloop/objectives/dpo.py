@@ -76,6 +76,7 @@ def held(frozen) -> str:
 
 class DPO(PairObjective):
     name = "dpo"
+    needs = ("each completion's log-probability", "a frozen reference")
     pretrained_lr = (1e-06, "DPOConfig")
     keys = DPOConfig
 
@@ -117,6 +118,10 @@ class DPO(PairObjective):
         plan_copy(plan, "objective=dpo")
 
     # -- the reference -----------------------------------------------------------------------------
+    @classmethod
+    def copies_model(cls, cfg) -> bool:
+        return cfg.adapter.name == "none" and not cfg.objective.precompute_reference
+
     def frozen_copy(self, model):
         """A full fine-tune's reference: the model as built (pretrained or initialised), frozen. None
         with an adapter (the policy with its adapters disabled) or objective.precompute_reference

@@ -304,6 +304,7 @@ def shown(rollout: dict, prompt_field: str, names: list[str], rewards) -> list[d
 
 class GRPO(Objective):
     name = "grpo"
+    needs = ("generation", "each completion's log-probability", "a frozen reference (objective.beta > 0)")
     pretrained_lr = (1e-06, "GRPOConfig")
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")
@@ -746,6 +747,10 @@ class GRPO(Objective):
         o = cfg.objective
         environments = Environments(o.environment, o.tools) if o.environment is not None else None
         return tool_schemas(load_tools(o.tools), environments)
+
+    @classmethod
+    def copies_model(cls, cfg) -> bool:
+        return cfg.objective.beta != 0.0 and cfg.adapter.name == "none"
 
     def frozen_copy(self, model):
         """With beta > 0, a full fine-tune's reference: the model as built, frozen (an adapter's

@@ -38,6 +38,7 @@ class KTOConfig:
 
 class KTO(Objective):
     name = "kto"
+    needs = ("each completion's log-probability", "a frozen reference", "a KL term from mismatched pairs")
     pretrained_lr = (1e-06, "KTOConfig")
     keys = KTOConfig
     unpaired = True
@@ -78,6 +79,10 @@ class KTO(Objective):
                               "no copy")
             return
         plan_copy(plan, "objective=kto")
+
+    @classmethod
+    def copies_model(cls, cfg) -> bool:
+        return cfg.adapter.name == "none"
 
     def frozen_copy(self, model):
         """A full fine-tune's reference: the model as built, frozen; None with an adapter."""

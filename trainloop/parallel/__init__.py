@@ -63,6 +63,26 @@ def layouts(gpus_per_node: int) -> dict[str, dict]:
 OFF = {key: value for strategy in STRATEGIES.values() for key, value in strategy.off.items()}
 
 
+def token_loss_only(cfg) -> list[tuple[str, str, str]]:
+    """The dimensions of this config that give an objective a next-token loss on target tokens and nothing
+    else (tensor parallelism splits the output layer; the pipeline's last stage computes that loss itself), each
+    as (its key, what it is, what to set instead): trainloop.objectives checks what the objective needs."""
+    p, found = cfg.parallel, []
+    if p.tp_size > 1:
+        found.append((f"parallel.tp_size={p.tp_size}", "tensor parallelism",
+                      "use parallel.tp_size=1 (FSDP2 alone runs it)"))
+    if p.pp_size > 1:
+        found.append((f"parallel.pp_size={p.pp_size}", "the pipeline's last stage", "use parallel.pp_size=1"))
+    return found
+
+
+def builds_partitioned(cfg) -> str | None:
+    """The key under which the model is built already partitioned (DeepSpeed's zero.Init), or None: a copy of
+    the model as built cannot be made then."""
+    ds = cfg.deepspeed
+    return "deepspeed.zero3_init=true" if ds.stage == 3 and ds.zero3_init else None
+
+
 def problems(cfg) -> list[str]:
     """Every strategy's checks: each speaks only where its own keys are set."""
     found = []

@@ -505,8 +505,6 @@ class Pipeline(Strategy):
             found.append(f"{key} with fsdp.offload={cfg.fsdp.offload}: the stages' shards stay on the device; "
                          "set fsdp.offload=none")
         unsupported = {
-            "objective": (cfg.objective.name != "causal_lm", f"objective={cfg.objective.name}: the pipeline "
-                          "trains objective=causal_lm for now; use parallel.pp_size=1"),
             "arch": (cfg.model.name == "tiny" and cfg.model.arch != "llama", f"model.arch={cfg.model.arch}: only "
                      "model.arch=llama is cut into stages for now"),
             "attention": (cfg.model.attn_implementation != "sdpa" or cfg.data.packing == "none",

@@ -264,9 +264,6 @@ class FSDP2xTP(FSDP2):
         if m.name == "tiny" and m.arch == "gpt2":
             found.append(f"{key} with model.arch=gpt2: {NO_PLAN['gpt2']}; use model.arch=llama (or mixtral), or "
                          "parallel.tp_size=1 with fsdp=full_shard")
-        if cfg.objective.name != "causal_lm":  # a reference copy, generation, completion log-probs: not on tp yet
-            found.append(f"{key} with objective={cfg.objective.name}: tensor parallelism trains objective=causal_lm "
-                         "only for now; use parallel.tp_size=1 (FSDP2 alone runs it)")
         if cfg.trainer.loss_chunk_tokens:
             found.append(f"{key} with trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens}: the chunked loss "
                          "needs the output layer whole, not split over tp; set trainer.loss_chunk_tokens=0")

@@ -261,10 +261,6 @@ class DeepSpeedZeRO(Strategy):
             problems.append(f"precision=fp8 with deepspeed.stage={ds.stage}: DeepSpeed flattens the parameters and "
                             "runs its own bf16, not torchao's Float8Linear; use deepspeed=none (DDP or "
                             "fsdp=full_shard) or precision=bf16")
-        if ds.stage == 3 and ds.zero3_init and cfg.objective.name == "dpo" and cfg.adapter.name == "none":
-            problems.append("deepspeed.zero3_init=true with objective=dpo and adapter=none: the frozen reference is a "
-                            "copy of the model as built, and zero.Init builds it already partitioned; set "
-                            "deepspeed.zero3_init=false (the copy is then partitioned like the policy), or adapter=lora")
         if ds.stage and cfg.compile.backend != "none":
             problems.append(
                 "compile.backend with DeepSpeed is not supported by trainloop yet: "
