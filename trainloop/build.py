@@ -86,7 +86,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.attention import training_attention, use as use_attention
     from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
     from trainloop.model.compile import compile_model
-    from trainloop.objectives import build_objective, items, prompt_tools, row
+    from trainloop.objectives import build_objective, items, prompt_tools
     from trainloop.observe.flops import flops_per_token, trained_matmul_params
     from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
@@ -124,7 +124,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     shapes_only = strategy.builds_on_meta()  # its weights come from the main process when sharded
     with torch.device("meta") if shapes_only else nullcontext():
         model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only, objective.head)
-        if (attention := training_attention(cfg, model_config, items(row(cfg)) is None)) is not None:
+        if (attention := training_attention(cfg, model_config, items(objective) is None)) is not None:
             use_attention(model, attention, f"parallel.cp_size={cfg.parallel.cp_size}" if cfg.parallel.cp_size > 1
                           else f"data.packing={cfg.data.packing}")
         if cfg.adapter.name != "none":

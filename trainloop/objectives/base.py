@@ -58,8 +58,8 @@ class Objective:
     # optimizer.lr for a pretrained model (model=hf) where the config sets none: the default of TRL's trainer
     # for the same objective (its config class, named in the start-up line); a model from scratch keeps 1e-3
     pretrained_lr: tuple[float, str] = (2e-5, "SFTConfig")
-    # What it needs beyond a next-token loss on its rows' target tokens, each said as a layout that cannot give
-    # it says why (tensor parallelism, the pipeline's last stage): () for that loss alone (objective=causal_lm)
+    # What it needs beyond a next-token loss on its rows' target tokens, in the words a layout that gives only
+    # that loss (tensor parallelism, the pipeline's last stage) refuses it with; () for that loss alone (causal_lm)
     needs: tuple[str, ...] = ()
 
     @classmethod

@@ -126,7 +126,7 @@ class DPO(PairObjective):
         """A full fine-tune's reference: the model as built (pretrained or initialised), frozen. None
         with an adapter (the policy with its adapters disabled) or objective.precompute_reference
         (the policy before its first step is the reference: it scores every pair in start())."""
-        if self.cfg.adapter.name != "none" or self.cfg.objective.precompute_reference:
+        if not self.copies_model(self.cfg):
             return None
         import copy
 

@@ -383,6 +383,7 @@ class GRPO(Objective):
             self.render = Prompts().prompt_tokens(cfg.data, self.tokenizer, tool_schemas(self.tools, self.environments))
             self.seq_len = cfg.data.seq_len
         self.adapted, self.frozen = cfg.adapter.name != "none", None  # frozen: a full fine-tune's reference
+        self.copies = self.copies_model(cfg)
         self.seed, self.prompt_field = cfg.trainer.seed, cfg.data.prompt_field
         self.device = torch.device(device)
         self.generated: list[dict] | None = None  # the batches being trained on (num_iterations)
@@ -755,7 +756,7 @@ class GRPO(Objective):
     def frozen_copy(self, model):
         """With beta > 0, a full fine-tune's reference: the model as built, frozen (an adapter's
         reference is the policy with its adapters disabled; beta 0 needs none)."""
-        if self.cfg.beta == 0.0 or self.adapted:
+        if not self.copies:
             return None
         import copy
 

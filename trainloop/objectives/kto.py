@@ -86,7 +86,7 @@ class KTO(Objective):
 
     def frozen_copy(self, model):
         """A full fine-tune's reference: the model as built, frozen; None with an adapter."""
-        if self.cfg.adapter.name != "none":
+        if not self.copies_model(self.cfg):
             return None
         import copy
 
