@@ -106,3 +106,44 @@ def test_the_root_holds_the_main_path_and_the_commands():
     packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
     assert {"config", "data", "model", "objectives", "optim", "parallel", "checkpoint", "memory", "observe",
             "tools"} <= packages
+
+
+STRATEGY_SECTIONS = {"parallel", "deepspeed", "fsdp"}
+
+
+def config_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for each read of a strategy's section off a config (`cfg.parallel`, `self.cfg.deepspeed`,
+    `config.fsdp`) and each comparison of an objective's name (`cfg.objective.name == ...`) in `tree`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in STRATEGY_SECTIONS:
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+            if owner in ("cfg", "config"):
+                found.append((node.lineno, f"{owner}.{node.attr}"))
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                if (isinstance(side, ast.Attribute) and side.attr == "name" and isinstance(side.value, ast.Attribute)
+                        and side.value.attr == "objective"):
+                    found.append((node.lineno, "objective.name compared"))
+    return sorted(found)
+
+
+def test_the_reader_finds_both_kinds_of_leak():
+    code = ("a = cfg.parallel.tp_size\nb = self.cfg.deepspeed.stage\nif cfg.objective.name == 'dpo': pass\n"
+            "c = cfg.model.name\nd = OBJECTIVES[cfg.objective.name].head\n")
+    assert config_reads(ast.parse(code)) == [(1, "cfg.parallel"), (2, "cfg.deepspeed"), (3, "objective.name compared")]
+
+
+def test_strategy_keys_and_objective_names_are_read_in_their_own_packages():
+    """Issue 59: outside trainloop/parallel/ (and the config's composition, trainloop/config/) nothing reads
+    cfg.parallel, cfg.deepspeed or cfg.fsdp: it asks trainloop.parallel (splits, context_size, shards_weights,
+    forwards_together, ...); outside trainloop/objectives/ no objective's name is compared: its row declares
+    what it needs (Objective.needs, head, copies_model)."""
+    leaks = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        package = path.relative_to(PACKAGE).parts[0]
+        for line, what in config_reads(ast.parse(path.read_text(), str(path))):
+            allowed = ("objectives",) if what.startswith("objective") else ("parallel", "config")
+            if package not in allowed:
+                leaks.append(f"{path.relative_to(REPO)}:{line}: {what}")
+    assert not leaks, "\n".join(leaks)

@@ -66,7 +66,7 @@ class Checkpointer:
         settled by trainer.auto_batch_size included), and the data's own fingerprint."""
         fingerprint = run_fingerprint(self.recorded, self.strategy.dp_size)
         if self.strategy.keeps_world_size(self.cfg):  # each rank's files hold its partition: cp ranks' too
-            fingerprint["parallel.cp_size"] = self.cfg.parallel.cp_size
+            fingerprint["parallel.cp_size"] = self.strategy.cp_size
         return {**fingerprint, **self.data_fingerprint}
 
     def due(self, step: int) -> bool:

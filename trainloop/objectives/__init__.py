@@ -44,7 +44,7 @@ def row(cfg) -> type[Objective]:
 def layout_problems(cfg, objective: type[Objective]) -> list[str]:
     """What the objective needs (its row's `needs`, `copies_model`) against what the chosen layout gives
     (trainloop.parallel's declarations): one line for each combination that cannot run, naming both."""
-    from trainloop.parallel import builds_partitioned, token_loss_only
+    from trainloop.parallel.degrees import builds_partitioned, token_loss_only
 
     found, needs = [], objective.needs
     said = (needs[0] if len(needs) == 1 else f"{', '.join(needs[:-1])} and {needs[-1]}") if needs else ""

@@ -186,5 +186,6 @@ def not_yet(cfg, name: str, splits: bool = False) -> list[str]:
 def model_splits(cfg) -> list[str]:
     """The parallel.* sizes above 1 that split the model or the sequence (tensor, pipeline, context), as
     KEY=VALUE: what an objective that reads whole rows or a whole output layer refuses."""
-    return [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("tp_size", "pp_size", "cp_size")
-            if getattr(cfg.parallel, key) > 1]
+    from trainloop.parallel.degrees import splits
+
+    return splits(cfg)

@@ -158,14 +158,13 @@ class Distill(Objective):
         import math
 
         from trainloop.objectives.rewards import saved_numel
-        from trainloop.parallel import chosen
+        from trainloop.parallel.degrees import chosen, shards_weights
         from trainloop.parallel.memory import Line
 
         if teacher_problem(cfg.objective.teacher) is not None:
             return
-        n, strategy = saved_numel(cfg.objective.teacher), chosen(cfg)
-        sharded = strategy == "fsdp2" or strategy == "zero" and cfg.deepspeed.stage == 3
-        width = 2 if strategy == "zero" and cfg.precision.name in ("bf16", "fp16", "fp8") else 4
+        n, sharded = saved_numel(cfg.objective.teacher), shards_weights(cfg)
+        width = 2 if chosen(cfg) == "zero" and cfg.precision.name in ("bf16", "fp16", "fp8") else 4
         held = math.ceil(n / plan.world_size) if sharded else n
         where = "gpu" if plan.device == "cuda" else "cpu"
         plan.lines.append(Line("teacher model", width * held, where,

@@ -102,7 +102,7 @@ def generation_problems(cfg) -> list[str]:
     """objective.generation's: continuous batching keeps its cache in the weights' dtype (no autocast over
     fp32 weights) and runs each rank on its own schedule (no weights gathered in every forward)."""
     from trainloop.objectives.generation import ENGINES
-    from trainloop.parallel import chosen
+    from trainloop.parallel.degrees import forwards_together
 
     o = cfg.objective
     if o.generation not in ENGINES:
@@ -114,11 +114,7 @@ def generation_problems(cfg) -> list[str]:
         problems.append(f"objective.generation=continuous keeps its KV cache in the weights' dtype, and "
                         f"precision={cfg.precision.name} computes in another: set precision=fp32, or "
                         "objective.generation=generate")
-    sharded = {"fsdp2": "FSDP2 (fsdp=full_shard)", "fsdp2_tp": "tensor parallelism (parallel.tp_size > 1)",
-               "pipeline": "a pipeline (parallel.pp_size > 1)"}.get(chosen(cfg))
-    if sharded is None and cfg.deepspeed.stage == 3:
-        sharded = "DeepSpeed ZeRO-3"
-    if sharded:
+    if sharded := forwards_together(cfg):
         problems.append(f"objective.generation=continuous runs each process on its own schedule, and {sharded} "
                         "gathers the weights in every forward of every rank together: set "
                         "objective.generation=generate")

@@ -50,6 +50,7 @@ def problems(cfg) -> list[str]:
     import importlib.util
 
     from trainloop.objectives import OBJECTIVES
+    from trainloop.parallel.degrees import splits
 
     h, out = cfg.eval.harness, []
     if h.num_fewshot is not None and h.num_fewshot < 0:
@@ -64,9 +65,7 @@ def problems(cfg) -> list[str]:
     if OBJECTIVES[cfg.objective.name].head != "lm":
         out.append(f"{KEY} scores a language model's next-token probabilities, and objective={cfg.objective.name} "
                    f"trains a model that ends in a scalar score: drop {KEY}.tasks")
-    split = [f"parallel.{key}={getattr(cfg.parallel, key)}" for key in ("pp_size", "tp_size", "cp_size")
-             if getattr(cfg.parallel, key, 1) > 1]
-    if split:
+    if split := splits(cfg):
         out.append(f"{KEY} runs the model's whole forward in every process, and {', '.join(split)} splits it: "
                    "score final/ after training instead (python -m trainloop.evaluate RUN_DIR --tasks ...), "
                    f"or drop {KEY}.tasks")

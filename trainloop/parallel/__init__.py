@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
+from trainloop.parallel.degrees import (builds_partitioned, chosen, context_size, forwards_together, shards_weights,
+                                       splits, token_loss_only)
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.pipeline import Pipeline
 from trainloop.parallel.tensors import full_numel, full_shape, local_shard
@@ -30,19 +32,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "pipeline": Pipeline,  # parallel.pp_size > 1: a slice of the blocks on each process
 }
 
-__all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "check_context_model", "chosen", "context_problems",
-           "full_numel", "full_shape", "layouts", "local_shard", "problems", "row", "running"]
-
-
-def chosen(cfg) -> str:
-    """The row the config chooses."""
-    if cfg.parallel.pp_size > 1:
-        return "pipeline"
-    if cfg.parallel.tp_size > 1:
-        return "fsdp2_tp"
-    if cfg.fsdp.name != "none":
-        return "fsdp2"
-    return "zero" if cfg.deepspeed.stage else "ddp"
+__all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "builds_partitioned", "check_context_model", "chosen",
+           "context_problems", "context_size", "forwards_together", "full_numel", "full_shape", "layouts", "local_shard",
+           "problems", "row", "running", "shards_weights", "splits", "token_loss_only"]
 
 
 def row(cfg) -> type[Strategy]:
@@ -61,26 +53,6 @@ def layouts(gpus_per_node: int) -> dict[str, dict]:
 
 # every strategy's keys at the values that turn it off: each layout sets all of them
 OFF = {key: value for strategy in STRATEGIES.values() for key, value in strategy.off.items()}
-
-
-def token_loss_only(cfg) -> list[tuple[str, str, str]]:
-    """The dimensions of this config that give an objective a next-token loss on target tokens and nothing
-    else (tensor parallelism splits the output layer; the pipeline's last stage computes that loss itself), each
-    as (its key, what it is, what to set instead): trainloop.objectives checks what the objective needs."""
-    p, found = cfg.parallel, []
-    if p.tp_size > 1:
-        found.append((f"parallel.tp_size={p.tp_size}", "tensor parallelism",
-                      "use parallel.tp_size=1 (FSDP2 alone runs it)"))
-    if p.pp_size > 1:
-        found.append((f"parallel.pp_size={p.pp_size}", "the pipeline's last stage", "use parallel.pp_size=1"))
-    return found
-
-
-def builds_partitioned(cfg) -> str | None:
-    """The key under which the model is built already partitioned (DeepSpeed's zero.Init), or None: a copy of
-    the model as built cannot be made then."""
-    ds = cfg.deepspeed
-    return "deepspeed.zero3_init=true" if ds.stage == 3 and ds.zero3_init else None
 
 
 def problems(cfg) -> list[str]:

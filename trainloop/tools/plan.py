@@ -42,7 +42,7 @@ from trainloop.config.compose import CONFIG_DIR, ConfigError, compose_config
 from trainloop.memory.proc import reset_peak_rss, status_bytes
 from trainloop.objectives import OBJECTIVES
 from trainloop.optim.optimizers import hidden_matrices
-from trainloop.parallel import row
+from trainloop.parallel import context_size, row
 from trainloop.parallel.memory import Line, MemoryPlan, activation_bytes, context_parallel_traffic
 from trainloop.parallel.tp import layout_problem
 
@@ -234,7 +234,7 @@ def loss_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, autocast: boo
       copy of the output weight under autocast.
     The note gives the logits term both ways."""
     V, h, chunk = shape.vocab, shape.hidden, cfg.trainer.loss_chunk_tokens
-    tokens = batch * cfg.data.seq_len // cfg.parallel.cp_size  # a forward's sequences (a preference pair is two)
+    tokens = batch * cfg.data.seq_len // context_size(cfg)  # a forward's sequences (a preference pair is two)
     head_trains = shape.trainable is None  # an adapter freezes the output layer
 
     def chunked(c: int) -> int:
@@ -276,7 +276,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     fp8 = cfg.precision.name == "fp8"
     tp, sp = strategy.tensor_parallel(cfg)
     blocks, outputs = strategy.activations_held(cfg, shape)
-    cp = cfg.parallel.cp_size
+    cp = context_size(cfg)
     if cp > 1:
         plan.traffic.append(context_parallel_traffic(shape, batch, cfg.data.seq_len, half, cp,
                                                      cfg.model.gradient_checkpointing,

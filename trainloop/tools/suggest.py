@@ -39,7 +39,7 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 
 from trainloop.config.compose import ConfigError, check_complete, check_presets, compose_config, validate
-from trainloop.parallel import OFF, layouts, row
+from trainloop.parallel import OFF, layouts, row, splits
 from trainloop.parallel.memory import MemoryPlan
 from trainloop.parallel.tp import SEQUENCE_PARALLEL
 from trainloop.tools import plan as planner
@@ -271,8 +271,7 @@ def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: 
     user = cfg = compose_config(overrides)  # the user's own config: its model and its global batch
     group = row(cfg).model_parallel(cfg)
     if cluster.gpus % group:
-        sizes = " x ".join(f"parallel.{k}={cfg.parallel[k]}" for k in ("pp_size", "tp_size", "cp_size")
-                           if cfg.parallel[k] > 1)
+        sizes = " x ".join(splits(cfg))
         raise ConfigError(f"{sizes} does not divide --gpus {cluster.gpus}: the default global batch is "
                           f"data.batch_size x accumulation x (GPUs / {group}); give --global-batch N or other sizes")
     if global_batch is None:
