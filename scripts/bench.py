@@ -183,12 +183,12 @@ def worker_hf(cfg, steps: int, out: Path, compiled: bool = False) -> None:
 
 def model_flops_utilisation(cfg, tokens_per_s: float) -> float | None:
     """tokens/s x training FLOPs per token over the GPU's dense peak for the precision, as trainloop
-    logs its own `mfu` (trainloop.observe.flops); None on a CPU or a GPU whose peak is not in the table."""
+    logs its own `mfu` (trainloop.model.flops); None on a CPU or a GPU whose peak is not in the table."""
     import torch
 
     from trainloop.data.loaders import build_tokenizer
     from trainloop.model.builder import build_model_config
-    from trainloop.observe.flops import flops_per_token, peak_tflops
+    from trainloop.model.flops import flops_per_token, peak_tflops
 
     if not torch.cuda.is_available():
         return None

@@ -1,4 +1,4 @@
-"""Model FLOPs per token (trainloop.observe.flops) against torch's own flop counter, and tflops/mfu in metrics.jsonl."""
+"""Model FLOPs per token (trainloop.model.flops) against torch's own flop counter, and tflops/mfu in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_formula_matches_the_flop_counter(arch):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainloop.observe.flops import flops_per_token
+    from trainloop.model.flops import flops_per_token
     from trainloop.model.builder import build_model, build_model_config
 
     seq_len = 256
@@ -35,7 +35,7 @@ def test_formula_matches_the_flop_counter(arch):
 
 def test_moe_and_lora_count_what_they_compute():
     """A mixture counts its routed experts, not all of them; a frozen base costs 4x, not 6x."""
-    from trainloop.observe.flops import flops_per_token, matmul_params
+    from trainloop.model.flops import flops_per_token, matmul_params
     from trainloop.model.builder import build_model_config
 
     dense = build_model_config(compose("+preset=smoke").model, 256)

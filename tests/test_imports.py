@@ -1,7 +1,9 @@
 """trainloop's modules import one another without a circle (issue 24): every `import` and
 `from ... import` statement counts, function-local ones included, because a circle hidden in a
 function is still two modules that each need the other. A package's own __init__ may gather its
-submodules; a submodule names its siblings by their module path, not through the package."""
+submodules; a submodule names its siblings by their module path, not through the package. Above the
+modules, the packages are layers (issue 59): import-linter's contract in pyproject.toml, run here, and
+each strategy's section and each objective's name read only in its own package."""
 
 from __future__ import annotations
 
@@ -147,3 +149,37 @@ def test_strategy_keys_and_objective_names_are_read_in_their_own_packages():
             if package not in allowed:
                 leaks.append(f"{path.relative_to(REPO)}:{line}: {what}")
     assert not leaks, "\n".join(leaks)
+
+
+def lint_imports(root: Path):
+    """import-linter's contracts (pyproject.toml's [tool.importlinter]) over the package under `root`."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    tool = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert tool is not None, "import-linter is not installed: it is in the test extra (scripts/setup.sh)"
+    return subprocess.run([tool, "--no-cache"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def test_the_packages_keep_their_layers():
+    done = lint_imports(REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "packages are layers KEPT" in done.stdout
+
+
+def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
+    """The contract is read, and can fail: a copy of trainloop whose model package imports from tools (the top
+    layer) inside a function, as the package's own lazy imports do, is refused, naming the import."""
+    import shutil
+
+    shutil.copytree(PACKAGE, tmp_path / "trainloop", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    with open(tmp_path / "trainloop" / "model" / "tensors.py", "a") as f:
+        f.write("\n\ndef upward():\n    from trainloop.tools import plan  # noqa: F401\n")
+    done = lint_imports(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "trainloop.model is not allowed to import trainloop.tools" in done.stdout
+    assert "trainloop.model.tensors -> trainloop.tools.plan" in done.stdout

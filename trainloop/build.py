@@ -87,7 +87,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
     from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective, items, prompt_tools
-    from trainloop.observe.flops import flops_per_token, trained_matmul_params
+    from trainloop.model.flops import flops_per_token, trained_matmul_params
     from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler

@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 
-from trainloop.parallel.tensors import full_shape
+from trainloop.model.tensors import full_shape
 
 log = logging.getLogger("trainloop")
 

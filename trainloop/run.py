@@ -57,7 +57,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.memory.batch_size import with_batch
-    from trainloop.observe.flops import peak_tflops
+    from trainloop.model.flops import peak_tflops
     from trainloop.observe.metrics import Metrics, library_progress_bars, shows_bar
     from trainloop.observe.trackers import Trackers
     from trainloop.parallel import build_strategy

@@ -4,7 +4,7 @@ finite on every rank before anything is written over a good checkpoint."""
 
 from __future__ import annotations
 
-from trainloop.parallel.tensors import local_shard
+from trainloop.model.tensors import local_shard
 
 
 def attempt(action, *args) -> BaseException | None:

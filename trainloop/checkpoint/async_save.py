@@ -33,7 +33,7 @@ class AsyncSaves:
             self._group = dcp.checkpoint_group(self.timeout_s)
         self.unsettled = (tmp, final)
         self.in_flight = dcp.start_async(tmp, final, model, self.accelerator._optimizers[0], adapter_only,
-                                         state, fingerprint, self._group, lambda: self.steps_done)
+                                         state, fingerprint, self._group, lambda: self.steps_done, integrity.record)
 
     def written(self) -> bool:
         """Whether the save in flight has written every shard of this rank (rank 0's: and committed)."""

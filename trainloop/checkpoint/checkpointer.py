@@ -30,7 +30,7 @@ from trainloop.checkpoint.commit import commit, no_space_left
 from trainloop.checkpoint.compatibility import (check_format, check_world_size_change, comparable, global_batch,
                                                 refuse_changes, run_fingerprint)
 from trainloop.checkpoint.integrity import (COMPLETE, KEY, TMP_PREFIX, complete, file_sizes, read_state,
-                                            record_rank_files, step_of, why_unloadable)
+                                            record, record_rank_files, step_of, why_unloadable)
 from trainloop.errors import CheckpointError, ConfigError, NonFiniteError
 from trainloop.optim.optimizers import keep_configured_lr
 from trainloop.rundir import same_command
@@ -156,7 +156,7 @@ class Checkpointer:
 
     def _save_state(self, directory: Path, model) -> None:
         self._save_objective(directory)
-        self.strategy.save_state(directory, model, self.adapter_only)
+        self.strategy.save_state(directory, model, self.adapter_only, record)
         record_rank_files(directory, self.accelerator.process_index)
 
     def _start_async(self, tmp: Path, final: Path, model, state: dict, fingerprint: dict) -> None:

@@ -149,7 +149,7 @@ class LoggingConfig:
     telemetry_every: Optional[int] = None  # None: no telemetry lines in metrics.jsonl
     profile_steps: Optional[list[int]] = None  # [START, END]: torch.profiler trace of these optimizer steps (1-based, inclusive) in RUN_DIR/profile/
     profile_ranks: str = "main"  # main: profile the main process only; all: every rank
-    peak_tflops: Optional[float] = None  # the device's peak for mfu; None: the GPU table (trainloop/observe/flops.py), none on CPU
+    peak_tflops: Optional[float] = None  # the device's peak for mfu; None: the GPU table (trainloop/model/flops.py), none on CPU
     # accelerate's trackers that get every metrics.jsonl line (tensorboard, mlflow, wandb, ...); []: none
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
 

@@ -78,12 +78,9 @@ def check_folder(out: Path, plan: dict) -> None:
 
 
 def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress: bool = True) -> dict:
-    """Tokenize and label the rows as a run does, and write them as shards into out_dir; the manifest."""
+    """Tokenize and label the rows as a run does, and write them as shards into out_dir; the manifest.
+    `progress`: the shards' bar (datasets' own bars are the caller's: trainloop.observe.metrics)."""
     from tqdm.auto import tqdm
-
-    from trainloop.observe.metrics import library_progress_bars
-
-    library_progress_bars(progress, loads_rows=True)  # datasets' map and filter bars too
 
     fmt = data_format(cfg.data.name)
     if not fmt.loads_rows:

@@ -203,13 +203,13 @@ class Distill(Objective):
 
     def frozen_flops(self, frozen, seq_len: int) -> float:
         """The teacher's forward per token: MFU counts it beside the student's training FLOPs."""
-        from trainloop.observe.flops import forward_flops_per_token
+        from trainloop.model.flops import forward_flops_per_token
 
         return forward_flops_per_token(frozen.config, seq_len, model=frozen)
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         from trainloop.objectives.dpo import held
-        from trainloop.parallel.tensors import is_fsdp2
+        from trainloop.model.tensors import is_fsdp2
 
         self.teacher = frozen
         # ZeRO-3 and FSDP2 free the teacher's gathered output weight after its forward: the chunks read a copy

@@ -63,7 +63,7 @@ def plan_copy(plan, who: str) -> None:
 
 def held(frozen) -> str:
     """How the ranks hold a frozen copy, read back from it (FSDP2's DTensors, DeepSpeed's engine)."""
-    from trainloop.parallel.tensors import is_fsdp2
+    from trainloop.model.tensors import is_fsdp2
 
     if is_fsdp2(frozen):
         return "sharded by FSDP2 like the policy"

@@ -64,7 +64,7 @@ class Metrics:
         self.headline = headline  # the objective's main values (Objective.headline), on screen beside the loss
         self.trackers = trackers  # trainloop.observe.trackers.Trackers: every record goes there too
         self.run_dir = Path(run_dir)
-        self.flops_per_token = flops_per_token  # trainloop.observe.flops: counted once at start
+        self.flops_per_token = flops_per_token  # trainloop.model.flops: counted once at start
         self.peak_tflops = peak_tflops
         self.world_size = world_size
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None

@@ -26,7 +26,7 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     Shapes are the full ones (a ZeRO-3 parameter is a 1-D placeholder on each rank). An empty
     group is left out: DeepSpeed drops it, and the scheduler must see the same groups.
     """
-    from trainloop.parallel.tensors import full_shape
+    from trainloop.model.tensors import full_shape
 
     params = [p for p in model.parameters() if p.requires_grad]
     matrix = [len(full_shape(p)) >= 2 for p in params]

@@ -8,7 +8,7 @@ model is wrapped or sharded, gradients synchronised and clipped, state saved and
 state dict gathered for export, the log line, and the data-parallel size and rank that the sample
 order, the loss normalisation, the batch and the checkpoint fingerprint read. Outside this package
 only the config's composition and checks read the strategies' keys. A parameter's full shape and
-local shard are asked in trainloop.parallel.tensors, never by probing parameters elsewhere. A new
+local shard are asked in trainloop.model.tensors, never by probing parameters elsewhere. A new
 strategy is one module with a Strategy subclass and one row here (docs/extending.md).
 """
 
@@ -20,7 +20,7 @@ from trainloop.parallel.degrees import (builds_partitioned, chosen, context_size
                                        splits, token_loss_only)
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.pipeline import Pipeline
-from trainloop.parallel.tensors import full_numel, full_shape, local_shard
+from trainloop.model.tensors import full_numel, full_shape, local_shard
 from trainloop.parallel.tp import FSDP2xTP
 from trainloop.parallel.zero import DeepSpeedZeRO
 

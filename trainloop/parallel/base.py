@@ -23,7 +23,7 @@ def running(accelerator, model=None) -> str:
     MULTI_CPU/MULTI_GPU or NO for it), so only the model can tell it: pass it."""
     from accelerate.utils import DistributedType
 
-    from trainloop.parallel.tensors import is_fsdp2
+    from trainloop.model.tensors import is_fsdp2
 
     if model is not None and is_fsdp2(model):
         return "fsdp2"
@@ -230,7 +230,10 @@ class Strategy:
                 yield
 
     # -- state -----------------------------------------------------------------------------------
-    def save_state(self, directory, model, adapter_only: bool) -> None:
+    def save_state(self, directory, model, adapter_only: bool, record) -> None:
+        """Every rank, together: the model, optimizer and each rank's state into `directory`. A layout that
+        hashes what it writes as it writes it (DCP) calls `record(directory, files, who)`
+        (trainloop.checkpoint.integrity.record); the checkpointer hashes the files named by rank after."""
         raise NotImplementedError
 
     def load_state(self, path, model, adapter_only: bool) -> None:
@@ -242,7 +245,7 @@ class Strategy:
 
     def count_parameters(self, model) -> tuple[int, int]:
         """(the model's parameters, those that train), whole, however the processes hold them."""
-        from trainloop.parallel.tensors import full_numel
+        from trainloop.model.tensors import full_numel
 
         return (sum(full_numel(p) for p in model.parameters()),
                 sum(full_numel(p) for p in model.parameters() if p.requires_grad))

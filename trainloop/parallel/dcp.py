@@ -68,28 +68,27 @@ def load_rank_states(accelerator, path: Path) -> None:
         load_custom_state(obj, str(path), index)
 
 
-def _writer(directory: Path):
-    """DCP's file writer, which also hashes the shards this rank wrote (trainloop.checkpoint.integrity) before
-    DCP's closing collective: once rank 0's save is done, every rank's checksums are on disk."""
+def _writer(directory: Path, record):
+    """DCP's file writer, which also hashes the shards this rank wrote (`record(directory, files, who)`: the
+    checkpointer's, trainloop.checkpoint.integrity.record) before DCP's closing collective: once rank 0's save
+    is done, every rank's checksums are on disk."""
     from torch.distributed.checkpoint import FileSystemWriter
-
-    from trainloop.checkpoint import integrity
 
     class HashingWriter(FileSystemWriter):
         def write_data(self, plan, planner):
             written = super().write_data(plan, planner)
             files = sorted({f"{MODEL_DIR}/{result.storage_data.relative_path}" for result in written.wait()})
-            integrity.record(directory, files, f"dcp_rank_{self.rank}")
+            record(directory, files, f"dcp_rank_{self.rank}")
             return written
 
     return HashingWriter(directory / MODEL_DIR)
 
 
-def save(directory: Path, model, optimizer, adapter_only: bool, flatten: bool = False) -> None:
-    """Every rank, together: the model and optimizer shards, written before this returns."""
+def save(directory: Path, model, optimizer, adapter_only: bool, record, flatten: bool = False) -> None:
+    """Every rank, together: the model and optimizer shards, written and hashed (`record`) before this returns."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, _unwrap(optimizer), adapter_only, flatten), storage_writer=_writer(directory))
+    dcp.save(_state(model, _unwrap(optimizer), adapter_only, flatten), storage_writer=_writer(directory, record))
 
 
 def flattened(path: Path) -> bool:
@@ -146,13 +145,13 @@ class InFlight:
 
 
 def start_async(directory: Path, final: Path, model, optimizer, adapter_only: bool, state: dict,
-                fingerprint: dict, group, steps_done) -> InFlight:
+                fingerprint: dict, group, steps_done, record) -> InFlight:
     """Every rank, together: copy the shards to CPU memory and write them in the background.
     `steps_done()` tells the background thread how far training has got when its writing ends."""
     import torch.distributed.checkpoint as dcp
 
     started = time.monotonic()
-    future = dcp.async_save(_state(model, _unwrap(optimizer), adapter_only), storage_writer=_writer(directory),
+    future = dcp.async_save(_state(model, _unwrap(optimizer), adapter_only), storage_writer=_writer(directory, record),
                             process_group=group)
     save = InFlight(future, directory, final, state, fingerprint, started, time.monotonic() - started)
 

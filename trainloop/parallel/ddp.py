@@ -42,7 +42,7 @@ class DataParallel(Strategy):
     def layouts(gpus_per_node: int) -> dict[str, dict]:
         return {"DDP": {}}
 
-    def save_state(self, directory, model, adapter_only: bool) -> None:
+    def save_state(self, directory, model, adapter_only: bool, record) -> None:
         acc = self.accelerator
         if not adapter_only:
             acc.save_state(str(directory))

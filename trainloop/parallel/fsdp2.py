@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.process_group import single_process_group_env
-from trainloop.parallel.tensors import is_dtensor
+from trainloop.model.tensors import is_dtensor
 
 
 @dataclass
@@ -93,10 +93,10 @@ class FSDP2(Strategy):
         model.set_requires_gradient_sync(enabled or self.cfg.fsdp.sync_each_batch)
         yield
 
-    def save_state(self, directory, model, adapter_only: bool) -> None:
+    def save_state(self, directory, model, adapter_only: bool, record) -> None:
         from trainloop.parallel import dcp
 
-        dcp.save(directory, model, self.accelerator._optimizers[0], adapter_only)
+        dcp.save(directory, model, self.accelerator._optimizers[0], adapter_only, record)
         dcp.save_rank_states(self.accelerator, directory)
 
     def load_state(self, path, model, adapter_only: bool) -> None:

@@ -326,7 +326,7 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
-        from trainloop.parallel.tensors import is_dtensor
+        from trainloop.model.tensors import is_dtensor
 
         by_mesh: dict = {}  # DTensor gradients per mesh (dp_shard; dp_shard x tp), plain ones (replicated stages)
         for p in model.parameters():
@@ -343,10 +343,10 @@ class Pipeline(Strategy):
         return norm
 
     # -- state -----------------------------------------------------------------------------------
-    def save_state(self, directory, model, adapter_only: bool) -> None:
+    def save_state(self, directory, model, adapter_only: bool, record) -> None:
         from trainloop.parallel import dcp
 
-        dcp.save(directory, model, self.accelerator._optimizers[0], adapter_only, flatten=True)
+        dcp.save(directory, model, self.accelerator._optimizers[0], adapter_only, record, flatten=True)
         dcp.save_rank_states(self.accelerator, directory)
 
     def load_state(self, path, model, adapter_only: bool) -> None:
@@ -366,7 +366,7 @@ class Pipeline(Strategy):
         """Every rank's stages, gathered on the main process (CPU tensors, the model's own names)."""
         import torch.distributed as dist
 
-        from trainloop.parallel.tensors import is_dtensor
+        from trainloop.model.tensors import is_dtensor
 
         mine = {name: (tensor.full_tensor() if is_dtensor(tensor) else tensor).detach().cpu()  # over dp_shard
                 for name, tensor in model.state_dict().items()}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from trainloop.errors import ConfigError
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.tensor_parallel import NO_PLAN
-from trainloop.parallel.tensors import is_dtensor
+from trainloop.model.tensors import is_dtensor
 
 
 @dataclass

@@ -77,7 +77,7 @@ class DeepSpeedZeRO(Strategy):
         engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
         return engine
 
-    def save_state(self, directory, model, adapter_only: bool) -> None:
+    def save_state(self, directory, model, adapter_only: bool, record) -> None:
         if adapter_only:
             self.accelerator.save_state(str(directory), exclude_frozen_parameters=True)
         else:

@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from trainloop.data.shards import prepare
         from trainloop.lifetime import register_forked_children
+        from trainloop.observe.metrics import library_progress_bars
 
         register_forked_children()  # datasets.map's pool (data.num_proc) ends with this command
+        library_progress_bars(not args.no_progress, loads_rows=True)  # datasets' map and filter bars too
 
         check_keys_read(args.overrides)
         manifest = prepare(compose_config(args.overrides), args.out_dir, args.shard_documents,

@@ -8,7 +8,7 @@ gradient checkpointing, at every micro-batch x accumulation that keeps the globa
 planned by the planner itself (plan_memory on the composed config, verdict against the GPUs:
 GPU_USABLE of each, and the host RAM of a node). Each that fits gets an estimated step time:
 
-    compute  FLOPs per token (trainloop/observe/flops.py: 6 N + attention) x the step's tokens / (GPUs x
+    compute  FLOPs per token (trainloop/model/flops.py: 6 N + attention) x the step's tokens / (GPUs x
              peak x MFU); x 4/3 with gradient checkpointing (the forward runs twice); under tensor
              parallelism every tp rank also runs the whole output head (trainloop does not split it)
     + links  each transfer the plan counts (plan.traffic: the strategy's collectives, context
@@ -56,7 +56,7 @@ class Assumption:
 
 # Each number the estimate assumes, its command-line flag and why it is what it is.
 ASSUMPTIONS = {
-    "gpu": Assumption("--gpu", "H100", "", "the GPU whose dense peak (trainloop.observe.flops.PEAK_TFLOPS) sets the compute "
+    "gpu": Assumption("--gpu", "H100", "", "the GPU whose dense peak (trainloop.model.flops.PEAK_TFLOPS) sets the compute "
                       "time; H100 is the SXM part, 989 TFLOPS bf16"),
     "peak_tflops": Assumption("--peak-tflops", "", "TFLOPS", "instead of the table's peak for --gpu"),
     "mfu": Assumption("--mfu", 0.40, "", "model FLOPs utilisation: a good dense-transformer run on H100s reaches "
@@ -223,9 +223,9 @@ def layout_overrides(layout: dict) -> list[str]:
 
 
 def peak_tflops(values: dict, precision) -> float:
-    """The assumed GPU's dense peak for what the matmuls run in (fp8 against bf16's, as trainloop.observe.flops does),
-    looked up as a run looks up its own GPU's (trainloop.observe.flops.table_peak)."""
-    from trainloop.observe.flops import PEAK_TFLOPS, table_peak
+    """The assumed GPU's dense peak for what the matmuls run in (fp8 against bf16's, as trainloop.model.flops does),
+    looked up as a run looks up its own GPU's (trainloop.model.flops.table_peak)."""
+    from trainloop.model.flops import PEAK_TFLOPS, table_peak
 
     if values["peak_tflops"]:
         return float(values["peak_tflops"])
@@ -238,10 +238,10 @@ def peak_tflops(values: dict, precision) -> float:
 
 
 def model_flops(cfg, shape) -> tuple[float, float]:
-    """(training FLOPs per token, those of the output head alone), from trainloop.observe.flops."""
+    """(training FLOPs per token, those of the output head alone), from trainloop.model.flops."""
     from trainloop.data.loaders import build_tokenizer
     from trainloop.model.builder import build_model_config
-    from trainloop.observe.flops import flops_per_token
+    from trainloop.model.flops import flops_per_token
 
     config = build_model_config(cfg.model, len(build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)))
     trained = None if shape.trainable is None else sum(math.prod(s) for s in shape.trainable if len(s) >= 2)
@@ -386,10 +386,10 @@ def add_options(s: Suggestion, layout: str, cfg, shape, shown: list[str], dp: in
 def assumption_lines(s: Suggestion) -> list[str]:
     v, c = s.values, s.cluster
     gpu = f"{s.peak_tflops:g} TFLOPS peak (" + (f"{ASSUMPTIONS['peak_tflops'].flag})" if v["peak_tflops"] else
-                                                 f"{v['gpu']}'s in trainloop/observe/flops.py, {ASSUMPTIONS['gpu'].flag}; "
+                                                 f"{v['gpu']}'s in trainloop/model/flops.py, {ASSUMPTIONS['gpu'].flag}; "
                                                  f"or {ASSUMPTIONS['peak_tflops'].flag})")
     out = [f"compute: {s.flops_per_token / 1e9:,.4g} GFLOP per token (6 x matmul weights + attention at "
-           f"{s.seq_len:,} tokens, trainloop/observe/flops.py), x 4/3 with gradient checkpointing, at MFU {v['mfu']:g} "
+           f"{s.seq_len:,} tokens, trainloop/model/flops.py), x 4/3 with gradient checkpointing, at MFU {v['mfu']:g} "
            f"({ASSUMPTIONS['mfu'].flag}) of {gpu}; under tensor parallelism each tp rank also runs the whole "
            "output head",
            "communication: the plan's bytes per step (ring collectives, trainloop/parallel/*.traffic_lines), NOT "

@@ -70,7 +70,7 @@ def matmul_params(config, model=None) -> int:
 
 
 def _live_matmul_params(model) -> int:
-    from trainloop.parallel.tensors import full_numel
+    from trainloop.model.tensors import full_numel
 
     embeddings = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
@@ -101,7 +101,7 @@ def forward_flops_per_token(config, seq_len: int, model=None) -> float:
 
 def trained_matmul_params(model) -> int:
     """The >= 2-d parameters that train (LoRA's A and B, modules_to_save), counted whole under sharding."""
-    from trainloop.parallel.tensors import full_numel
+    from trainloop.model.tensors import full_numel
 
     return sum(full_numel(p) for p in model.parameters() if p.requires_grad and p.dim() >= 2)
 
