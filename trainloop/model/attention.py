@@ -54,21 +54,19 @@ def padded_causal(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask | torch.eye(seq, dtype=torch.bool, device=mask.device))[:, None]
 
 
-def _sdpa(module, query, key, value, attention_mask, document_mask=None, **kwargs):
+def _sdpa(module, query, key, value, attention_mask, document_mask=None, context_parallel=None, **kwargs):
     """sdpa over whole rows: with the documents' (or padded rows') mask where the caller gives one,
     else is_causal. transformers built no mask (`attention_mask` is None): a cached step is
-    generation, whose rows may be padded, and is refused. Under context parallelism
-    (trainloop.parallel.context) the rows are this rank's slices, and attention runs on the whole
-    sequence over a share of the heads."""
+    generation, whose rows may be padded, and is refused. `context_parallel`: the group a forward's
+    inputs were split over, handed in with them (trainloop.parallel.context.ContextParallel.local): the
+    rows are this rank's slices, and attention runs on the whole sequence over a share of the heads."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from trainloop.parallel import context
 
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"attention {module.config._attn_implementation} attends whole rows in training; "
                            "generation runs under trainloop.model.attention.generating, with sdpa's own masks")
-    if (cp := context.current()) is not None:
-        return cp.attend(sdpa_attention_forward, module, query, key, value, document_mask, **kwargs)
+    if context_parallel is not None:
+        return context_parallel.attend(sdpa_attention_forward, module, query, key, value, document_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
 
 

@@ -131,6 +131,28 @@ class Objective:
     def eval_sums(self, model, batch: dict) -> torch.Tensor:
         return loss_sums(self.batch_loss(model, batch).summed, self.count(batch))
 
+    # -- the loss alone, for a layout that runs the forward itself (the pipeline's last stage) ----------------
+    # An objective that needs nothing beyond the next-token loss (needs == ()) is trained by these on such a
+    # layout: it computes the forward, the objective its loss (trainloop.objectives.layout_problems keeps the rest off).
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The next-token loss summed over the target tokens of a forward's `logits`, in fp32: position t
+        predicts labels[:, t + 1]."""
+        from trainloop.objectives.chunked_loss import summed_nll
+
+        return summed_nll(logits, labels)
+
+    def chunked_token_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor,
+                           chunk: int) -> torch.Tensor:
+        """token_loss from the final hidden states and the output layer's `weight` and `bias`, `chunk` tokens at
+        a time (trainer.loss_chunk_tokens): the full logits never exist."""
+        from trainloop.objectives.chunked_loss import chunked_nll
+
+        return chunked_nll(hidden, weight, bias, labels, chunk)
+
+    def token_loss_sums(self, summed: torch.Tensor, batch: dict) -> torch.Tensor:
+        """An evaluation forward's sums (eval_sums) from its token_loss."""
+        return loss_sums(summed, self.count(batch))
+
     def eval_values(self, total: torch.Tensor) -> dict:
         eval_loss = (total[0] / total[1].clamp(min=1)).item()
         return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}

@@ -7,8 +7,9 @@ What it changes, and where:
 - the model's inputs (`local`): each rank's slice of the input ids and of the global position ids
   (so RoPE and learned positions are exact), and the mask of the whole sequence (packed documents'
   block-causal one, or a padded row's), which attention applies after the swap;
-- attention (`attend`, called by trainloop.model.attention's functions while `active`): the
-  swap to heads, transformers' sdpa over the whole sequence, the swap back;
+- attention (`attend`, called by trainloop.model.attention's functions, which `local` hands this
+  group with the inputs: transformers passes a forward's keyword arguments to every layer's
+  attention): the swap to heads, transformers' sdpa over the whole sequence, the swap back;
 - the loss (trainloop.objectives.chunked_loss): targets are shifted on the whole sequence before
   the split (a slice's last token predicts the next slice's first); a slice's per-token
   log-probabilities are gathered into the whole row (`gather`), a summed loss is summed over the
@@ -121,14 +122,15 @@ class ContextParallel:
 
     def local(self, inputs: dict) -> dict:
         """The model's inputs for this rank: its slice of the input ids and of the global position
-        ids; the whole sequence's mask (`document_mask`, trainloop.model.attention), padded, as is."""
+        ids; the whole sequence's mask (`document_mask`, trainloop.model.attention), padded, as is; and
+        this group, which the model's attention swaps the slices over (`context_parallel`)."""
         ids = inputs["input_ids"]
         batch, length = ids.shape
         positions = inputs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=ids.device).expand(batch, length)
         pad = self.padding(length)
-        out = {**inputs, "input_ids": self.split(ids, 0)}
+        out = {**inputs, "input_ids": self.split(ids, 0), "context_parallel": self}
         # the padding's positions run on, so a document's mask holds them inside the last document
         out["position_ids"] = self.split(torch.cat([positions, positions[:, -1:] + 1 + torch.arange(
             pad, device=ids.device)], dim=1) if pad else positions, 0)

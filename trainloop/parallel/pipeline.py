@@ -63,10 +63,8 @@ def decoder_parts(model):
     return model, inner, inner.layers
 
 
-def _stage_module(causal, first: bool, last: bool, blocks: list[str], chunk: int = 0):
+def _stage_module(causal, first: bool, last: bool, blocks: list[str], head_loss=None):
     import torch
-
-    from trainloop.objectives.chunked_loss import chunked_nll
 
     class Stage(torch.nn.Module):
         """One stage's forward over the cut model's own layers: ids (first stage) or the previous
@@ -83,8 +81,9 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str], chunk: int
             self.norm, self.head = (inner.norm, causal.lm_head) if last else (None, None)
 
         def forward(self, hidden, position_ids, document_mask=None, labels=None):
-            """labels: with trainer.loss_chunk_tokens (`chunk`), the last stage returns the summed loss
-            of its targets itself, `chunk` tokens at a time, never the full logits."""
+            """labels: with trainer.loss_chunk_tokens, the last stage returns the summed loss of its targets,
+            `head_loss(final hidden states, output weight, bias, labels)` (the objective's, chunk by chunk),
+            never the full logits."""
             if self.embed is not None:
                 hidden = self.embed(hidden)
             position_embeddings = self.rotary(hidden, position_ids=position_ids)
@@ -93,8 +92,8 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str], chunk: int
                                position_embeddings=position_embeddings, use_cache=False, document_mask=document_mask)
             if self.head is None:
                 return hidden
-            if chunk:  # inside the forward: the weight FSDP2 gathered for it
-                return chunked_nll(self.norm(hidden), self.head.weight, self.head.bias, labels, chunk)
+            if head_loss is not None:  # inside the forward: the weight FSDP2 gathered for it
+                return head_loss(self.norm(hidden), self.head.weight, self.head.bias, labels)
             return self.head(self.norm(hidden))
 
     return Stage()
@@ -168,8 +167,9 @@ class Pipeline(Strategy):
         self.stage_ids = [self.pp_rank + k * self.pp for k in range(self.per_rank)]  # round robin: interleaved
         self.last_rank = self.rank_of((self.num_stages - 1) % self.pp)  # the last stage's, in this dp position
         self.stages, self.schedule, self.blocks = [], None, []
-        self.chunk = cfg.trainer.loss_chunk_tokens  # the last stage takes the chunked loss itself
+        self.chunk = cfg.trainer.loss_chunk_tokens  # the last stage takes the chunked loss in its forward
         self._scale = None  # what the loss on the last stage is multiplied by this step
+        self._objective = None  # whose loss the last stage takes (handed in by the step or the evaluation)
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
@@ -221,11 +221,12 @@ class Pipeline(Strategy):
 
             apply_tensor_parallel(model, self.mesh["tp"], tensor_parallel_plan(causal.config, self.tp))
         if self.chunk and last:
-            from trainloop.objectives.chunked_loss import output_layer
+            from trainloop.model.output_layer import output_layer
 
             output_layer(causal)  # a plain Linear, nothing applied to its logits: or refused naming the key
+        head_loss = self._chunked_loss if self.chunk else None
         modules = [_stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]],
-                                 self.chunk) for s in self.stage_ids]
+                                 head_loss) for s in self.stage_ids]
         if self.sharded:  # each block, then each stage as the root of what no block holds
             from torch.distributed.fsdp import fully_shard
 
@@ -252,10 +253,15 @@ class Pipeline(Strategy):
 
     def _loss(self, output, labels):
         """The last stage's output (its logits, or with the chunked loss their summed loss) as the
-        micro-batch's summed loss over the step's units."""
-        from trainloop.objectives.chunked_loss import summed_nll
+        micro-batch's summed loss over the step's units: the schedule's loss_fn."""
+        return self._summed(output, labels) * self._scale
 
-        return (output if self.chunk else summed_nll(output, labels)) * self._scale
+    def _summed(self, output, labels):
+        """The objective's summed next-token loss of the last stage's output."""
+        return output if self.chunk else self._objective.token_loss(output, labels)
+
+    def _chunked_loss(self, hidden, weight, bias, labels):
+        return self._objective.chunked_token_loss(hidden, weight, bias, labels, self.chunk)
 
     # -- each step -------------------------------------------------------------------------------
     def forward_backward(self, objective, model, group: list[dict], units, forward_context, alone: bool = False):
@@ -267,7 +273,7 @@ class Pipeline(Strategy):
 
         # FSDP2 averages the gradients it reduce-scatters over dp_shard: the loss is multiplied back
         factor = self.dp if self.sharded else 1
-        self._scale = factor / units
+        self._scale, self._objective = factor / units, objective
         ids = torch.cat([b["input_ids"] for b in group])
         labels = torch.cat([b["labels"] for b in group])
         inputs = stage_inputs(model, group) | ({"labels": labels} if self.chunk else {})
@@ -298,9 +304,7 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
-        from trainloop.objectives.base import loss_sums
-        from trainloop.objectives.chunked_loss import summed_nll
-
+        self._objective = objective
         inputs = stage_inputs(model, [batch]) | ({"labels": batch["labels"]} if self.chunk else {})
         hidden = batch["input_ids"]
         rank = self.accelerator.process_index
@@ -315,7 +319,7 @@ class Pipeline(Strategy):
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
         if self.num_stages - 1 in self.stage_ids:  # the logits, or with the chunked loss their summed loss
-            sums = loss_sums(hidden if self.chunk else summed_nll(hidden, batch["labels"]), objective.count(batch))
+            sums = objective.token_loss_sums(self._summed(hidden, batch["labels"]), batch)
         else:
             sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         dist.broadcast(sums, src=self.last_rank, group=self.mesh.get_group("pp"))
