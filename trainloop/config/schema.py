@@ -80,7 +80,7 @@ def with_defaults(section: type, row: str, declaring: type | None) -> type:
 class ObjectiveKeys:
     """What a step optimises: a row of trainloop/objectives, each declaring the objective.* keys it reads."""
 
-    name: str = "causal_lm"  # what a step optimises: a row of trainloop/objectives (causal_lm: next-token loss; dpo; simpo; grpo; reward; kto; distill)
+    name: str = "causal_lm"  # what a step optimises: a row of trainloop.objectives.OBJECTIVES (causal_lm: the next-token loss)
 
 
 ParallelConfig = union("ParallelConfig", ParallelKeys, {"fsdp2_tp": TensorParallelConfig, "pipeline": PipelineConfig})

@@ -88,8 +88,8 @@ class DataConfig:
 class OptimizerConfig:
     name: str = "adamw"  # adamw, adafactor, adamw8bit, paged_adamw8bit, sgd, muon
     # peak learning rate, reached after scheduler.warmup_steps; None: for a pretrained model (model=hf) the
-    # objective's default, TRL's for its trainer (1e-6 for dpo, simpo, kto and grpo, 1e-4 for reward, 2e-5 for
-    # causal_lm and distill), for a model trained from scratch (model=tiny) the optimizer's (1e-3; sgd 1e-1)
+    # objective's default, TRL's for its trainer (its row's pretrained_lr: e.g. 1e-6 for dpo, 1e-4 for reward,
+    # 2e-5 for causal_lm), for a model trained from scratch (model=tiny) the optimizer's (1e-3; sgd 1e-1)
     lr: Optional[float] = None
     weight_decay: float = 0.1  # on matrices and embeddings; never on biases and norm weights
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
