@@ -26,6 +26,8 @@ CASES = {
             "data.validation_fraction=0.25"],  # a full fine-tune: its reference copy runs every forward too
     "simpo": [SMOKE, "objective=simpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
               "data.validation_fraction=0.2"],
+    "orpo": [SMOKE, "objective=orpo", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
+             "data.validation_fraction=0.2"],
     "reward": [SMOKE, "objective=reward", "data=preference", f"data.path={DATA / 'preference.jsonl'}",
                "data.validation_fraction=0.2"],
     "kto": [SMOKE, "objective=kto", "data=unpaired", f"data.path={DATA / 'unpaired.jsonl'}",

@@ -14,6 +14,7 @@ from trainloop.objectives.distill import Distill
 from trainloop.objectives.dpo import DPO
 from trainloop.objectives.grpo import GRPO
 from trainloop.objectives.kto import KTO
+from trainloop.objectives.orpo import ORPO
 from trainloop.objectives.reward import Reward
 from trainloop.objectives.simpo import SimPO
 
@@ -25,6 +26,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "reward": Reward,
     "kto": KTO,
     "distill": Distill,
+    "orpo": ORPO,
 }
 
 __all__ = ["OBJECTIVES", "BatchLoss", "Objective", "build_objective", "keys_read", "problems", "prompt_tools",
