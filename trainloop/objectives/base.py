@@ -191,23 +191,17 @@ def loss_sums(summed: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
 def not_yet(cfg, name: str, splits: bool = False) -> list[str]:
     """What objective=`name` refuses for now, each naming the key: a mixture's router loss (its forward's
     aux_loss would go unused), the batch-size search (its trial forwards would count in the first log
-    line's sums) and, with `splits`, the parallel sizes that split the model or the sequence."""
+    line's sums) and, with `splits`, context parallelism, which splits its rows (tensor parallelism and the
+    pipeline are refused by what the row `needs`: trainloop.objectives.layout_problems, said once)."""
+    from trainloop.parallel.degrees import context_size
+
     problems = []
     if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":
         problems.append(f"objective={name} does not add a mixture's router loss (model.router_aux_loss_coef): "
                         "use model.arch=llama or gpt2")
     if cfg.trainer.auto_batch_size:
         problems.append(f"objective={name} does not search a batch size yet: set trainer.auto_batch_size=false")
-    split = model_splits(cfg) if splits else []
-    if split:
-        problems.append(f"objective={name} runs under DDP, DeepSpeed ZeRO and FSDP2 for now, not with "
-                        f"{', '.join(split)}: set the parallel sizes to 1")
+    if splits and context_size(cfg) > 1:
+        problems.append(f"objective={name} does not run with context parallelism yet (parallel.cp_size="
+                        f"{context_size(cfg)} splits each row over the ranks): set parallel.cp_size=1")
     return problems
-
-
-def model_splits(cfg) -> list[str]:
-    """The parallel.* sizes above 1 that split the model or the sequence (tensor, pipeline, context), as
-    KEY=VALUE: what an objective that reads whole rows or a whole output layer refuses."""
-    from trainloop.parallel.degrees import splits
-
-    return splits(cfg)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainloop.objectives.base import model_splits, not_yet
+from trainloop.objectives.base import not_yet
+from trainloop.parallel.degrees import context_size
 from trainloop.objectives.pairs import PairObjective, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -56,11 +57,9 @@ class Reward(PairObjective):
             problems.append(f"objective.center_rewards_coefficient={cfg.objective.center_rewards_coefficient} must "
                             "be 0 (off) or more (TRL suggests 0.01)")
         problems += not_yet(cfg, "reward")
-        split = model_splits(cfg)
-        if split:  # each splits what the score head reads whole: the output layer, the last stage, the sequence
-            problems.append(f"objective=reward scores each sequence at its last token, and {', '.join(split)} "
-                            "splits the model or the sequence it reads: use DDP, DeepSpeed ZeRO or FSDP2 "
-                            "(parallel sizes 1)")
+        if context_size(cfg) > 1:  # the score head reads each row's last token, on one rank of the group
+            problems.append(f"objective=reward scores each sequence at its last token, and parallel.cp_size="
+                            f"{context_size(cfg)} splits the sequence over the ranks: set parallel.cp_size=1")
         if cfg.eval.prompts:
             problems.append("eval.prompts: objective=reward trains a score head, which writes no text to sample: "
                             "set eval.prompts=[]")
