@@ -306,7 +306,14 @@ def profile_problems(cfg: Any) -> list[str]:
 
 
 def validate(cfg: Any) -> None:
-    """Check what the types cannot: choices, ranges and combinations. Raises ConfigError.
+    """Check what the types cannot: choices, ranges and combinations. Raises ConfigError naming every problem."""
+    found = problems(cfg)
+    if found:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(found))
+
+
+def problems(cfg: Any) -> list[str]:
+    """What validate refuses, one line each (naming the key and what to do): choices, ranges and combinations.
 
     Each module states its own checks (model, adapter, data formats, objectives, strategies,
     trackers: their problems(cfg)); the compile and profiler keys are checked here because those
@@ -317,39 +324,37 @@ def validate(cfg: Any) -> None:
     from trainloop.observe import harness
     from trainloop.observe.trackers import tracker_problems
 
-    problems = []
+    found = []
     for key, allowed in choices().items():
         value = _get(cfg, key)
         if value not in allowed:
-            problems.append(f"{key}={value!r} is not one of: {', '.join(map(str, allowed))}")
+            found.append(f"{key}={value!r} is not one of: {', '.join(map(str, allowed))}")
     for key in POSITIVE:
         if _get(cfg, key) <= 0:
-            problems.append(f"{key}={_get(cfg, key)} must be greater than 0")
+            found.append(f"{key}={_get(cfg, key)} must be greater than 0")
     for key in ("checkpoint.every_steps", "trainer.stop_at_step", "logging.peak_tflops", "trainer.eval_batches",
                 "eval.harness.every", "eval.harness.limit", "optimizer.lr"):
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
-            problems.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
+            found.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 
-    problems += model.problems(cfg)
-    problems += adapter.problems(cfg)
-    problems += fp8.problems(cfg)
-    problems += formats.problems(cfg)
+    found += model.problems(cfg)
+    found += adapter.problems(cfg)
+    found += fp8.problems(cfg)
+    found += formats.problems(cfg)
     fmt = formats.FORMATS.get(cfg.data.name)
-    problems += objectives.problems(cfg, fmt)
+    found += objectives.problems(cfg, fmt)
 
-    problems += parallel.problems(cfg)
+    found += parallel.problems(cfg)
     c = cfg.compile
     if c.mode != "default" and c.backend != "inductor":
-        problems.append(f"compile.mode={c.mode} is an inductor setting; use compile=inductor "
+        found.append(f"compile.mode={c.mode} is an inductor setting; use compile=inductor "
                         f"(compile.backend is {c.backend})")
     if c.regional and c.backend == "none":
-        problems.append("compile.regional=true needs a compile backend: add compile=inductor")
-    problems += profile_problems(cfg)
-    problems += tracker_problems(cfg.logging.trackers)
-    problems += harness.problems(cfg)
+        found.append("compile.regional=true needs a compile backend: add compile=inductor")
+    found += profile_problems(cfg)
+    found += tracker_problems(cfg.logging.trackers)
+    found += harness.problems(cfg)
     budget = cfg.trainer.auto_batch_size_budget_mb
     if budget is not None and budget <= 0:
-        problems.append(f"trainer.auto_batch_size_budget_mb={budget} must be greater than 0, or null")
-
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        found.append(f"trainer.auto_batch_size_budget_mb={budget} must be greater than 0, or null")
+    return found

@@ -246,7 +246,39 @@ def render() -> str:
             "| preset | what it is | sets |", "| --- | --- | --- |"]
     for path in sorted((CONFIG_DIR / "preset").glob("*.yaml")):
         out.append(f"| `{path.stem}` | {cell(leading_comment(path))} | {cell(settings(path, skip=()))} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + matrix()) + "\n"
+
+
+# The layouts of the objective x layout table, as a user sets them (the process count is the launcher's: 2, or
+# 2 x 2 for FSDP2 x TP)
+LAYOUTS = {"DDP": [], "ZeRO-3": ["deepspeed=zero3"], "FSDP2": ["fsdp=full_shard"],
+           "FSDP2 x TP": ["fsdp=full_shard", "parallel.tp_size=2"],
+           "pipeline": ["parallel.pp_size=2", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"],
+           "context parallel": ["parallel.cp_size=2"]}
+
+
+def matrix() -> list[str]:
+    """Which objective runs on which layout, read from the declarations: for each objective (on the data format
+    that holds its items, trainloop.objectives.items), what validate says of the layout that it does not say
+    without one: nothing ("yes"), or each refusal, which names the reason."""
+    from trainloop.config.compose import compose_config, problems
+    from trainloop.data.formats import FORMATS
+    from trainloop.objectives import OBJECTIVES, items
+
+    out = ["", "## objectives and layouts", "",
+           "Generated from each objective's declarations (`needs`, `copies_model`, its checks) and each layout's:",
+           "what `validate` refuses for the layout that it does not refuse without one.", "",
+           "| objective | " + " | ".join(LAYOUTS) + " |", "|---" * (len(LAYOUTS) + 1) + "|"]
+    for name, row in OBJECTIVES.items():
+        data = next((f"data={fmt}" for fmt, f in FORMATS.items() if items(f) == items(row) is not None), None)
+        base = [f"objective={name}", *([data] if data else [])]
+        alone = set(problems(compose_config(base, check=False)))
+        cells = []
+        for overrides in LAYOUTS.values():
+            refused = [p for p in problems(compose_config([*base, *overrides], check=False)) if p not in alone]
+            cells.append("yes" if not refused else "no: " + cell("; ".join(refused)))
+        out.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
