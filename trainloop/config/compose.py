@@ -181,8 +181,6 @@ _READ_ONLY_BY = {
     "eval.max_new_tokens": (lambda c: bool(c.eval.prompts), "eval.prompts=[...] (a list of prompts)"),
     **{f"eval.harness.{key}": (lambda c: bool(c.eval.harness.tasks), "eval.harness.tasks=[...] (the harness's tasks)")
        for key in ("include_path", "every", "limit", "num_fewshot", "batch_size")},
-    **{f"parallel.{key}": (lambda c: c.parallel.pp_size > 1, "parallel.pp_size > 1")
-       for key in ("pp_schedule", "pp_stages_per_rank")},
 }
 
 
@@ -190,12 +188,14 @@ _READ_ONLY_BY = {
 def read_only_by() -> dict[str, tuple]:
     """_READ_ONLY_BY and, from trainloop/optim/optimizers.py's table, the optimizer keys not every optimizer reads;
     from trainloop/formats' table, the data keys not every data format reads; from trainloop/objectives',
-    the objective keys."""
+    the objective keys; from trainloop/parallel's, the parallel keys a strategy reads only in some settings."""
     from trainloop.data.formats import read_only_by as data_read_only_by
     from trainloop.objectives import read_only_by as objective_read_only_by
     from trainloop.optim.optimizers import OFFLOAD_READS, OPTIMIZERS
+    from trainloop.parallel import STRATEGIES
 
-    table = {**_READ_ONLY_BY, **data_read_only_by(), **objective_read_only_by()}
+    table = {**_READ_ONLY_BY, **data_read_only_by(), **objective_read_only_by(),
+             **{key: when for strategy in STRATEGIES.values() for key, when in strategy.read_when.items()}}
     for key in (f.name for f in fields(OptimizerConfig) if f.name != "name"):
         readers = tuple(name for name, spec in OPTIMIZERS.items() if key in spec.reads)
         if len(readers) == len(OPTIMIZERS) and key in OFFLOAD_READS:

@@ -24,11 +24,10 @@ from trainloop.config.sections import (
     PrecisionConfig, SchedulerConfig, TrainerConfig)
 from trainloop.data.formats import FORMATS
 from trainloop.objectives import OBJECTIVES
+from trainloop.parallel import STRATEGIES
 from trainloop.parallel.base import ParallelKeys
 from trainloop.parallel.deepspeed_config import DeepSpeedConfig
 from trainloop.parallel.fsdp2 import FsdpConfig
-from trainloop.parallel.pipeline import PipelineConfig
-from trainloop.parallel.tp import TensorParallelConfig
 
 
 def _field(declared: dataclasses.Field, default=MISSING):
@@ -83,7 +82,7 @@ class ObjectiveKeys:
     name: str = "causal_lm"  # what a step optimises: a row of trainloop.objectives.OBJECTIVES (causal_lm: the next-token loss)
 
 
-ParallelConfig = union("ParallelConfig", ParallelKeys, {"fsdp2_tp": TensorParallelConfig, "pipeline": PipelineConfig})
+ParallelConfig = union("ParallelConfig", ParallelKeys, {name: row.keys for name, row in STRATEGIES.items()})
 ObjectiveConfig = union("ObjectiveConfig", ObjectiveKeys, {name: row.keys for name, row in OBJECTIVES.items()})
 DataConfig = union("DataConfig", sections.DataConfig, {name: fmt.keys for name, fmt in FORMATS.items()})
 

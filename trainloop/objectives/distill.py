@@ -158,7 +158,7 @@ class Distill(Objective):
         import math
 
         from trainloop.objectives.rewards import saved_numel
-        from trainloop.parallel.degrees import chosen, shards_weights
+        from trainloop.parallel import chosen, shards_weights
         from trainloop.parallel.memory import Line
 
         if teacher_problem(cfg.objective.teacher) is not None:

@@ -102,7 +102,7 @@ def generation_problems(cfg) -> list[str]:
     """objective.generation's: continuous batching keeps its cache in the weights' dtype (no autocast over
     fp32 weights) and runs each rank on its own schedule (no weights gathered in every forward)."""
     from trainloop.objectives.generation import ENGINES
-    from trainloop.parallel.degrees import forwards_together
+    from trainloop.parallel import forwards_together
 
     o = cfg.objective
     if o.generation not in ENGINES:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
-from trainloop.parallel.degrees import (builds_partitioned, chosen, context_size, forwards_together, shards_weights,
-                                       splits, token_loss_only)
+from trainloop.parallel.degrees import builds_partitioned, context_size, splits, token_loss_only
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.pipeline import Pipeline
 from trainloop.model.tensors import full_numel, full_shape, local_shard
@@ -35,6 +34,21 @@ STRATEGIES: dict[str, type[Strategy]] = {
 __all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "builds_partitioned", "check_context_model", "chosen",
            "context_problems", "context_size", "forwards_together", "full_numel", "full_shape", "layouts", "local_shard",
            "problems", "row", "running", "shards_weights", "splits", "token_loss_only"]
+
+
+def chosen(cfg) -> str:
+    """The row of STRATEGIES the config chooses: the last whose `chooses` says so."""
+    return next(name for name, strategy in reversed(STRATEGIES.items()) if strategy.chooses(cfg))
+
+
+def shards_weights(cfg) -> bool:
+    """The chosen row's Strategy.shards_weights."""
+    return row(cfg).shards_weights(cfg)
+
+
+def forwards_together(cfg) -> str | None:
+    """The chosen row's Strategy.forwards_together."""
+    return row(cfg).forwards_together(cfg)
 
 
 def row(cfg) -> type[Strategy]:

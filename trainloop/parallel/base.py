@@ -68,6 +68,11 @@ class Strategy:
     """
 
     name = ""
+    # its parallel.* keys beside the shared ones (ParallelKeys): a dataclass the config's schema composes into the
+    # parallel section, as an objective's `keys` into objective's; None: none
+    keys: type | None = None
+    # parallel.KEY -> (does this config read it?, what makes it read): a key of its own it reads only in some settings
+    read_when: dict = {}
     saves_async = False  # checkpoint.async_save: only DCP writes in the background
     autocast = True  # bf16/fp16 by autocast over fp32 parameters (the others compute on 16-bit copies)
     interleaved = False  # a step's forwards and backwards interleave (a pipeline schedule): no one forward to measure
@@ -335,3 +340,22 @@ class Strategy:
         """Combinations this strategy cannot run (each with what to choose instead); [] when it is
         not chosen, unless the keys it alone reads are set."""
         return []
+
+    @staticmethod
+    def shards_weights(cfg) -> bool:
+        """Each process holds a shard of every weight and gathers it for its forwards: a frozen copy placed like
+        the model (a teacher, a reference) is held so too."""
+        return False
+
+    @staticmethod
+    def forwards_together(cfg) -> str | None:
+        """This layout, named for a message, if every rank's forward runs with the others' (it gathers sharded
+        weights, or passes activations between stages); None: each rank may run forwards on its own schedule
+        (a rank's generation may take as many as its own rows need)."""
+        return None
+
+    @staticmethod
+    def chooses(cfg) -> bool:
+        """Whether the config chooses this row: of the rows of STRATEGIES that say so, the last is the run's (a row
+        refines the ones above it: FSDP2 x TP is FSDP2 with parallel.tp_size > 1)."""
+        return False

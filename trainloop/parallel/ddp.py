@@ -39,6 +39,10 @@ class DataParallel(Strategy):
     name = "ddp"
 
     @staticmethod
+    def chooses(cfg) -> bool:
+        return True  # the first row: every config that chooses no row below it
+
+    @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:
         return {"DDP": {}}
 

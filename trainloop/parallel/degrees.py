@@ -1,20 +1,9 @@
 """The parallel section's degrees, read here and nowhere else outside trainloop.parallel and the config's
-composition: which strategy row they choose, what splits one replica (pipeline, tensor, context), and what
+composition: what splits one replica (pipeline, tensor, context), and what
 that means for the rest of trainloop (an objective's loss, a frozen copy, generation, a message). Reads
 the config only: it imports nothing, so any layer may ask it."""
 
 from __future__ import annotations
-
-
-def chosen(cfg) -> str:
-    """The row of trainloop.parallel.STRATEGIES the config chooses."""
-    if cfg.parallel.pp_size > 1:
-        return "pipeline"
-    if cfg.parallel.tp_size > 1:
-        return "fsdp2_tp"
-    if cfg.fsdp.name != "none":
-        return "fsdp2"
-    return "zero" if cfg.deepspeed.stage else "ddp"
 
 
 SPLITS = ("pp_size", "tp_size", "cp_size")  # the degrees that split one replica: its layers, their matrices, its sequences
@@ -30,23 +19,6 @@ def context_size(cfg) -> int:
     """How many processes split each sequence (parallel.cp_size; 1: none): a forward's tokens per rank are
     data.seq_len / this, and its checkpoints hold a partition per rank of that group."""
     return cfg.parallel.cp_size
-
-
-def shards_weights(cfg) -> bool:
-    """Each process holds 1/world of every weight and gathers it for its forwards (FSDP2, DeepSpeed ZeRO-3):
-    a frozen copy placed like the model is held so too."""
-    return chosen(cfg) in ("fsdp2", "fsdp2_tp") or cfg.deepspeed.stage == 3 and chosen(cfg) == "zero"
-
-
-def forwards_together(cfg) -> str | None:
-    """The layout, named for a message, under which every rank's forward runs with the others' (it gathers
-    sharded weights, or passes activations between stages), or None: each rank may run forwards on its own
-    schedule (a rank's generation may take as many as its own rows need)."""
-    name = chosen(cfg)
-    if name == "zero":
-        return "DeepSpeed ZeRO-3" if cfg.deepspeed.stage == 3 else None
-    return {"fsdp2": "FSDP2 (fsdp=full_shard)", "fsdp2_tp": "tensor parallelism (parallel.tp_size > 1)",
-            "pipeline": "a pipeline (parallel.pp_size > 1)"}.get(name)
 
 
 def token_loss_only(cfg) -> list[tuple[str, str, str]]:

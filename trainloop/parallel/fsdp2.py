@@ -31,6 +31,18 @@ class FSDP2(Strategy):
     off = {"fsdp": "none", "fsdp.offload": "none", "parallel.cp_size": 1}
 
     @staticmethod
+    def chooses(cfg) -> bool:
+        return cfg.fsdp.name != "none"
+
+    @staticmethod
+    def shards_weights(cfg) -> bool:
+        return True
+
+    @staticmethod
+    def forwards_together(cfg) -> str | None:
+        return "FSDP2 (fsdp=full_shard)"
+
+    @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:
         """FSDP2, with CPU offload, and with context parallelism over 2, 4 and 8 of a node's GPUs
         (long sequences: each holds a slice of every sequence; FSDP2 shards over all, cp folded in)."""

@@ -122,6 +122,17 @@ class Pipeline(Strategy):
     name = "pipeline"
     interleaved = True
     off = {"parallel.pp_size": 1, "parallel.pp_schedule": "1f1b", "parallel.pp_stages_per_rank": 1}
+    keys = PipelineConfig
+    read_when = {f"parallel.{key}": (lambda c: c.parallel.pp_size > 1, "parallel.pp_size > 1")
+                 for key in ("pp_schedule", "pp_stages_per_rank")}
+
+    @staticmethod
+    def chooses(cfg) -> bool:
+        return cfg.parallel.pp_size > 1
+
+    @staticmethod
+    def forwards_together(cfg) -> str | None:
+        return "a pipeline (parallel.pp_size > 1)"
 
     @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:

@@ -68,6 +68,15 @@ class FSDP2xTP(FSDP2):
     name = "fsdp2_tp"
     saves_async = True
     off = {"parallel.tp_size": 1, "parallel.sequence_parallel": "false"}
+    keys = TensorParallelConfig
+
+    @staticmethod
+    def chooses(cfg) -> bool:
+        return cfg.parallel.tp_size > 1
+
+    @staticmethod
+    def forwards_together(cfg) -> str | None:
+        return "tensor parallelism (parallel.tp_size > 1)"
 
     @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:

@@ -21,6 +21,18 @@ class DeepSpeedZeRO(Strategy):
     off = {"deepspeed": "none", "deepspeed.offload_optimizer": "none", "deepspeed.offload_param": "none"}
 
     @staticmethod
+    def chooses(cfg) -> bool:
+        return cfg.deepspeed.stage > 0
+
+    @staticmethod
+    def shards_weights(cfg) -> bool:
+        return cfg.deepspeed.stage == 3
+
+    @staticmethod
+    def forwards_together(cfg) -> str | None:
+        return "DeepSpeed ZeRO-3" if cfg.deepspeed.stage == 3 else None
+
+    @staticmethod
     def layouts(gpus_per_node: int) -> dict[str, dict]:
         stages = {f"ZeRO-{n}": {"deepspeed": f"zero{n}"} for n in (1, 2, 3)}
         offload = {f"{name} + optimizer offload": {**layout, "deepspeed.offload_optimizer": "cpu"}
