@@ -30,15 +30,17 @@ def test_each_row_declares_its_keys_in_its_own_module():
             if row.keys is None:
                 continue
             assert Path(inspect.getsourcefile(row.keys)).is_relative_to(REPO / "trainloop" / package), (table, name)
+    from trainloop.parallel import STRATEGIES
+
     for section, module in ((schema.DeepSpeedConfig, "parallel/deepspeed_config.py"),
-                            (schema.FsdpConfig, "parallel/fsdp2.py"), (schema.TensorParallelConfig, "parallel/tp.py"),
-                            (schema.PipelineConfig, "parallel/pipeline.py"), (schema.ParallelKeys, "parallel/base.py")):
+                            (schema.FsdpConfig, "parallel/fsdp2.py"), (STRATEGIES["fsdp2_tp"].keys, "parallel/tp.py"),
+                            (STRATEGIES["pipeline"].keys, "parallel/pipeline.py"), (schema.ParallelKeys, "parallel/base.py")):
         assert Path(inspect.getsourcefile(section)) == REPO / "trainloop" / module
-    # the parallel section is the mesh rows' keys, each declared beside its strategy, and the one every
-    # strategy reads (parallel.cp_size) beside the base strategy
-    assert set(names(schema.ParallelConfig)) == set(names(schema.TensorParallelConfig)) | set(
-        names(schema.PipelineConfig)) | {"cp_size"} == set(names(schema.TensorParallelConfig)) | set(
-        names(schema.PipelineConfig)) | set(names(schema.ParallelKeys))
+    # the parallel section is the strategy rows' keys (their `keys`), each declared beside its row, and the one
+    # every strategy reads (parallel.cp_size) beside the base strategy
+    rows_keys = {key for row in STRATEGIES.values() if row.keys for key in names(row.keys)}
+    assert {"tp_size", "sequence_parallel", "pp_size", "pp_schedule", "pp_stages_per_rank"} <= rows_keys
+    assert set(names(schema.ParallelConfig)) == rows_keys | {"cp_size"} == rows_keys | set(names(schema.ParallelKeys))
 
 
 def test_a_tables_section_holds_its_shared_keys_and_every_rows_once():
@@ -49,7 +51,7 @@ def test_a_tables_section_holds_its_shared_keys_and_every_rows_once():
                                                                      if k in format_keys]
     assert set(names(schema.DataConfig)) == set(names(sections.DataConfig)) | format_keys
     # a key two rows declare is one key, said for each row that reads it
-    assert [row for row, _ in schema.ObjectiveConfig.declared_by["beta"]] == ["dpo", "simpo", "grpo", "kto", "distill"]
+    assert [row for row, _ in schema.ObjectiveConfig.declared_by["beta"]] == ["dpo", "simpo", "grpo", "kto", "distill", "orpo"]
     assert [row for row, _ in schema.DataConfig.declared_by["prompt_field"]] == ["prompt_completion", "preference",
                                                                                  "unpaired", "prompts"]
 
