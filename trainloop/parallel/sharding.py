@@ -36,7 +36,7 @@ def mixed_precision_policy(precision: str):
 
 
 def fsdp_options(cfg, mesh, device: torch.device) -> dict:
-    """fully_shard's arguments for the fsdp.* and precision keys, over the 1-D `mesh`."""
+    """fully_shard's arguments for the fsdp.* and precision keys, over `mesh` (1-D: shard; 2-D: replicate, shard)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     return {
@@ -53,8 +53,9 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
     a launcher's, or accelerator.single_process_group_env's for one process); returns it.
     A model built on the meta device (trainloop.parallel.fsdp2's builds_on_meta) gets its shards from
     the main process. `mesh`: a 2-D ("dp_shard", "tp") mesh (parallel.tp_size): the blocks' matrices
-    are first split over "tp" (trainloop.parallel.tensor_parallel), then FSDP2 shards over "dp_shard"; None:
-    a 1-D mesh of every process.
+    are first split over "tp" (trainloop.parallel.tensor_parallel), then FSDP2 shards over "dp_shard"; a mesh
+    of data-parallel dimensions alone (HSDP's ("dp_replicate", "dp_shard")): FSDP2 over it, sharding over the
+    last, replicating over the first; None: a 1-D mesh of every process.
 
     An adapter is applied and torch.compile (regional: each block) set up before this, as
     torchtitan does: the blocks are compiled, then sharded.
@@ -66,14 +67,15 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
     from trainloop.model.compile import transformer_blocks
 
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
-    options = fsdp_options(cfg, mesh if mesh.ndim == 1 else mesh["dp_shard"], device)
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
+    options = fsdp_options(cfg, mesh["dp_shard"] if tensor_parallel else mesh, device)
     # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
     # it shards them, so a GPU holds one whole block at a time, never the whole model.
     # the main process's whole weights, taken before sharding, when the others hold none
     from_main = dist.get_world_size() > 1
     whole = model.state_dict() if from_main and dist.get_rank() == 0 else {}
     blocks = transformer_blocks(model, "fsdp=full_shard", "fsdp=none")
-    if mesh.ndim == 2:  # split before sharding: FSDP2 shards the tp shards over dp_shard (2-D DTensors)
+    if tensor_parallel:  # split before sharding: FSDP2 shards the tp shards over dp_shard (2-D DTensors)
         from trainloop.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model.config, mesh["tp"].size()),
