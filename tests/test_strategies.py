@@ -12,10 +12,12 @@ from trainloop.config.compose import validate
 from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
 
 # A config that chooses each row (a new row adds its own).
-CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"], "fsdp2_tp": ["+preset=tp"],
+CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"], "hsdp": ["+preset=hsdp"],
+          "fsdp2_tp": ["+preset=tp"],
           "pipeline": ["parallel.pp_size=2", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"]}
-# tensor parallelism needs tp_size processes, a pipeline pp_size (tests/test_pipeline.py)
-ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp", "pipeline"})
+# tensor parallelism needs tp_size processes, a pipeline pp_size (tests/test_pipeline.py), hybrid sharding
+# dp_replicate groups of 2 or more (tests/test_hsdp.py)
+ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp", "pipeline", "hsdp"})
 
 
 def test_every_strategy_is_chosen_by_a_config():

@@ -18,6 +18,7 @@ from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
 from trainloop.parallel.degrees import builds_partitioned, context_size, splits, token_loss_only
 from trainloop.parallel.fsdp2 import FSDP2
+from trainloop.parallel.hsdp import HybridShard
 from trainloop.parallel.pipeline import Pipeline
 from trainloop.model.tensors import full_numel, full_shape, local_shard
 from trainloop.parallel.tp import FSDP2xTP
@@ -27,6 +28,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DataParallel,  # deepspeed=none, fsdp=none: DistributedDataParallel, or one process
     "zero": DeepSpeedZeRO,  # deepspeed=zero1, zero2, zero3
     "fsdp2": FSDP2,  # fsdp=full_shard
+    "hsdp": HybridShard,  # parallel.dp_replicate > 1 (with fsdp=full_shard): a dp_replicate x dp_shard mesh
     "fsdp2_tp": FSDP2xTP,  # parallel.tp_size > 1 (with fsdp=full_shard): a dp_shard x tp mesh
     "pipeline": Pipeline,  # parallel.pp_size > 1: a slice of the blocks on each process
 }
