@@ -250,9 +250,9 @@ def render() -> str:
 
 
 # The layouts of the objective x layout table, as a user sets them (the process count is the launcher's: 2, or
-# 2 x 2 for FSDP2 x TP)
+# 2 x 2 for HSDP and FSDP2 x TP)
 LAYOUTS = {"DDP": [], "ZeRO-3": ["deepspeed=zero3"], "FSDP2": ["fsdp=full_shard"],
-           "FSDP2 x TP": ["fsdp=full_shard", "parallel.tp_size=2"],
+           "HSDP": ["fsdp=full_shard", "parallel.dp_replicate=2"], "FSDP2 x TP": ["fsdp=full_shard", "parallel.tp_size=2"],
            "pipeline": ["parallel.pp_size=2", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"],
            "context parallel": ["parallel.cp_size=2"]}
 
