@@ -240,6 +240,54 @@ def one_resumed_and_two_processes(tmp_path: Path, run: list[str], keys: tuple[st
 
 
 # --- What a run left ------------------------------------------------------------------------------
+def pairs_batch(cfg, n: int) -> dict:
+    """The first `n` preference pairs of the config's data=preference rows, as the loader batches them."""
+    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
+
+    train_set, _ = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
+    return {key: value[:n] for key, value in train_set.tensors.items()}
+
+
+def rule_pairs(path: Path, n: int = 96) -> Path:
+    """`n` preference pairs that follow one rule, written to `path`: 'Echo: TEXT' answered TEXT + '!' (chosen) or
+    TEXT and one of '.?,;:' (rejected, the same length), TEXT 1 to 3 words."""
+    import random
+
+    words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
+        rows.append({"prompt": f"Echo: {text}\n", "chosen": text + "!", "rejected": text + rng.choice(".?,;:")})
+    return write_rows(path, rows)
+
+
+def with_attention_masks(batch: dict) -> dict:
+    """`batch` with TRL's chosen/rejected attention masks: 1 up to each completion's last token, 0 on the padding."""
+    out = dict(batch)
+    for side in ("chosen", "rejected"):
+        labels = batch[f"{side}_labels"]
+        last = (labels != -100).long().cumsum(1).argmax(1, keepdim=True)
+        out[f"{side}_attention_mask"] = (torch.arange(labels.shape[1]) <= last).long()
+    return out
+
+
+def touched_by_the_commit_adding(path: str) -> tuple[set[str], list[str]]:
+    """(the files in trainloop/ and conf/ that the commit adding `path` touched, the lines it added and removed in
+    its package's __init__.py beside it): what 'one file and one row' is read from (pytest.skip in a shallow clone)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    if git("rev-parse", "--is-shallow-repository").strip() == "true":
+        pytest.skip("a shallow clone holds no history to read")
+    (added,) = git("log", "--diff-filter=A", "--format=%H", "--", path).split()
+    touched = {p for p in git("show", "--name-only", "--format=", added).split() if p.startswith(("trainloop/", "conf/"))}
+    table = str(Path(path).parent / "__init__.py")
+    row = [line[0] + line[1:].split("#")[0].strip() for line in git("show", "--format=", added, "--", table).splitlines()
+           if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return touched, row
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

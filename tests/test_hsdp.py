@@ -7,11 +7,11 @@ Real parts only: the composed config, FSDP2 (fully_shard over a 2-D DeviceMesh),
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from helpers import REPO, TWO_PROCESS_RUN, compose, logged, read_metrics, reference_run, run_log, warm
+from helpers import (
+    TWO_PROCESS_RUN, compose, logged, read_metrics, reference_run, run_log, touched_by_the_commit_adding, warm,
+)
 from trainloop.config.compose import ConfigError, validate
 
 KEYS = ("loss", "grad_norm", "eval_loss")
@@ -67,16 +67,6 @@ def test_the_preset_chooses_it_and_the_planner_holds_a_shard_group_s_share(capsy
 
 
 def test_the_commit_that_added_it_touched_only_its_file_its_row_and_its_yaml():
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
-
-    if git("rev-parse", "--is-shallow-repository").strip() == "true":
-        pytest.skip("a shallow clone holds no history to read")
-    (added,) = git("log", "--diff-filter=A", "--format=%H", "--", "trainloop/parallel/hsdp.py").split()
-    touched = {path for path in git("show", "--name-only", "--format=", added).split()
-               if path.startswith(("trainloop/", "conf/"))}
+    touched, row = touched_by_the_commit_adding("trainloop/parallel/hsdp.py")
     assert touched == {"trainloop/parallel/hsdp.py", "trainloop/parallel/__init__.py", "conf/preset/hsdp.yaml"}
-    row = [line for line in git("show", "--format=", added, "--", "trainloop/parallel/__init__.py").splitlines()
-           if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    assert [line[0] + line[1:].split("#")[0].strip() for line in row] == [
-        "+from trainloop.parallel.hsdp import HybridShard", '+"hsdp": HybridShard,']
+    assert row == ["+from trainloop.parallel.hsdp import HybridShard", '+"hsdp": HybridShard,']

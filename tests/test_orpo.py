@@ -10,14 +10,16 @@ byte-level tokenizer, a tiny transformers Llama, TRL's ORPOTrainer, 2 processes 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import REPO, SMALL, assert_same_logged, compose, logged, read_metrics, train, warm, write_rows
+from helpers import (
+    SMALL, assert_same_logged, compose, logged, pairs_batch, read_metrics, rule_pairs, touched_by_the_commit_adding,
+    train, warm, with_attention_masks,
+)
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
@@ -36,13 +38,6 @@ def trl_orpo(beta: float):
     return trainer
 
 
-def pairs_batch(cfg, n: int) -> dict:
-    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
-
-    train_set, _ = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
-    return {key: value[:n] for key, value in train_set.tensors.items()}
-
-
 @pytest.mark.parametrize("beta", [0.1, 0.75])
 def test_the_loss_rewards_logps_and_log_odds_are_trls_on_the_same_batch(beta):
     """TRL's ORPOTrainer computes its loss and metrics (its forward with an attention mask over prompt and
@@ -56,11 +51,7 @@ def test_the_loss_rewards_logps_and_log_odds_are_trls_on_the_same_batch(beta):
     batch = pairs_batch(cfg, 8)
     torch.manual_seed(0)
     model = build_model(cfg.model, build_model_config(cfg.model, 257)).eval()
-    trl_batch = dict(batch)
-    for side in ("chosen", "rejected"):  # prompt and completion attended; the padding after them masked
-        labels = batch[f"{side}_labels"]
-        last = (labels != -100).long().cumsum(1).argmax(1, keepdim=True)
-        trl_batch[f"{side}_attention_mask"] = (torch.arange(labels.shape[1]) <= last).long()
+    trl_batch = with_attention_masks(batch)  # prompt and completion attended; the padding after them masked
     objective = build_objective(cfg, "cpu")
     with torch.no_grad():
         trl_loss, trl = trl_orpo(beta).get_batch_loss_metrics(model, trl_batch)
@@ -83,10 +74,7 @@ def test_the_gradient_is_trls():
     batch = pairs_batch(cfg, 4)
     torch.manual_seed(0)
     model = build_model(cfg.model, build_model_config(cfg.model, 257))
-    trl_batch = dict(batch)
-    for side in ("chosen", "rejected"):
-        last = (batch[f"{side}_labels"] != -100).long().cumsum(1).argmax(1, keepdim=True)
-        trl_batch[f"{side}_attention_mask"] = (torch.arange(batch[f"{side}_labels"].shape[1]) <= last).long()
+    trl_batch = with_attention_masks(batch)
     trl_orpo(cfg.objective.beta).get_batch_loss_metrics(model, trl_batch)[0].backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -130,13 +118,7 @@ def test_any_adapter_and_sharding_validates():
 def test_a_short_full_fine_tune_learns_the_rule_of_the_held_out_pairs(tmp_path):
     """Chosen answers end with '!', rejected ones with one of '.?,;:': after 8 steps the held-out pairs'
     reward accuracy is at least 0.95 and their loss below the first step's; every line carries TRL's metrics."""
-    words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
-    rng = random.Random(0)
-    rows = []
-    for _ in range(96):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
-        rows.append({"prompt": f"Echo: {text}\n", "chosen": text + "!", "rejected": text + rng.choice(".?,;:")})
-    path = write_rows(tmp_path / "rule.jsonl", rows)
+    path = rule_pairs(tmp_path / "rule.jsonl")
     run_dir = train(tmp_path / "run", "data=preference", "objective=orpo", f"data.path={path}", "objective.beta=1.0",
                     "trainer.max_steps=8", "trainer.eval_every=4", "trainer.eval_batches=null", "data.batch_size=8",
                     "data.validation_fraction=0.25", "optimizer.lr=1e-2", "scheduler=constant")
@@ -171,17 +153,6 @@ def test_two_processes_give_the_step_of_one(tmp_path):
 def test_the_commit_that_added_it_touched_only_its_file_its_row_and_its_yaml():
     """docs/extending.md's claim, read from git: in trainloop/ and conf/, the commit that added orpo.py edited
     nothing but it, its row in objectives/__init__.py and conf/objective/orpo.yaml (issue 59, check 3)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
-
-    if git("rev-parse", "--is-shallow-repository").strip() == "true":
-        pytest.skip("a shallow clone holds no history to read")
-    (added,) = git("log", "--diff-filter=A", "--format=%H", "--", "trainloop/objectives/orpo.py").split()
-    touched = {path for path in git("show", "--name-only", "--format=", added).split()
-               if path.startswith(("trainloop/", "conf/"))}
+    touched, row = touched_by_the_commit_adding("trainloop/objectives/orpo.py")
     assert touched == {"trainloop/objectives/orpo.py", "trainloop/objectives/__init__.py", "conf/objective/orpo.yaml"}
-    row = [line for line in git("show", "--format=", added, "--", "trainloop/objectives/__init__.py").splitlines()
-           if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    assert row == ["+from trainloop.objectives.orpo import ORPO", '+    "orpo": ORPO,']
+    assert row == ["+from trainloop.objectives.orpo import ORPO", '+"orpo": ORPO,']

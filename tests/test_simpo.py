@@ -10,14 +10,15 @@ built-in byte-level tokenizer, a tiny transformers Llama, TRL's CPOTrainer, 2 pr
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import SMALL, assert_same_logged, compose, logged, read_metrics, train, warm, write_rows
+from helpers import (
+    SMALL, assert_same_logged, compose, logged, pairs_batch, read_metrics, rule_pairs, train, warm, with_attention_masks,
+)
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
 PAIRS = Path(__file__).resolve().parent / "data" / "preference.jsonl"  # the right sum chosen, a wrong one rejected
@@ -37,13 +38,6 @@ def trl_cpo(beta: float, gamma: float, label_smoothing: float):
     return trainer
 
 
-def pairs_batch(cfg, n: int) -> dict:
-    from trainloop.data.loaders import build_datasets, byte_level_tokenizer
-
-    train_set, _ = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)
-    return {key: value[:n] for key, value in train_set.tensors.items()}
-
-
 # --- the loss ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
@@ -59,11 +53,7 @@ def test_the_loss_rewards_and_logps_are_trls_on_the_same_batch(label_smoothing):
     batch = pairs_batch(cfg, 8)
     torch.manual_seed(0)
     model = build_model(cfg.model, build_model_config(cfg.model, 257)).eval()
-    trl_batch = dict(batch)
-    for side in ("chosen", "rejected"):  # padding after each completion's last token masked
-        labels = batch[f"{side}_labels"]
-        last = (labels != -100).long().cumsum(1).argmax(1, keepdim=True)
-        trl_batch[f"{side}_attention_mask"] = (torch.arange(labels.shape[1]) <= last).long()
+    trl_batch = with_attention_masks(batch)  # padding after each completion's last token masked
     trainer = trl_cpo(cfg.objective.beta, cfg.objective.gamma, label_smoothing)
     objective = build_objective(cfg, "cpu")
     with torch.no_grad():
@@ -144,13 +134,7 @@ def test_a_short_full_fine_tune_learns_the_rule_of_the_held_out_pairs(tmp_path):
     random model's rewards barely differ at its first step (its accuracy a coin flip's); after 8
     steps, with no adapter, the held-out pairs' reward accuracy is at least 0.95, their margin
     clear of 0 and their loss below the first step's."""
-    words = "apple river stone cloud green quick seven maple lantern copper ocean violet".split()
-    rng = random.Random(0)
-    rows = []
-    for _ in range(96):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
-        rows.append({"prompt": f"Echo: {text}\n", "chosen": text + "!", "rejected": text + rng.choice(".?,;:")})
-    path = write_rows(tmp_path / "rule.jsonl", rows)
+    path = rule_pairs(tmp_path / "rule.jsonl")
     run_dir = train(tmp_path / "run", "data=preference", "objective=simpo", f"data.path={path}",
                     "trainer.max_steps=8", "trainer.eval_every=4", "trainer.eval_batches=null", "data.batch_size=8",
                     "data.validation_fraction=0.25", "optimizer.lr=1e-2", "scheduler=constant")
