@@ -70,3 +70,16 @@ def test_the_commit_that_added_it_touched_only_its_file_its_row_and_its_yaml():
     touched, row = touched_by_the_commit_adding("trainloop/parallel/hsdp.py")
     assert touched == {"trainloop/parallel/hsdp.py", "trainloop/parallel/__init__.py", "conf/preset/hsdp.yaml"}
     assert row == ["+from trainloop.parallel.hsdp import HybridShard", '+"hsdp": HybridShard,']
+
+
+def test_the_planner_weighs_its_preset_beside_a_one_process_config(capsys):
+    """`python -m trainloop.plan` plans every preset at the config's world size, one process here, which hybrid
+    sharding cannot launch on: its lines are one process's shards, with no replica to all-reduce with."""
+    import json
+
+    from trainloop.tools.plan import main as plan_main
+
+    plan_main(["+preset=smoke", "--json"])
+    hybrid = json.loads(capsys.readouterr().out)["presets"]["hsdp"]["plan"]
+    assert hybrid["world_size"] == 1 and hybrid["lines"]
+    assert not any("replicas" in t["what"] for t in hybrid["traffic"])

@@ -63,18 +63,26 @@ class HybridShard(FSDP2):
         return shard_model(self.cfg, model, self.device, self.mesh).eval()
 
     @staticmethod
+    def shard_group(cfg, world_size: int) -> int:
+        """The processes that shard one replica (dp_shard) when `world_size` are planned; at least 1: the planner
+        also weighs a world size this layout cannot launch on (its presets beside a one-process config)."""
+        return max(world_size // cfg.parallel.dp_replicate, 1)
+
+    @staticmethod
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """FSDP2's, over one group of the shards: each holds 1/dp_shard of the model state."""
-        FSDP2.memory_lines(plan, cfg, shape, world_size // cfg.parallel.dp_replicate, dev, half)
+        FSDP2.memory_lines(plan, cfg, shape, HybridShard.shard_group(cfg, world_size), dev, half)
 
     @staticmethod
     def traffic_lines(plan, cfg, shape, world_size: int, half: bool) -> None:
         """FSDP2's within a group, and the gradient shards all-reduced over the replicas once they are reduced."""
         from trainloop.parallel.memory import Transfer, ring_bytes
 
-        replicas = cfg.parallel.dp_replicate
-        shards = world_size // replicas
+        shards = HybridShard.shard_group(cfg, world_size)
+        replicas = world_size // shards
         FSDP2.traffic_lines(plan, cfg, shape, shards, half)
+        if replicas < 2:
+            return
         reduces = cfg.trainer.gradient_accumulation_steps if cfg.fsdp.sync_each_batch else 1
         plan.traffic.append(Transfer("gradient shard all-reduce over the replicas",
                                      reduces * ring_bytes("all-reduce", 4 * shape.num_trainable // shards, replicas),
