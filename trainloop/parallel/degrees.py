@@ -1,7 +1,6 @@
 """The parallel section's degrees, read here and nowhere else outside trainloop.parallel and the config's
-composition: what splits one replica (pipeline, tensor, context), and what
-that means for the rest of trainloop (an objective's loss, a frozen copy, generation, a message). Reads
-the config only: it imports nothing, so any layer may ask it."""
+composition: what splits one replica (pipeline, tensor, context), and what that means for the rest of
+trainloop (an objective's loss, a message). Reads the config only: it imports nothing, so any layer may ask it."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ class FSDP2(Strategy):
     saves_async = True
     autocast = False  # MixedPrecisionPolicy: blocks compute on bf16 copies of the fp32 shards
     off = {"fsdp": "none", "fsdp.offload": "none", "parallel.cp_size": 1}
+    mesh = None  # the DeviceMesh shard_model shards over: None, every process (1-D); FSDP2 x TP's and HSDP's their own
 
     @staticmethod
     def chooses(cfg) -> bool:
@@ -70,14 +71,14 @@ class FSDP2(Strategy):
     def shard(self, model):
         from trainloop.parallel.sharding import shard_model
 
-        return shard_model(self.cfg, model, self.device)
+        return shard_model(self.cfg, model, self.device, self.mesh)
 
     def prepare_frozen(self, model):
         """Sharded as the policy is (every block, then the root; shards from the main process),
         gathered block by block in its forward: no process holds a whole second copy."""
         from trainloop.parallel.sharding import shard_model
 
-        return shard_model(self.cfg, model, self.device).eval()
+        return shard_model(self.cfg, model, self.device, self.mesh).eval()
 
     def prepare(self, model, optimizer):
         # sharded by trainloop: accelerate must not wrap the model in DDP too

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainloop.errors import ConfigError
+from trainloop.parallel.degrees import splits
 from trainloop.parallel.fsdp2 import FSDP2
 
 
@@ -52,16 +53,6 @@ class HybridShard(FSDP2):
         self.mesh = init_device_mesh(self.device.type, (replicas, processes // replicas),
                                      mesh_dim_names=("dp_replicate", "dp_shard"))
 
-    def shard(self, model):
-        from trainloop.parallel.sharding import shard_model
-
-        return shard_model(self.cfg, model, self.device, self.mesh)
-
-    def prepare_frozen(self, model):
-        from trainloop.parallel.sharding import shard_model
-
-        return shard_model(self.cfg, model, self.device, self.mesh).eval()
-
     @staticmethod
     def shard_group(cfg, world_size: int) -> int:
         """The processes that shard one replica (dp_shard) when `world_size` are planned; at least 1: the planner
@@ -100,8 +91,7 @@ class HybridShard(FSDP2):
         if cfg.fsdp.name == "none":
             found.append(f"{key} replicates FSDP2's shards, and fsdp=none shards nothing: set fsdp=full_shard "
                          "(or +preset=fsdp), or parallel.dp_replicate=1")
-        for other in ("tp_size", "pp_size", "cp_size"):
-            if getattr(cfg.parallel, other) > 1:
-                found.append(f"{key} with parallel.{other}={getattr(cfg.parallel, other)}: hybrid sharding runs on a "
-                             f"data-parallel mesh alone for now; set parallel.{other}=1 or parallel.dp_replicate=1")
+        for split in splits(cfg):  # parallel.tp_size=2, ...
+            found.append(f"{key} with {split}: hybrid sharding runs on a data-parallel mesh alone for now; set "
+                         f"{split.split('=')[0]}=1 or parallel.dp_replicate=1")
         return found

@@ -131,16 +131,6 @@ class FSDP2xTP(FSDP2):
         self.mesh = mesh["dp_shard", "tp"]
         return ContextParallel(mesh.get_group("cp"), cp, mesh.get_local_rank("cp")), mesh.get_group("dp")
 
-    def shard(self, model):
-        from trainloop.parallel.sharding import shard_model
-
-        return shard_model(self.cfg, model, self.device, self.mesh)
-
-    def prepare_frozen(self, model):
-        from trainloop.parallel.sharding import shard_model
-
-        return shard_model(self.cfg, model, self.device, self.mesh).eval()
-
     def clip_grad_norm(self, model, max_norm: float):
         """The global L2 norm over both meshes' gradients: one norm per mesh (DTensor placements make
         each exact, a replicated shard counted once), combined; then each mesh's gradients clipped."""
