@@ -94,26 +94,18 @@ TEACHER = teacher_dir(suite_id())
 def make_teacher() -> Path:
     """TEACHER, made by the first worker that gets here; the others wait on its lock and find it."""
     import fcntl
+    import importlib.util
     import shutil
 
-    from transformers import AutoModelForCausalLM
-
-    from trainloop.data.tokenizer import byte_level_tokenizer
-    from trainloop.model.builder import build_model_config
-
+    spec = importlib.util.spec_from_file_location("matrix", REPO / "scripts" / "matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
     TEACHER.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{TEACHER}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (TEACHER / "config.json").is_file():
             return TEACHER
-        making = Path(tempfile.mkdtemp(prefix=f"{TEACHER.name}-", dir=TEACHER.parent))
-        cfg = compose_config(["+preset=smoke", "model.num_layers=4"], check=False)
-        tokenizer = byte_level_tokenizer()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(build_model_config(cfg.model, len(tokenizer)))
-        model.save_pretrained(making)
-        tokenizer.save_pretrained(making)
+        making = matrix.write_teacher(Path(tempfile.mkdtemp(prefix=f"{TEACHER.name}-", dir=TEACHER.parent)))
         shutil.rmtree(TEACHER, ignore_errors=True)
         making.rename(TEACHER)
     return TEACHER

@@ -143,8 +143,6 @@ def test_the_objective_is_gkds_compute_loss_on_the_same_models(tmp_path, chunk):
      "data.packing=documents puts several rows in one: set data.packing=none"),
     (["objective=distill", f"objective.teacher={TEACHER}", "objective.on_policy_fraction=1", "data.packing=none"],
      "data=pydoc with data.train_on=all marks none"),
-    ([*distill(Path("rows.jsonl")), "parallel.cp_size=2"],
-     "objective=distill does not run with context parallelism yet (parallel.cp_size=2 splits each row"),
 ])
 def test_what_cannot_work_is_refused_naming_the_key(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -93,7 +93,6 @@ def test_a_bad_row_is_refused_naming_file_and_line(tmp_path, row, says):
      "data=unpaired holds completions labelled desirable or not, which objective=dpo"),
     (["objective.desirable_weight=0"], "objective.desirable_weight=0.0 must be greater than 0"),
     (["parallel.pp_size=2"], "parallel.pp_size=2 with objective=kto needs each completion's log-probability"),
-    (["parallel.cp_size=2"], "objective=kto does not run with context parallelism yet"),
 ])
 def test_what_cannot_work_is_refused_by_name(overrides, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):

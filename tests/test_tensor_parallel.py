@@ -172,11 +172,6 @@ def test_a_tp2_checkpoint_resumes_on_2x2(tmp_path, tp2, reference):
     (["model.num_heads=3", "model.hidden_size=96"], "parallel.tp_size=2 does not divide model.num_heads=3"),
     (["model.intermediate_size=255"], "parallel.tp_size=2 does not divide model.intermediate_size=255"),
     (["model.num_heads=4", "model.num_kv_heads=1"], "parallel.tp_size=2 does not divide model.num_kv_heads=1"),
-    (["data=preference", "objective=dpo", "data.path=/some/pairs.jsonl", "adapter=lora"],
-     "parallel.tp_size=2 with objective=dpo needs each completion's log-probability and a frozen reference, which "
-     "tensor parallelism does not give yet"),
-    (["data=prompts", "objective=grpo", "data.path=/some/prompts.jsonl", "objective.rewards=[length]", "adapter=lora"],
-     "parallel.tp_size=2 with objective=grpo needs generation"),
     (["trainer.loss_chunk_tokens=16"], "parallel.tp_size=2 with trainer.loss_chunk_tokens=16"),
     (["precision=fp8"], "parallel.tp_size=2 with precision=fp8"),
     (["parallel.tp_size=1", "parallel.sequence_parallel=true"],

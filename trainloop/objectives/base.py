@@ -59,7 +59,7 @@ class Objective:
     # for the same objective (its config class, named in the start-up line); a model from scratch keeps 1e-3
     pretrained_lr: tuple[float, str] = (2e-5, "SFTConfig")
     # What it needs beyond a next-token loss on its rows' target tokens, in the words a layout that gives only
-    # that loss (tensor parallelism, the pipeline's last stage) refuses it with; () for that loss alone (causal_lm)
+    # that loss (the pipeline's last stage) refuses it with; () for that loss alone (causal_lm)
     needs: tuple[str, ...] = ()
 
     @classmethod
@@ -188,20 +188,14 @@ def loss_sums(summed: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
     return torch.stack([summed.double(), units.double()])
 
 
-def not_yet(cfg, name: str, splits: bool = False) -> list[str]:
+def not_yet(cfg, name: str) -> list[str]:
     """What objective=`name` refuses for now, each naming the key: a mixture's router loss (its forward's
-    aux_loss would go unused), the batch-size search (its trial forwards would count in the first log
-    line's sums) and, with `splits`, context parallelism, which splits its rows (tensor parallelism and the
-    pipeline are refused by what the row `needs`: trainloop.objectives.layout_problems, said once)."""
-    from trainloop.parallel.degrees import context_size
-
+    aux_loss would go unused) and the batch-size search (its trial forwards would count in the first log
+    line's sums). The pipeline is refused by what the row `needs` (trainloop.objectives.layout_problems, said once)."""
     problems = []
     if cfg.model.name == "tiny" and cfg.model.arch == "mixtral":
         problems.append(f"objective={name} does not add a mixture's router loss (model.router_aux_loss_coef): "
                         "use model.arch=llama or gpt2")
     if cfg.trainer.auto_batch_size:
         problems.append(f"objective={name} does not search a batch size yet: set trainer.auto_batch_size=false")
-    if splits and context_size(cfg) > 1:
-        problems.append(f"objective={name} does not run with context parallelism yet (parallel.cp_size="
-                        f"{context_size(cfg)} splits each row over the ranks): set parallel.cp_size=1")
     return problems

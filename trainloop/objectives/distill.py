@@ -147,7 +147,7 @@ class Distill(Objective):
                 problems.append("objective.on_policy_fraction > 0 generates with the model, which a compiled one "
                                 "would recompile for each length: set compile=none, or on_policy_fraction=0")
             problems += length_problems(cfg)
-        problems += not_yet(cfg, "distill", splits=True)
+        problems += not_yet(cfg, "distill")
         return problems
 
     @staticmethod

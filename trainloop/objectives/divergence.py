@@ -30,8 +30,8 @@ import torch
 
 from trainloop.data.tokenizer import IGNORE
 from trainloop.objectives.chunked_loss import (
-    _chunk_logits, _compute_dtype, _through_output_layer, _wanted, add_chunk_grads, made_grads_scaled, new_grads,
-    next_targets, output_layer,
+    _chunk_logits, _compute_dtype, _this_rank, _through_output_layer, _wanted, add_chunk_grads, made_grads_scaled,
+    new_grads, output_layer,
 )
 
 
@@ -53,20 +53,24 @@ def divergence_sums(student, teacher, inputs: dict, labels: torch.Tensor, beta: 
     """[divergence summed over the target tokens (with its gradient), the student's summed
     cross-entropy of them, the teacher's] fp32, from one forward of each model on `inputs` (the
     teacher's without gradients). chunk: trainer.loss_chunk_tokens (0: the full logits).
-    copy_head: the teacher's strategy frees its gathered output weight after the forward."""
+    copy_head: the teacher's strategy frees its gathered output weight after the forward.
+    Under context parallelism both models run this rank's slice of the rows (the teacher's attention
+    swaps heads over the same group) and the sums are the whole rows', summed over the group."""
     from trainloop.model.attention import with_document_mask
 
-    targets = next_targets(labels)
+    student_inputs, targets, cp = _this_rank(student, inputs, labels)
+    teacher_inputs = student_inputs if cp is not None else with_document_mask(teacher, inputs)
     keep = targets != IGNORE
     wanted = targets[keep]
     if not chunk:
         with torch.no_grad():
-            t_logits = teacher(**with_document_mask(teacher, inputs)).logits[keep].float()
-        s_logits = student(**with_document_mask(student, inputs)).logits[keep].float()
+            t_logits = teacher(**teacher_inputs).logits[keep].float()
+        s_logits = student(**student_inputs).logits[keep].float()
         summed = token_divergence(s_logits, t_logits, beta, temperature).sum()
         with torch.no_grad():
             nll = torch.stack([summed_ce(s_logits, wanted), summed_ce(t_logits, wanted)])
-        return torch.cat([summed[None], nll])
+        sums = torch.cat([summed[None], nll])
+        return sums if cp is None else cp.total(sums)
 
     held = {}
 
@@ -77,14 +81,15 @@ def divergence_sums(student, teacher, inputs: dict, labels: torch.Tensor, beta: 
 
     output_layer(teacher)  # refused unless a plain Linear with nothing applied to its logits after
     with torch.no_grad():
-        _through_output_layer(teacher, with_document_mask(teacher, inputs), take)
+        _through_output_layer(teacher, teacher_inputs, take)
 
     def divergence(hidden, weight, bias):
         h = hidden[keep]
         return ChunkedDivergence.apply(h, weight, bias, held["hidden"], held["weight"], held["bias"], wanted, beta,
                                        temperature, chunk, *_wanted(h, weight, bias))
 
-    return _through_output_layer(student, with_document_mask(student, inputs), divergence).logits
+    sums = _through_output_layer(student, student_inputs, divergence).logits
+    return sums if cp is None else cp.total(sums)
 
 
 def summed_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

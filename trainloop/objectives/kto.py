@@ -66,7 +66,7 @@ class KTO(Objective):
         for key in ("desirable_weight", "undesirable_weight"):
             if not 0 < getattr(o, key) < math.inf:
                 problems.append(f"objective.{key}={getattr(o, key)} must be greater than 0")
-        problems += not_yet(cfg, "kto", splits=True)
+        problems += not_yet(cfg, "kto")
         return problems
 
     @staticmethod

@@ -22,12 +22,12 @@ def context_size(cfg) -> int:
 
 def token_loss_only(cfg) -> list[tuple[str, str, str]]:
     """The dimensions of this config that give an objective a next-token loss on target tokens and nothing
-    else (tensor parallelism splits the output layer; the pipeline's last stage computes that loss itself), each
-    as (its key, what it is, what to set instead): trainloop.objectives checks what the objective needs."""
+    else (the pipeline's last stage computes that loss itself), each as (its key, what it is, what to set
+    instead): trainloop.objectives checks what the objective needs. Tensor parallelism is not one: it splits
+    the blocks' matrices and keeps the embeddings, the output layer and the loss whole on every rank of a tp
+    group (trainloop.parallel.tensor_parallel), so every objective's forward, frozen copy and generation run
+    there as on one process, each tp rank of a group on the same rows."""
     p, found = cfg.parallel, []
-    if p.tp_size > 1:
-        found.append((f"parallel.tp_size={p.tp_size}", "tensor parallelism",
-                      "use parallel.tp_size=1 (FSDP2 alone runs it)"))
     if p.pp_size > 1:
         found.append((f"parallel.pp_size={p.pp_size}", "the pipeline's last stage", "use parallel.pp_size=1"))
     return found
