@@ -25,9 +25,9 @@ def filled(overrides: list[str]) -> list[str]:
 
 
 # the cells that ran refused before issue 59's check 1: tensor parallelism for every objective beyond causal_lm,
-# context parallelism for kto and distill (the pipeline's and reward's under cp are refused still)
+# context parallelism for kto, distill and reward (the pipeline's are refused still)
 NEW_CELLS = [*((objective, "FSDP2 x TP") for objective in ("dpo", "simpo", "orpo", "reward", "kto", "grpo", "distill")),
-             ("kto", "context parallel"), ("distill", "context parallel")]
+             *((objective, "context parallel") for objective in ("kto", "distill", "reward"))]
 SAYS = {"FSDP2 x TP": "FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp", "context parallel": "context parallel: 2 processes split each sequence"}
 
 

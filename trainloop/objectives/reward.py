@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import not_yet
-from trainloop.parallel.degrees import context_size
 from trainloop.objectives.pairs import PairObjective, sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -57,20 +56,37 @@ class Reward(PairObjective):
             problems.append(f"objective.center_rewards_coefficient={cfg.objective.center_rewards_coefficient} must "
                             "be 0 (off) or more (TRL suggests 0.01)")
         problems += not_yet(cfg, "reward")
-        if context_size(cfg) > 1:  # the score head reads each row's last token, on one rank of the group
-            problems.append(f"objective=reward scores each sequence at its last token, and parallel.cp_size="
-                            f"{context_size(cfg)} splits the sequence over the ranks: set parallel.cp_size=1")
         if cfg.eval.prompts:
             problems.append("eval.prompts: objective=reward trains a score head, which writes no text to sample: "
                             "set eval.prompts=[]")
         return problems
 
     def rewards(self, model, batch: dict) -> torch.Tensor:
-        """Each sequence's reward, chosen rows then rejected, from one forward of both, in float32."""
+        """Each sequence's reward, chosen rows then rejected, from one forward of both, in float32.
+
+        Under context parallelism each rank runs its slice of the rows (padded with the pad id to split
+        evenly), and the model reads each row's score at the slice's last token that is not padding: on the
+        rank whose slice holds the row's last one, that is the row's reward (the tokens before it in the
+        slice are not padding, those after are). Each row's is kept from that rank alone and summed over the
+        group, so every rank holds the rewards one process computes, and the gradient reaches that rank's
+        forward only."""
         import torch
+        import torch.nn.functional as F
+
+        from trainloop.parallel import context
 
         ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-        return model(input_ids=ids, use_cache=False).logits.squeeze(-1).float()
+        cp = context.current()
+        if cp is None:
+            return model(input_ids=ids, use_cache=False).logits.squeeze(-1).float()
+        from trainloop.model.attention import with_document_mask
+
+        pad = getattr(model, "module", model).config.pad_token_id  # inside DDP's wrapper too
+        ids = F.pad(ids, (0, cp.padding(ids.shape[1])), value=pad)
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        holder = (positions * (ids != pad)).argmax(-1) // (ids.shape[1] // cp.size)  # transformers' last token
+        scores = model(**cp.local(with_document_mask(model, {"input_ids": ids, "use_cache": False}))).logits
+        return cp.total(scores.squeeze(-1).float() * (holder == cp.rank))
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pair's loss (their mean is TRL's loss of the batch), and the sums over the batch's pairs."""
