@@ -188,7 +188,7 @@ def generation_rates(args) -> list[dict]:
     from trainloop.data.loaders import byte_level_tokenizer
     from trainloop.model.builder import build_model, build_model_config, special_token_ids
     from trainloop.objectives.generation import complete
-    from trainloop.objectives.grpo import completion_mask, generation_config
+    from trainloop.objectives.generation import completion_mask, generation_config
 
     cfg = compose_config(MODEL, check=False)
     tokenizer = byte_level_tokenizer()

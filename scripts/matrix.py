@@ -1,10 +1,10 @@
 """Every objective on every layout, run: 10 steps of each cell against one process, within 1e-5.
 
-    python scripts/matrix.py                                  # the whole table (about 15 minutes on 2 cores)
+    python scripts/matrix.py                                  # the whole table (about 20 minutes on 2 cores)
     python scripts/matrix.py --objectives dpo grpo --layouts "FSDP2 x TP" pipeline
 
-A cell is trainloop's command line under torchrun on the layout's processes, at the same global batch (4) as
-one process, on the objective's own data. It passes when every number it logs to metrics.jsonl (each loss,
+A cell is trainloop's command line under torchrun on the layout's processes (2; HSDP's 2 x 2: 4), at the same
+global batch (4) as one process, on the objective's own data. It passes when every number it logs to metrics.jsonl (each loss,
 gradient norm, objective metric and evaluation value; not the clock's: MEASURED) equals the one-process
 run's within 1e-5, relative or absolute, at the same steps and keys; a cell the config refuses prints the
 refusal, which names the reason (docs/config-reference.md's table lists the same). Exit 1 if a cell that runs
@@ -49,6 +49,7 @@ LAYOUTS = {
     "DDP": (2, [], 2, []),
     "ZeRO-3": (2, ["deepspeed=zero3"], 2, []),
     "FSDP2": (2, ["fsdp=full_shard"], 2, []),
+    "HSDP": (4, ["fsdp=full_shard", "parallel.dp_replicate=2"], 1, []),
     "FSDP2 x TP": (2, ["fsdp=full_shard", "parallel.tp_size=2"], 4, []),
     "pipeline": (2, ["parallel.pp_size=2", "trainer.gradient_accumulation_steps=2"], 2, ["model.tie_embeddings=false"]),
     "context parallel": (2, ["parallel.cp_size=2"], 4, []),

@@ -52,7 +52,7 @@ def left_padded(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def settings(**sampling):
-    from trainloop.objectives.grpo import generation_config
+    from trainloop.objectives.generation import generation_config
 
     # pad 0 is not end-of-text (256): a finished row's padding shows as itself; use_cache: the tiny
     # model's config says no cache (for training), which would make generate recompute every prefix

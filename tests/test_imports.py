@@ -151,6 +151,18 @@ def test_strategy_keys_and_objective_names_are_read_in_their_own_packages():
     assert not leaks, "\n".join(leaks)
 
 
+def test_no_objective_row_imports_another_row():
+    """Issue 59, item 5: what rows share (the frozen reference, sampling, the pairs' sums) lives in modules of its
+    own (objectives/reference.py, generation.py, pairs.py), so that a row is one file that imports no other row."""
+    from trainloop.objectives import OBJECTIVES
+
+    rows = {row.__module__ for row in OBJECTIVES.values()}
+    graph = import_graph()
+    assert len(rows) == len(OBJECTIVES) and rows <= set(graph)
+    crossed = {row: sorted(graph[row] & rows) for row in sorted(rows) if graph[row] & rows}
+    assert not crossed, crossed
+
+
 def lint_imports(root: Path):
     """import-linter's contracts (pyproject.toml's [tool.importlinter]) over the package under `root`."""
     import os

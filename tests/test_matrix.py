@@ -57,12 +57,12 @@ def test_the_comparison_names_a_value_past_the_tolerance_and_a_key_that_differs(
 
 
 def test_every_cell_of_the_table_is_one_the_reference_table_names():
-    """The script's layouts are the config reference's objective x layout columns (less HSDP, which needs 4
-    processes), and its objectives every row of trainloop.objectives, plus chat."""
+    """The script's layouts are the config reference's objective x layout columns, and its objectives every row
+    of trainloop.objectives, plus chat."""
     from trainloop.objectives import OBJECTIVES
     from trainloop.tools.reference import LAYOUTS
 
-    assert set(matrix.LAYOUTS) == set(LAYOUTS) - {"HSDP"}
+    assert set(matrix.LAYOUTS) == set(LAYOUTS)
     assert set(matrix.OBJECTIVES) == {*OBJECTIVES, "chat"}
     for layout, (_, overrides, _, model) in matrix.LAYOUTS.items():
         assert set(LAYOUTS[layout]) <= set(overrides + model), layout  # the same layout, the batch aside

@@ -98,7 +98,7 @@ class Distill(Objective):
         import torch
 
         from trainloop.data.tokenizer import build_tokenizer, pad_id
-        from trainloop.objectives.grpo import generation_config
+        from trainloop.objectives.generation import generation_config
 
         o = cfg.objective
         self.beta, self.temperature, self.fraction = o.beta, o.temperature, o.on_policy_fraction
@@ -208,7 +208,7 @@ class Distill(Objective):
         return forward_flops_per_token(frozen.config, seq_len, model=frozen)
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
-        from trainloop.objectives.dpo import held
+        from trainloop.objectives.reference import held
         from trainloop.model.tensors import is_fsdp2
 
         self.teacher = frozen
@@ -220,7 +220,7 @@ class Distill(Objective):
     def on_policy(self, step: int) -> bool:
         """Whether step `step` trains on the student's completions: drawn from (trainer.seed, step), the same
         on every rank, at the rate objective.on_policy_fraction."""
-        from trainloop.objectives.grpo import sampling_seed
+        from trainloop.objectives.generation import sampling_seed
 
         if self.fraction in (0, 1):
             return bool(self.fraction)
@@ -229,7 +229,7 @@ class Distill(Objective):
     def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
         if not self.on_policy(step):
             return group
-        from trainloop.objectives.grpo import sampling_seed
+        from trainloop.objectives.generation import sampling_seed
 
         batches = [self.sampled(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
                    for i, batch in enumerate(group)]
@@ -243,7 +243,7 @@ class Distill(Objective):
         import torch
 
         from trainloop.objectives.generation import complete, sampling
-        from trainloop.objectives.grpo import completion_mask, left_padded
+        from trainloop.objectives.generation import completion_mask, left_padded
 
         ids, attention = batch["input_ids"], batch.get("attention_mask")
         lengths = prompt_lengths(batch["labels"], attention).tolist()

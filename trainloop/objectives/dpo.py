@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import not_yet
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
+from trainloop.objectives.reference import held, plan_copy, reference_model
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -41,37 +42,9 @@ class DPOConfig:
     # RUN_DIR/reference_logps.pt for a resume), and a full fine-tune's frozen reference copy freed after it
     precompute_reference: bool = False
 
-def reference_model(model):
-    """The peft model under a data-parallel wrapper (DDP's .module), whose adapters can be disabled."""
-    return model if hasattr(model, "disable_adapter") else model.module
-
-
 def pair_tensors(dataset) -> dict:
     """A preference set's own columns (trainloop.data.packing.PairBlocks), without precomputed ones."""
     return {key: t for key, t in dataset.tensors.items() if key != PRECOMPUTED}
-
-
-def plan_copy(plan, who: str) -> None:
-    """The planner's line for a frozen copy of the model: the policy's parameters once more, held
-    as the strategy holds them (whole, partitioned by ZeRO-3, sharded by FSDP2), in its precision."""
-    from trainloop.parallel.memory import Line
-
-    for x in [x for x in plan.lines if x.what == "parameters"]:
-        plan.lines.append(Line("reference model", x.bytes, x.where, exact=x.exact,
-                               note=f"{who}: a frozen copy of the parameters, held like them"))
-
-
-def held(frozen) -> str:
-    """How the ranks hold a frozen copy, read back from it (FSDP2's DTensors, DeepSpeed's engine)."""
-    from trainloop.model.tensors import is_fsdp2
-
-    if is_fsdp2(frozen):
-        return "sharded by FSDP2 like the policy"
-    if hasattr(frozen, "zero_optimization_stage"):
-        stage = frozen.zero_optimization_stage()
-        return f"partitioned by DeepSpeed ZeRO-{stage} like the policy" if stage == 3 else \
-            "whole on each rank (a DeepSpeed engine without ZeRO: the policy's stage partitions no parameters)"
-    return "whole on each rank"
 
 
 class DPO(PairObjective):

@@ -4,7 +4,10 @@ padded batch with a dynamic cache, or `continuous`, transformers' continuous bat
 behind `generate_batch`): unpadded requests in a paged KV cache, scheduled token by token, so a row
 that has finished leaves the batch instead of being padded along.
 
-Both return what `generate` returns: the left-padded prompts, then each row's completion padded on
+Beside them, what sampling rows share (grpo's and distill's): `sampling_seed` (a micro-batch's generator
+seed, from where it is in the run), `generation_config`, `left_padded` prompts and the `completion_mask`.
+
+Both engines return what `generate` returns: the left-padded prompts, then each row's completion padded on
 the right with the pad token after its end-of-text, up to the longest row's (at most max_new_tokens).
 
 Continuous batching, as this module runs it:
@@ -24,6 +27,7 @@ Continuous batching, as this module runs it:
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -190,3 +194,38 @@ def padded(prompt_ids: torch.Tensor, completions: list[list[int]], pad: int) -> 
     for row, tokens in enumerate(completions):
         out[row, prompt_ids.shape[1]:prompt_ids.shape[1] + len(tokens)] = torch.tensor(tokens, dtype=prompt_ids.dtype)
     return out
+
+
+def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """The generator seed of one micro-batch's sampling: a function of where it is in the run."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()[:8], "big") >> 1
+
+
+def generation_config(**settings):
+    """A generation config of these settings alone (transformers' defaults for the rest)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**settings)
+
+
+def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded on the left to the longest, and their attention mask, as `like`'s dtype and device."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=like.dtype, device=like.device)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+    return ids, mask
+
+
+def completion_mask(completion_ids: torch.Tensor, eos: int) -> torch.Tensor:
+    """1 on each completion's tokens up to and with its first EOS (TRL's), 0 after."""
+    import torch
+
+    is_eos = completion_ids == eos
+    first = torch.full((is_eos.shape[0],), is_eos.shape[1], dtype=torch.long, device=completion_ids.device)
+    found = is_eos.any(1)
+    first[found] = is_eos.int().argmax(1)[found]
+    return (torch.arange(is_eos.shape[1], device=completion_ids.device).expand_as(is_eos) <= first[:, None]).long()

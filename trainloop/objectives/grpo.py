@@ -23,7 +23,6 @@ trains on the window's completions, which each rank's checkpoint holds (rank_sta
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import time
@@ -31,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.objectives.dpo import reference_model
-from trainloop.objectives.generation import complete, length_problems, sampling
+from trainloop.objectives.generation import (
+    complete, completion_mask, generation_config, left_padded, length_problems, sampling, sampling_seed,
+)
+from trainloop.objectives.reference import reference_model
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -119,41 +120,6 @@ def generation_problems(cfg) -> list[str]:
                         "gathers the weights in every forward of every rank together: set "
                         "objective.generation=generate")
     return problems
-
-
-def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
-    """The generator seed of one micro-batch's sampling: a function of where it is in the run."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()[:8], "big") >> 1
-
-
-def generation_config(**settings):
-    """A generation config of these settings alone (transformers' defaults for the rest)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(**settings)
-
-
-def left_padded(rows: list[list[int]], pad: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows padded on the left to the longest, and their attention mask, as `like`'s dtype and device."""
-    import torch
-
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad, dtype=like.dtype, device=like.device)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
-    return ids, mask
-
-
-def completion_mask(completion_ids: torch.Tensor, eos: int) -> torch.Tensor:
-    """1 on each completion's tokens up to and with its first EOS (TRL's), 0 after."""
-    import torch
-
-    is_eos = completion_ids == eos
-    first = torch.full((is_eos.shape[0],), is_eos.shape[1], dtype=torch.long, device=completion_ids.device)
-    found = is_eos.any(1)
-    first[found] = is_eos.int().argmax(1)[found]
-    return (torch.arange(is_eos.shape[1], device=completion_ids.device).expand_as(is_eos) <= first[:, None]).long()
 
 
 def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str,
@@ -725,7 +691,7 @@ class GRPO(Objective):
     def memory_lines(plan, cfg) -> None:
         """With beta > 0, a full fine-tune's reference copy (an adapter's is the policy without it); each
         reward model, whole on each rank in fp32 (its weights' sizes read from its safetensors headers)."""
-        from trainloop.objectives.dpo import plan_copy
+        from trainloop.objectives.reference import plan_copy
         from trainloop.objectives.rewards import model_name, saved_numel
         from trainloop.parallel.memory import Line
 
@@ -759,7 +725,7 @@ class GRPO(Objective):
         return copy.deepcopy(model).requires_grad_(False)
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
-        from trainloop.objectives.dpo import held
+        from trainloop.objectives.reference import held
 
         self.frozen = frozen  # placed and sharded like the policy by the strategy (prepare_frozen)
         self.strategy = strategy  # eval_sums generates and scores on every rank together

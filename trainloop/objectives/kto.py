@@ -72,7 +72,7 @@ class KTO(Objective):
     @staticmethod
     def memory_lines(plan, cfg) -> None:
         """A full fine-tune's reference copy, held like the policy's parameters; none with an adapter."""
-        from trainloop.objectives.dpo import plan_copy
+        from trainloop.objectives.reference import plan_copy
 
         if cfg.adapter.name != "none":
             plan.notes.append("objective=kto with an adapter: the reference is the model with its adapters disabled, "
@@ -95,7 +95,7 @@ class KTO(Objective):
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         import logging
 
-        from trainloop.objectives.dpo import held
+        from trainloop.objectives.reference import held
 
         self.frozen, self.strategy = frozen, strategy  # the KL estimate is reduced over the ranks in each forward
         if frozen is not None:
@@ -124,7 +124,7 @@ class KTO(Objective):
         disabled; in eval mode, without gradients."""
         import torch
 
-        from trainloop.objectives.dpo import reference_model
+        from trainloop.objectives.reference import reference_model
 
         with torch.no_grad():
             if self.frozen is not None:
