@@ -94,8 +94,6 @@ def test_the_shipped_default_is_trls():
     (["model.arch=mixtral"], "objective=orpo does not add a mixture's router loss"),
     (["trainer.auto_batch_size=true"], "objective=orpo does not search a batch size yet"),
     (["data=chat", "data.path=/some/chats.jsonl"], "objective=orpo trains on preference pairs, and data=chat holds none"),
-    (["parallel.pp_size=2", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"],
-     "parallel.pp_size=2 with objective=orpo needs each completion's mean log-probability"),
 ])
 def test_what_cannot_work_is_refused_naming_the_key(overrides, says):
     with pytest.raises(ConfigError, match=rf"\n  {says}"):

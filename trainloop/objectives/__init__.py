@@ -46,13 +46,18 @@ def row(cfg) -> type[Objective]:
 def layout_problems(cfg, objective: type[Objective]) -> list[str]:
     """What the objective needs (its row's `needs`, `copies_model`) against what the chosen layout gives
     (trainloop.parallel's declarations): one line for each combination that cannot run, naming both."""
-    from trainloop.parallel.degrees import builds_partitioned, token_loss_only
+    from trainloop.parallel.degrees import builds_partitioned, one_forward_only
 
     found, needs = [], objective.needs
     said = (needs[0] if len(needs) == 1 else f"{', '.join(needs[:-1])} and {needs[-1]}") if needs else ""
-    for key, layout, instead in token_loss_only(cfg) if needs else ():
-        found.append(f"{key} with objective={objective.name} needs {said}, which {layout} does not give yet (it "
-                     f"gives a next-token loss on target tokens, objective=causal_lm's); {instead}")
+    for key, layout, instead in one_forward_only(cfg):
+        if needs:
+            found.append(f"{key} with objective={objective.name} needs {said}, which {layout} does not give yet (it "
+                         f"hands the objective's loss the logits of one forward of the model); {instead}")
+        elif cfg.trainer.loss_chunk_tokens and not objective.next_token_loss:
+            found.append(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} with {key} and objective="
+                         f"{objective.name}: {layout} chunks the next-token loss alone (objective=causal_lm's) inside "
+                         "its last stage; set trainer.loss_chunk_tokens=0")
     if (key := builds_partitioned(cfg)) and objective.copies_model(cfg):
         found.append(f"{key} with objective={objective.name} and adapter=none: the frozen reference is a copy of the "
                      "model as built, and zero.Init builds it already partitioned; set deepspeed.zero3_init=false "

@@ -58,9 +58,12 @@ class Objective:
     # optimizer.lr for a pretrained model (model=hf) where the config sets none: the default of TRL's trainer
     # for the same objective (its config class, named in the start-up line); a model from scratch keeps 1e-3
     pretrained_lr: tuple[float, str] = (2e-5, "SFTConfig")
-    # What it needs beyond a next-token loss on its rows' target tokens, in the words a layout that gives only
-    # that loss (the pipeline's last stage) refuses it with; () for that loss alone (causal_lm)
+    # What its loss needs beyond the logits of one forward of the model (forward_inputs'), in the words a layout
+    # that gives only those (the pipeline's last stage) refuses it with; () for those alone (causal_lm, simpo)
     needs: tuple[str, ...] = ()
+    # its loss is the next-token loss on target tokens alone, which chunked_token_loss computes from the final hidden
+    # states: what a layout that takes the chunked loss inside its forward (the pipeline's last stage) runs
+    next_token_loss = False
 
     @classmethod
     def copies_model(cls, cfg) -> bool:
@@ -132,25 +135,26 @@ class Objective:
         return loss_sums(self.batch_loss(model, batch).summed, self.count(batch))
 
     # -- the loss alone, for a layout that runs the forward itself (the pipeline's last stage) ----------------
-    # An objective that needs nothing beyond the next-token loss (needs == ()) is trained by these on such a
-    # layout: it computes the forward, the objective its loss (trainloop.objectives.layout_problems keeps the rest off).
-    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The next-token loss summed over the target tokens of a forward's `logits`, in fp32: position t
-        predicts labels[:, t + 1]."""
-        from trainloop.objectives.chunked_loss import summed_nll
-
-        return summed_nll(logits, labels)
+    # An objective that needs nothing beyond one forward's logits (needs == ()) is trained on such a layout by
+    # its own batch_loss and eval_sums, handed as the model what returns the logits of the forward the layout ran
+    # on forward_inputs(batch); with trainer.loss_chunk_tokens the layout's last stage takes chunked_token_loss
+    # instead (trainloop.objectives.layout_problems keeps the rest off).
+    def forward_inputs(self, batch: dict) -> dict:
+        """The inputs of the one forward of the model that batch_loss and eval_sums read: the token rows (and the
+        position ids of packed documents)."""
+        return {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
 
     def chunked_token_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor,
                            chunk: int) -> torch.Tensor:
-        """token_loss from the final hidden states and the output layer's `weight` and `bias`, `chunk` tokens at
-        a time (trainer.loss_chunk_tokens): the full logits never exist."""
+        """The next-token loss summed over the target tokens (fp32) from the final hidden states and the output
+        layer's `weight` and `bias`, `chunk` tokens at a time (trainer.loss_chunk_tokens): the full logits never
+        exist. Position t predicts labels[:, t + 1]."""
         from trainloop.objectives.chunked_loss import chunked_nll
 
         return chunked_nll(hidden, weight, bias, labels, chunk)
 
     def token_loss_sums(self, summed: torch.Tensor, batch: dict) -> torch.Tensor:
-        """An evaluation forward's sums (eval_sums) from its token_loss."""
+        """An evaluation forward's sums (eval_sums) from its chunked_token_loss."""
         return loss_sums(summed, self.count(batch))
 
     def eval_values(self, total: torch.Tensor) -> dict:

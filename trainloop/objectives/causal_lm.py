@@ -30,6 +30,7 @@ class CausalLM(Objective):
 
     name = "causal_lm"
     chunks_loss = True
+    next_token_loss = True
 
     def __init__(self, cfg, device):
         from trainloop.model.compile import compile_loss

@@ -49,7 +49,7 @@ def pair_tensors(dataset) -> dict:
 
 class DPO(PairObjective):
     name = "dpo"
-    needs = ("each completion's log-probability", "a frozen reference")
+    needs = ("a frozen reference",)
     pretrained_lr = (1e-06, "DPOConfig")
     keys = DPOConfig
 

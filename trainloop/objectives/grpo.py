@@ -266,7 +266,7 @@ def shown(rollout: dict, prompt_field: str, names: list[str], rewards) -> list[d
 
 class GRPO(Objective):
     name = "grpo"
-    needs = ("generation", "each completion's log-probability", "a frozen reference (objective.beta > 0)")
+    needs = ("generation", "a frozen reference (objective.beta > 0)")
     pretrained_lr = (1e-06, "GRPOConfig")
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")

@@ -38,7 +38,7 @@ class KTOConfig:
 
 class KTO(Objective):
     name = "kto"
-    needs = ("each completion's log-probability", "a frozen reference", "a KL term from mismatched pairs")
+    needs = ("a frozen reference", "a second forward of mismatched pairs for the KL term")
     pretrained_lr = (1e-06, "KTOConfig")
     keys = KTOConfig
     unpaired = True

@@ -59,7 +59,6 @@ def whole_row_labels(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class ORPO(PairObjective):
     name = "orpo"
-    needs = ("each completion's mean log-probability",)
     pretrained_lr = (1e-06, "ORPOConfig")
     keys = ORPOConfig
     # SUMS, TRL's three (each summed once a pair), and the chosen rows' NLL summed over their tokens and the

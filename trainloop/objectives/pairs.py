@@ -69,6 +69,12 @@ class PairObjective(Objective):
         """Each pair's loss, and SUMS over the batch's pairs (`sums`)."""
         raise NotImplementedError
 
+    def forward_inputs(self, batch: dict) -> dict:
+        """Chosen rows then rejected, in one forward (each right-padded to data.seq_len: no mask needed)."""
+        import torch
+
+        return {"input_ids": torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])}
+
     def count(self, batch: dict) -> torch.Tensor:
         import torch
 
@@ -88,7 +94,7 @@ class PairObjective(Objective):
         return {key: total[i].item() / pairs for i, key in enumerate(self.sum_names) if i > 1}
 
     def window(self, strategy) -> dict:
-        total = strategy.reduce_sum(self.sums)
+        total = strategy.reduce_computed(self.sums)
         self.sums = self.sums.new_zeros(self.sums.shape)
         return self.means(total)
 

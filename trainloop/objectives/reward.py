@@ -36,7 +36,7 @@ class RewardConfig:
 
 class Reward(PairObjective):
     name = "reward"
-    needs = ("a score head on each row's last token",)
+    needs = ("a score head on each row's last token in place of the output layer",)
     pretrained_lr = (0.0001, "RewardConfig")
     keys = RewardConfig
     head = "score"

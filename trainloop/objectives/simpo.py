@@ -49,7 +49,6 @@ def mean_completion_logps(model, batch: dict, chunk: int = 0) -> torch.Tensor:
 
 class SimPO(PairObjective):
     name = "simpo"
-    needs = ("each completion's mean log-probability",)
     pretrained_lr = (1e-06, "CPOConfig")
     keys = SimPOConfig
 

@@ -130,6 +130,11 @@ class Strategy:
             dist.all_reduce(summed, group=self.dp_group)
         return summed
 
+    def reduce_computed(self, tensor):
+        """reduce_sum of what the ranks that compute the loss accumulate from it (an objective's window of
+        rewards and log-probabilities): on every rank here; a pipeline's last stage alone (Pipeline)."""
+        return self.reduce_sum(tensor)
+
     def sequences_split(self, alone: bool = False):
         """The context the step's and the evaluation's forwards run in: split over the context-parallel
         group (trainloop.parallel.context), or whole (no group, or a process stepping `alone`)."""

@@ -20,16 +20,16 @@ def context_size(cfg) -> int:
     return cfg.parallel.cp_size
 
 
-def token_loss_only(cfg) -> list[tuple[str, str, str]]:
-    """The dimensions of this config that give an objective a next-token loss on target tokens and nothing
-    else (the pipeline's last stage computes that loss itself), each as (its key, what it is, what to set
-    instead): trainloop.objectives checks what the objective needs. Tensor parallelism is not one: it splits
-    the blocks' matrices and keeps the embeddings, the output layer and the loss whole on every rank of a tp
-    group (trainloop.parallel.tensor_parallel), so every objective's forward, frozen copy and generation run
-    there as on one process, each tp rank of a group on the same rows."""
+def one_forward_only(cfg) -> list[tuple[str, str, str]]:
+    """The dimensions of this config that give an objective's loss the logits of one forward of the model and
+    nothing else (the pipeline runs that forward across its stages and hands the last stage's logits to the
+    objective's loss), each as (its key, what it is, what to set instead): trainloop.objectives checks what the
+    objective needs beyond them. Tensor parallelism is not one: it splits the blocks' matrices and keeps the
+    embeddings, the output layer and the loss whole on every rank of a tp group (trainloop.parallel.tensor_parallel),
+    so every objective's forward, frozen copy and generation run there as on one process."""
     p, found = cfg.parallel, []
     if p.pp_size > 1:
-        found.append((f"parallel.pp_size={p.pp_size}", "the pipeline's last stage", "use parallel.pp_size=1"))
+        found.append((f"parallel.pp_size={p.pp_size}", "the pipeline", "use parallel.pp_size=1"))
     return found
 
 

@@ -21,7 +21,9 @@ after the last micro-batch). Tensor parallelism inside the stages comes next.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from trainloop.errors import ConfigError
 from trainloop.parallel.base import Strategy
@@ -118,6 +120,22 @@ def each_micro_batch(stage):
     return EachMicroBatch()
 
 
+class Forwarded:
+    """The last stage's logits as the model an objective's loss calls (its batch_loss, eval_sums): the forward
+    ran already, on the objective's forward_inputs, and called with those rows it returns that forward's logits."""
+
+    def __init__(self, logits, input_ids):
+        self.logits, self.input_ids = logits, input_ids
+
+    def __call__(self, input_ids, **_):
+        import torch
+
+        if input_ids.shape != self.input_ids.shape or not torch.equal(input_ids, self.input_ids):
+            raise RuntimeError("the objective's loss asked for a forward of other rows than its forward_inputs, "
+                               "which the pipeline ran")
+        return SimpleNamespace(logits=self.logits)
+
+
 class Pipeline(Strategy):
     name = "pipeline"
     interleaved = True
@@ -181,6 +199,7 @@ class Pipeline(Strategy):
         self.chunk = cfg.trainer.loss_chunk_tokens  # the last stage takes the chunked loss in its forward
         self._scale = None  # what the loss on the last stage is multiplied by this step
         self._objective = None  # whose loss the last stage takes (handed in by the step or the evaluation)
+        self._pending = deque()  # (micro-batch, its forward_inputs) whose losses the last stage takes next
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
@@ -262,14 +281,25 @@ class Pipeline(Strategy):
     def prepare(self, model, optimizer):
         return model, self.accelerator.prepare(optimizer)  # each rank steps its own stages' parameters
 
-    def _loss(self, output, labels):
-        """The last stage's output (its logits, or with the chunked loss their summed loss) as the
-        micro-batch's summed loss over the step's units: the schedule's loss_fn."""
-        return self._summed(output, labels) * self._scale
+    def _loss(self, output, target):
+        """The last stage's output (its logits, or with the chunked loss their summed loss) as the next
+        micro-batch's summed loss over the step's units: the schedule's loss_fn, called on the micro-batches in
+        order. The logits go to the objective's own batch_loss (Forwarded), which sums its metrics as on one process."""
+        if self.chunk:
+            return output * self._scale
+        if not self._initialized():  # torch's first step infers the gradients' shapes from a forward of its own
+            return output.float().sum() * 0.0  # on made-up activations: a loss of the shape's, counting nothing
+        batch, forward = self._pending.popleft()
+        loss = self._objective.batch_loss(Forwarded(output, forward["input_ids"]), batch)
+        if loss.penalty is not None:
+            raise RuntimeError(f"objective={self._objective.name}: a loss with a penalty runs no pipeline")
+        return loss.summed * self._scale
 
-    def _summed(self, output, labels):
-        """The objective's summed next-token loss of the last stage's output."""
-        return output if self.chunk else self._objective.token_loss(output, labels)
+    def _initialized(self) -> bool:
+        """Whether the schedule has inferred its stages' shapes (its first step does, calling loss_fn once more)."""
+        schedule = self.schedule
+        return bool(getattr(schedule, "_stage_backward_initialized", False) or
+                    getattr(schedule, "_stages_backward_initialized", False))
 
     def _chunked_loss(self, hidden, weight, bias, labels):
         return self._objective.chunked_token_loss(hidden, weight, bias, labels, self.chunk)
@@ -285,13 +315,19 @@ class Pipeline(Strategy):
         # FSDP2 averages the gradients it reduce-scatters over dp_shard: the loss is multiplied back
         factor = self.dp if self.sharded else 1
         self._scale, self._objective = factor / units, objective
-        ids = torch.cat([b["input_ids"] for b in group])
-        labels = torch.cat([b["labels"] for b in group])
-        inputs = stage_inputs(model, group) | ({"labels": labels} if self.chunk else {})
+        forwards = [objective.forward_inputs(b) for b in group]
+        self._pending = deque(zip(group, forwards))
+        ids = torch.cat([f["input_ids"] for f in forwards])
+        inputs = stage_inputs(model, forwards)
+        if self.chunk:
+            inputs["labels"] = torch.cat([b["labels"] for b in group])
         losses = []
         with forward_context(), self.accelerator.autocast():
             args = (ids,) if 0 in self.stage_ids else ()
-            self.schedule.step(*args, **inputs, target=labels, losses=losses, return_outputs=False)
+            self.schedule.step(*args, **inputs, target=ids, losses=losses, return_outputs=False)
+        if self.num_stages - 1 in self.stage_ids and self._pending and not self.chunk:
+            raise RuntimeError(f"the pipeline's last stage took {len(group) - len(self._pending)} of {len(group)} "
+                               "micro-batches' losses")
         if self.dp > 1 and not self.sharded:
             self._sum_replicas(model)
         step_loss = torch.stack(losses).sum().detach() / factor if losses else torch.zeros((), device=self.device)
@@ -315,9 +351,10 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
-        self._objective = objective
-        inputs = stage_inputs(model, [batch]) | ({"labels": batch["labels"]} if self.chunk else {})
-        hidden = batch["input_ids"]
+        self._objective = objective  # the chunked loss inside the last stage's forward is its
+        forward = objective.forward_inputs(batch)
+        inputs = stage_inputs(model, [forward]) | ({"labels": batch["labels"]} if self.chunk else {})
+        hidden = forward["input_ids"]
         rank = self.accelerator.process_index
         with self.accelerator.autocast():
             for s in range(self.num_stages):
@@ -325,16 +362,30 @@ class Pipeline(Strategy):
                 if owner != rank:
                     continue
                 if s > 0 and before != rank:
-                    hidden = receive(batch["input_ids"].shape + (model.config.hidden_size,), before, self.device)
+                    hidden = receive(forward["input_ids"].shape + (model.config.hidden_size,), before, self.device)
                 hidden = self.stages[self.stage_ids.index(s)].submod(hidden, **inputs)
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
+        pp = self.mesh.get_group("pp")
         if self.num_stages - 1 in self.stage_ids:  # the logits, or with the chunked loss their summed loss
-            sums = objective.token_loss_sums(self._summed(hidden, batch["labels"]), batch)
+            sums = (objective.token_loss_sums(hidden, batch) if self.chunk else
+                    objective.eval_sums(Forwarded(hidden, forward["input_ids"]), batch)).to(torch.float64)
+            size = torch.tensor([len(sums)], device=self.device)
         else:
-            sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        dist.broadcast(sums, src=self.last_rank, group=self.mesh.get_group("pp"))
+            size = torch.zeros(1, dtype=torch.long, device=self.device)
+        dist.broadcast(size, src=self.last_rank, group=pp)  # how many sums the objective keeps
+        if self.num_stages - 1 not in self.stage_ids:
+            sums = torch.zeros(int(size), dtype=torch.float64, device=self.device)
+        dist.broadcast(sums, src=self.last_rank, group=pp)
         return sums
+
+    def reduce_computed(self, tensor):
+        """What the last stage accumulated from its losses, on every stage of its pipeline, summed over dp_shard."""
+        import torch.distributed as dist
+
+        held = tensor.clone()
+        dist.broadcast(held, src=self.last_rank, group=self.mesh.get_group("pp"))
+        return self.reduce_sum(held)
 
     def clip_grad_norm(self, model, max_norm: float):
         """The norm over every stage's gradients (summed squares over the ranks), the same on each."""
@@ -496,7 +547,11 @@ class Pipeline(Strategy):
         p = cfg.parallel
         if p.pp_size <= 1:
             return []
+        from trainloop.data.formats import FORMATS
+
         key, found = f"parallel.pp_size={p.pp_size}", []
+        # preference pairs are right-padded to data.seq_len whatever data.packing says: causal, they need no mask
+        pairs = cfg.data.name in FORMATS and FORMATS[cfg.data.name].pairs
         if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
             found.append("parallel.pp_schedule=interleaved_1f1b interleaves several stages on each process: "
                          "set parallel.pp_stages_per_rank=2 (or more)")
@@ -522,7 +577,7 @@ class Pipeline(Strategy):
         unsupported = {
             "arch": (cfg.model.name == "tiny" and cfg.model.arch != "llama", f"model.arch={cfg.model.arch}: only "
                      "model.arch=llama is cut into stages for now"),
-            "attention": (cfg.model.attn_implementation != "sdpa" or cfg.data.packing == "none",
+            "attention": (cfg.model.attn_implementation != "sdpa" or cfg.data.packing == "none" and not pairs,
                           f"model.attn_implementation={cfg.model.attn_implementation} with data.packing="
                           f"{cfg.data.packing}: stages attend through trainloop's sdpa attention, which needs "
                           "data.packing=documents or stream and model.attn_implementation=sdpa"),
