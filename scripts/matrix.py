@@ -62,15 +62,20 @@ MEASURED = {"time", "tokens_per_s", "tflops", "mfu", "data_wait_frac", "rss_byte
 TOLERANCE = 1e-5
 
 
-def one_process(objective: str, layout: str) -> list[str]:
+def with_objective(objective: str, teacher: str) -> list[str]:
+    """The objective's overrides, objective=distill's teacher at `teacher` (a write_teacher directory)."""
+    return [o.replace(TEACHER, teacher) for o in OBJECTIVES[objective]]
+
+
+def one_process(objective: str, layout: str, teacher: str) -> list[str]:
     """The one-process run a cell is compared with: the objective's, at batch BATCH, with the model the layout needs."""
-    return [*STEPS, *OBJECTIVES[objective], *LAYOUTS[layout][3], f"data.batch_size={BATCH}"]
+    return [*STEPS, *with_objective(objective, teacher), *LAYOUTS[layout][3], f"data.batch_size={BATCH}"]
 
 
-def cell(objective: str, layout: str) -> tuple[int, list[str]]:
+def cell(objective: str, layout: str, teacher: str) -> tuple[int, list[str]]:
     """(processes, overrides) of the layout's run of the objective."""
     processes, overrides, batch, model = LAYOUTS[layout]
-    return processes, [*STEPS, *OBJECTIVES[objective], *model, *overrides, f"data.batch_size={batch}"]
+    return processes, [*STEPS, *with_objective(objective, teacher), *model, *overrides, f"data.batch_size={batch}"]
 
 
 def numbers(run_dir: Path) -> list[tuple]:
@@ -146,17 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         teacher = str(write_teacher(tmp / "teacher")) if "distill" in args.objectives else ""
-        fill = lambda overrides: [o.replace(TEACHER, teacher) for o in overrides]  # noqa: E731
         references: dict[tuple, list] = {}
         print(f"| objective | {' | '.join(args.layouts)} |\n|---" + "|---" * len(args.layouts) + "|", flush=True)
         for objective in args.objectives:
             cells = []
             for layout in args.layouts:
-                processes, overrides = cell(objective, layout)
-                if (said := refusal(fill(overrides))) is not None:
+                processes, overrides = cell(objective, layout, teacher)
+                if (said := refusal(overrides)) is not None:
                     cells.append("refused: " + "; ".join(line.strip() for line in said.splitlines()[1:] or [said]))
                     continue
-                base = fill(one_process(objective, layout))
+                base = one_process(objective, layout, teacher)
                 if tuple(base) not in references:
                     run_dir = tmp / f"one-{len(references)}"
                     error = torchrun(1, base, run_dir, args.master_port)
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 want = references[tuple(base)]
                 run_dir = tmp / f"{objective}-{layout.replace(' ', '_')}"
                 error = (f"the one process: {want}" if isinstance(want, str) else
-                         torchrun(processes, fill(overrides), run_dir, args.master_port))
+                         torchrun(processes, overrides, run_dir, args.master_port))
                 first, worst = (error, 0.0) if error else difference(numbers(run_dir), want)
                 cells.append(f"FAILED: {first}" if first else f"within 1e-5 (largest {worst:.0e})")
                 failed |= first is not None

@@ -91,15 +91,22 @@ def teacher_dir(suite: str) -> Path:
 TEACHER = teacher_dir(suite_id())
 
 
+def script(name: str):
+    """scripts/NAME.py loaded as a module (scripts/ is no package): what its tests call of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_teacher() -> Path:
     """TEACHER, made by the first worker that gets here; the others wait on its lock and find it."""
     import fcntl
-    import importlib.util
     import shutil
 
-    spec = importlib.util.spec_from_file_location("matrix", REPO / "scripts" / "matrix.py")
-    matrix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matrix)
+    matrix = script("matrix")
     TEACHER.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{TEACHER}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

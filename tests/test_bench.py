@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from helpers import REPO, reset_accelerate
+from helpers import reset_accelerate, script
 
-spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = script("bench")
 
 # The process ran alone from start to t=10 (start-up, then steps 1-5), was stopped, then had
 # two turns: 20-25 and 30-40 (it exited at 40). Steps 6 and 10 were stopped part-way.

@@ -4,7 +4,6 @@ positive figures; and its table, on hand-made measurements, shows trainloop / TR
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -13,11 +12,9 @@ import sys
 
 import pytest
 
-from helpers import REPO, clean_env
+from helpers import REPO, clean_env, script
 
-spec = importlib.util.spec_from_file_location("bench_dpo", REPO / "scripts" / "bench_dpo.py")
-bench_dpo = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_dpo)
+bench_dpo = script("bench_dpo")
 
 MIB = 2**20
 LORA, FULL = bench_dpo.ROWS["lora"][0], bench_dpo.ROWS["full"][0]

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
+from helpers import script
 
-from helpers import REPO
-
-spec = importlib.util.spec_from_file_location("bench_parallel", REPO / "scripts" / "bench_parallel.py")
-bench_parallel = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_parallel)
+bench_parallel = script("bench_parallel")
 
 MIB = 2**20
 

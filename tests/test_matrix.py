@@ -9,19 +9,11 @@ ranks together, distill with its teacher split like the student."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from helpers import REPO, TEACHER, reference_run, run_log, warm
+from helpers import TEACHER, reference_run, run_log, script, warm
 
-spec = importlib.util.spec_from_file_location("matrix", REPO / "scripts" / "matrix.py")
-matrix = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(matrix)
-
-
-def filled(overrides: list[str]) -> list[str]:
-    return [o.replace(matrix.TEACHER, str(TEACHER)) for o in overrides]
+matrix = script("matrix")
 
 
 # the cells that ran refused before issue 59's check 1: tensor parallelism for every objective beyond causal_lm,
@@ -38,10 +30,10 @@ SAYS = {"FSDP2 x TP": "FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp",
 @pytest.mark.slow
 @pytest.mark.parametrize("objective, layout", NEW_CELLS, ids=[f"{o}-{l.replace(' ', '_')}" for o, l in NEW_CELLS])
 def test_the_objective_trains_on_the_layout_as_one_process_does(objective, layout, tmp_path_factory, tmp_path):
-    want = matrix.numbers(reference_run(tmp_path_factory, *filled(matrix.one_process(objective, layout))))
-    processes, overrides = matrix.cell(objective, layout)
+    want = matrix.numbers(reference_run(tmp_path_factory, *matrix.one_process(objective, layout, str(TEACHER))))
+    processes, overrides = matrix.cell(objective, layout, str(TEACHER))
     run_dir = tmp_path / "run"
-    warm(processes, [*filled(overrides), f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    warm(processes, [*overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert SAYS[layout] in run_log(run_dir), run_log(run_dir)[-2000:]
     first, worst = matrix.difference(matrix.numbers(run_dir), want)
     assert first is None, f"{objective} under {layout}: {first}"

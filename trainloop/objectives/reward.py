@@ -75,7 +75,7 @@ class Reward(PairObjective):
 
         from trainloop.parallel import context
 
-        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+        ids = self.forward_inputs(batch)["input_ids"]
         cp = context.current()
         if cp is None:
             return model(input_ids=ids, use_cache=False).logits.squeeze(-1).float()
