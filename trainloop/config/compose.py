@@ -41,40 +41,67 @@ def compose_config(overrides: Sequence[str] = (), check: bool = True, return_hyd
     With `check`, Hydra's own errors become a ConfigError and the config is checked as a run
     checks it (required keys, validate()); hydra.* overrides are left to Hydra's run.
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = [o for o in overrides if not (check and o.startswith("hydra."))]
     if check:
         check_presets(overrides)
-    # Hydra takes about 0.2 s to compose (23 files merged onto the schema); the same overrides on the same
-    # conf/ compose the same config, so a process composes each once and gets a copy of its own after that
-    # (tests compose thousands; a notebook's runs, a sweep's, the planner's presets several). hydra.* overrides
-    # can bring in files of their own (hydra.searchpath): those compose afresh every time.
-    key = (tuple(overrides), return_hydra_config, conf_signature())
-    if key not in COMPOSED or any(o.lstrip("+~").startswith("hydra.") for o in overrides):
-        register_configs()
-        GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-                composed = compose(config_name="train", overrides=overrides, return_hydra_config=return_hydra_config)
-        except (HydraException, OmegaConfBaseException) as err:
-            if not check:
-                raise
-            raise ConfigError(f"the overrides {' '.join(overrides)!r} do not compose: {err}") from None
-        if len(COMPOSED) >= COMPOSED_KEPT:
-            COMPOSED.pop(next(iter(COMPOSED)))
-        COMPOSED[key] = composed
-    cfg = copy.deepcopy(COMPOSED[key])
+    try:
+        cfg = composed(overrides, return_hydra_config)
+    except (HydraException, OmegaConfBaseException) as err:
+        if not check:
+            raise
+        raise ConfigError(f"the overrides {' '.join(overrides)!r} do not compose: {err}") from None
     if check:
         check_complete(cfg)
         validate(cfg)
     return cfg
 
 
-COMPOSED: dict = {}  # (overrides, return_hydra_config, conf_signature()) -> the config Hydra composed from them
+def composed(overrides: Sequence[str], return_hydra_config: bool):
+    """What Hydra's compose returns for these overrides, as a copy of this process's own.
+
+    Hydra takes 0.2-0.5 s to compose (23 files merged onto the schema), nearly all of it the defaults list: the
+    group choices (`data=chat`, `+preset=smoke`). The other overrides it applies afterwards, one by one, onto the
+    composed config (ConfigLoaderImpl._apply_overrides_to_config, after set_struct). So a process composes each
+    set of group choices once, keyed by conf/'s files, and applies the rest to a copy with Hydra's own function:
+    the same config, and the same errors, as a whole compose (tests/test_config.py compares them). Tests compose
+    thousands; a notebook's runs, a sweep's, the planner's presets several. The hydra node, hydra.* overrides
+    (which can bring in files of their own) and sweeps compose whole every time.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices, values = list(overrides), []
+    whole = return_hydra_config or any(o.lstrip("+~").startswith("hydra") for o in overrides)
+    if not whole:
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+        if any(o.is_sweep_override() for o in parsed):
+            whole = True
+        else:  # Hydra's own split (defaults_list.Overrides): a key that names no config group, or a dict value
+            applied = [not (CONFIG_DIR / o.key_or_group).is_dir() or isinstance(o.value(), dict) for o in parsed]
+            choices = [o for o, later in zip(overrides, applied) if not later]
+            values = [o for o, later in zip(parsed, applied) if later]
+    key = (tuple(choices), return_hydra_config, conf_signature())
+    if key not in COMPOSED or whole:
+        register_configs()
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            made = compose(config_name="train", overrides=choices, return_hydra_config=return_hydra_config)
+        if whole:
+            return made
+        if len(COMPOSED) >= COMPOSED_KEPT:
+            COMPOSED.pop(next(iter(COMPOSED)))
+        COMPOSED[key] = made
+    cfg = copy.deepcopy(COMPOSED[key])
+    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    return cfg
+
+
+COMPOSED: dict = {}  # (group choices, return_hydra_config, conf_signature()) -> the config Hydra composed from them
 COMPOSED_KEPT = 256
 
 
