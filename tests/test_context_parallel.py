@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, conversation, grad_norms, launch, read_metrics, reference_run, train, warm, write_rows
+from helpers import compose, conversation, grad_norms, read_metrics, reference_run, train, warm, write_rows
 from trainloop.config.compose import ConfigError, validate
 
 STEPS = 8
@@ -106,7 +106,7 @@ def test_zero3_with_cp_2_trains_as_one_process_and_its_checkpoint_keeps_its_proc
     files hold its share, so its checkpoint resumes only as saved: cp 2 -> 1 is refused by name."""
     split = context_parallel(tmp_path / "zero3_cp2", "deepspeed=zero3", f"checkpoint.every_steps={STEPS}")
     assert_same_run(split, text)
-    refused = launch(["python", "-m", "trainloop", *RUN, "deepspeed=zero3", f"hydra.run.dir={split}"], check=False)
+    refused = warm(1, [*RUN, "deepspeed=zero3", f"hydra.run.dir={split}"], cwd=tmp_path, check=False)
     assert refused.returncode == 2 and "parallel.cp_size: 2 -> 1" in refused.stderr, refused.stderr[-2000:]
 
 

@@ -1,6 +1,6 @@
 """Scale-out for real: 2 CPU processes over gloo under torchrun, accelerate launch and the
-deepspeed launcher; DDP and DeepSpeed ZeRO-2/ZeRO-3 with CPU and NVMe offload; two "nodes"
-over loopback.
+deepspeed launcher; DDP and DeepSpeed ZeRO-2/ZeRO-3 with CPU and NVMe offload; DDP on two "nodes"
+over loopback (torchrun through scripts/launch_multinode.sh, and accelerate launch).
 
 Every run trains the smoke model for 10 steps at per-process batch 4 and is compared step by
 step with one process at batch 8 (same seed, same data: accelerate gives rank 0 the first 4
@@ -18,7 +18,7 @@ import pytest
 
 from helpers import (
     DDP_TOLERANCE, REPO, TWO_PROCESS_RUN, TWO_PROCESS_STEPS, ZERO_TOLERANCE, accelerate_launch, clean_env,
-    free_port, launch, losses, read_metrics, reference_run, run_log, torchrun, warm,
+    free_port, launch, losses, read_metrics, reference_run, run_log, warm,
 )
 
 
@@ -52,20 +52,6 @@ def reference(tmp_path_factory) -> dict[int, float]:
     """Per-step losses of one process at batch 8: what 2 processes at batch 4 must reproduce (the run
     tests/test_fsdp.py compares with too, made once)."""
     return losses(reference_run(tmp_path_factory, "+preset=smoke", *TWO_PROCESS_RUN, "data.batch_size=8"))
-
-
-@pytest.mark.slow
-def test_torchrun_ddp_matches_one_process_in_one_run_dir(tmp_path, reference):
-    # each rank names a different run dir: rank 0's must be taken by both, rank 1's removed
-    proc = launch([*torchrun(2), *overrides("ddp"),
-                   "hydra.run.dir=runs/rank${oc.env:RANK}"], cwd=tmp_path)
-    run_dir = tmp_path / "runs" / "rank0"
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["rank0"], proc.stderr[-2000:]
-    assert_two_ranks_wrote_one_run(tmp_path, run_dir)
-    assert "DistributedType.MULTI_CPU (2 process(es)" in run_log(run_dir)
-    assert "backend gloo" in run_log(run_dir)
-    assert_matches(run_dir, reference, DDP_TOLERANCE)
-    assert_loadable(run_dir)
 
 
 @pytest.mark.slow
@@ -137,14 +123,16 @@ def node_command(launcher: str, node_rank: int, port: int) -> tuple[list[str], d
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["launch_multinode.sh", "accelerate"])
 def test_two_nodes_over_loopback(tmp_path, reference, launcher):
-    """Two "nodes" on this machine, 1 process each, meeting at a rendezvous on 127.0.0.1."""
-    run_dir = tmp_path / "run"
+    """Two "nodes" on this machine, 1 process each, meeting at a rendezvous on 127.0.0.1: torchrun (the
+    script runs torch.distributed.run) or accelerate launch. Each rank names a different run dir: rank
+    0's must be taken by both, rank 1's removed."""
     port = free_port()
     nodes = []
     for rank in (0, 1):
         command, env = node_command(launcher, rank, port)
-        nodes.append(subprocess.Popen([*command, *overrides("ddp"), f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        nodes.append(subprocess.Popen([*command, *overrides("ddp"), "hydra.run.dir=runs/rank${oc.env:RANK}"],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     outputs = []
     try:
         outputs = [node.communicate(timeout=600)[0] for node in nodes]
@@ -152,7 +140,10 @@ def test_two_nodes_over_loopback(tmp_path, reference, launcher):
         for node in nodes:
             node.kill()
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(o[-3000:] for o in outputs)
+    run_dir = tmp_path / "runs" / "rank0"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["rank0"], outputs[1][-2000:]
     assert "DistributedType.MULTI_CPU (2 process(es)" in run_log(run_dir)
+    assert "backend gloo" in run_log(run_dir)
     assert_two_ranks_wrote_one_run(tmp_path, run_dir)
     assert_matches(run_dir, reference, DDP_TOLERANCE)
     assert_loadable(run_dir)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    assert_same_weights, compose, free_port, grad_norms, launch, losses, once, read_metrics, reference_run,
+    assert_same_weights, compose, grad_norms, losses, once, read_metrics, reference_run,
     relative_difference, run_log, safetensors_of, train, warm,
 )
 
@@ -316,9 +316,8 @@ def test_the_planner_counts_each_tp_ranks_shards_exactly(case):
     presets = "smoke,tp" + (",lora" if case == "lora" else "")
     overrides = ["model.hidden_size=128", "data.batch_size=2"]
     overrides += ["parallel.sequence_parallel=true", "precision=bf16"] if case == "sequence_parallel" else []
-    proc = launch(["torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                   str(free_port()), "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2",
-                   f"+preset=[{presets}]", *overrides], timeout=300)
+    proc = warm(2, ["--json", "--no-presets", "--measure", "2", f"+preset=[{presets}]", *overrides],
+                timeout=300, module="trainloop.plan")
     report = json.loads(proc.stdout)
     lines = report["config"]["plan"]["lines"]
     exact = {x["what"]: x["bytes"] for x in lines if x["exact"]}
