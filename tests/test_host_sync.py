@@ -91,7 +91,9 @@ def run_guards(monkeypatch) -> list:
 
 def counted_run(tmp_path, monkeypatch, *overrides: str) -> tuple[HostReads, list, list]:
     """A run in this process whose host reads are counted per iteration of the loop: iteration n
-    runs from step n's train_step to step n + 1's (its log line, evaluation and save included)."""
+    runs from step n's train_step to step n + 1's (its log line, evaluation and save included). One
+    block and one evaluation batch: every op runs through both modes, and a read in a block's forward
+    or backward is seen in the one as well as in two."""
     counter, guards, real_step = HostReads(), run_guards(monkeypatch), loop.train_step
 
     def step(*args, **kwargs):
@@ -101,7 +103,8 @@ def counted_run(tmp_path, monkeypatch, *overrides: str) -> tuple[HostReads, list
     monkeypatch.setattr(loop, "train_step", step)
     with counter, MethodReads(counter, guards):
         run = train(tmp_path / "run", "trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=8",
-                    "trainer.gradient_accumulation_steps=2", "checkpoint.save_final_model=false", *overrides)
+                    "trainer.gradient_accumulation_steps=2", "checkpoint.save_final_model=false", "model.num_layers=1",
+                    "trainer.eval_batches=1", *overrides)
     return counter, read_metrics(run), guards
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import finish, launch, once, ranks_of, start, wait_for_step, warm, warm_runs
+from helpers import finish, once, ranks_of, start, wait_for_step, warm, warm_runs
 from trainloop.tools import verify_resume
 
 RESUME = ["+preset=smoke", "model.dropout=0.1", "trainer.gradient_accumulation_steps=2",
@@ -107,13 +107,14 @@ def test_deepspeed_resume_within_1e6(stage, tmp_path, deepspeed_ops):
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_path):
-    """Acceptance 3: SIGTERM mid-training -> every rank exits 75 with a complete checkpoint;
-    re-running the same command ends with the uninterrupted run's losses and weights."""
+    """Acceptance 3: SIGTERM to one rank of torchrun's mid-training -> every rank exits 75 with a complete
+    checkpoint; re-running the same arguments on 2 ranks (warm ones: the numbers are torchrun's) ends with
+    the uninterrupted run's losses and weights."""
     baseline, _, _ = ddp_verified
     run = tmp_path / "run"
-    command = [*TORCHRUN, "-m", "trainloop", *RESUME, f"trainer.max_steps={DDP_STEPS}", "trainer.log_every=1",
-               f"trainer.eval_every={DDP_STEPS}", "logging.progress_bar=false", f"hydra.run.dir={run}"]
-    proc = start(command, tmp_path / "output.txt")
+    args = [*RESUME, f"trainer.max_steps={DDP_STEPS}", "trainer.log_every=1", f"trainer.eval_every={DDP_STEPS}",
+            "logging.progress_bar=false", f"hydra.run.dir={run}"]
+    proc = start([*TORCHRUN, "-m", "trainloop", *args], tmp_path / "output.txt")
     try:
         wait_for_step(run, 2, proc)
         os.kill(ranks_of(proc.pid)[1], signal.SIGTERM)  # rank 0 is not told: the ranks must agree
@@ -128,8 +129,8 @@ def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_
     assert 2 <= int(stopped[2]) < DDP_STEPS
     assert Path(stopped[3], "COMPLETE").is_file() and Path(stopped[3]).name == f"step_{int(stopped[2]):07d}"
 
-    again = start(command, tmp_path / "again.txt")  # the same command: checkpoint.resume=auto is the default
-    code, out = finish(again, timeout=300), (tmp_path / "again.txt").read_text()
+    again = warm(2, args, cwd=tmp_path, timeout=300, check=False)  # checkpoint.resume=auto is the default
+    code, out = again.returncode, again.stdout + again.stderr
     assert code == 0, out[-12000:]
     assert resumed_at(out)[0] == int(stopped[2])
     same = verify_resume.compare(baseline / "straight", run, DDP_STEPS)
@@ -138,7 +139,8 @@ def test_sigterm_to_one_rank_stops_both_and_the_rerun_matches(ddp_verified, tmp_
 
 @pytest.mark.slow
 def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
-    """Acceptance 4: kill -9 in the middle of a save; the same command resumes and finishes."""
+    """Acceptance 4: kill -9 in the middle of a save; the same arguments (run on a warm rank: the subject is
+    the resume, not the process) resume and finish."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "trainloop", "+preset=smoke", "trainer.max_steps=40",
                "checkpoint.every_steps=1", "logging.progress_bar=false", f"hydra.run.dir={run}"]
@@ -171,7 +173,7 @@ def test_sigkill_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     previous = max(p.name for p in root.glob("step_*"))
     assert f"step_{int(partial.rpartition('_')[2]) - 1:07d}" == previous
 
-    again = launch(["python", *command[1:]])
+    again = warm(1, command[3:])
     log = again.stdout + again.stderr
     assert f"removing {root / partial}" in log
     assert f"resumed from {root / previous}" in log
