@@ -5,6 +5,7 @@ combinations that cannot work are refused naming the key."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -50,16 +51,33 @@ def test_lora_checkpoints_the_adapter_only_and_exports_merged_and_adapter(tmp_pa
     assert "quantization_config" not in config and config["eos_token_id"] == 257  # the tokenizer's
 
 
+def in_process_runs(overrides: list[str], log_file: Path) -> int:
+    """verify_resume.main's `run`: each of its trainloop runs in this process, its log lines in log_file."""
+    run_dir = Path(next(o for o in overrides if o.startswith("hydra.run.dir=")).partition("=")[2])
+    logger, handler = logging.getLogger("trainloop"), logging.FileHandler(log_file)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        train(run_dir, *(o for o in overrides if not o.startswith("hydra.run.dir=")), small=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+    return 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])
 def test_qlora_trains_resumes_and_exports(tmp_path, base, child_env, bits):
     """Quantized base (bitsandbytes on CPU), LoRA on it with adapter dropout (its RNG state resumed too):
     4 steps straight = 2 + resume + 2, losses and adapters bitwise; both exports load. (One process's
-    LoRA resume had a run of its own, on an unquantized base: the same path, 2 minutes of CI.)"""
+    LoRA resume had a run of its own, on an unquantized base: the same path, 2 minutes of CI.) The runs are
+    in this process: a process of their own is test_two_process_lora_resumes_and_exports_a_full_adapter's."""
     code = verify_resume.main(["--steps", "4", "--rtol", "0", "--dir", str(tmp_path), "+preset=smoke",
                                *hf(base), "adapter=lora", "adapter.dropout=0.1", "adapter.r=4",
                                f"model.quantization={bits}", "precision=bf16" if bits == "4bit" else "precision=fp32"],
-                              run=warm_runs())
+                              run=in_process_runs)
     assert code == 0
     log = (tmp_path / "second_half.log").read_text()
     assert "resumed from" in log

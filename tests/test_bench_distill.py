@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO, clean_env
+from helpers import REPO, warm
 
 RUNS = ("alone", "jsd", "fkl", "trl-jsd", "trl-fkl")
 
 
 @pytest.mark.slow
 def test_the_quick_run_scores_every_student_on_the_same_rows(tmp_path):
+    """`python scripts/bench_distill.py --quick` on a warm rank (the libraries imported once per worker)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_distill.py", "--quick", "--json", str(out)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    proc = warm(1, ["--quick", "--json", str(out)], cwd=REPO, timeout=600, check=False,
+                script=REPO / "scripts" / "bench_distill.py")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())
     assert list(results) == ["teacher", "untrained student", *(f"{name} 4" for name in RUNS)]

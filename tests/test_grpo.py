@@ -9,6 +9,7 @@ built-in byte-level tokenizer, a tiny transformers Llama (peft's LoRA), TRL's GR
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -186,15 +187,41 @@ def trl_grpo(tmp_path, loss_type: str, scale: str):
     return trainer, generated
 
 
+# What the loss tests set on the trainer, which _compute_loss reads from itself (GRPOTrainer.__init__ only copies
+# loss_type from its config, and TRL's generation reads none of them)
+TRAINER_KEYS = ("loss_type", "beta", "epsilon_high", "importance_sampling_level", "top_entropy_quantile")
+
+
+@pytest.fixture(scope="module")
+def trl_generated(tmp_path_factory):
+    """trl_grpo(..., "dapo", scale) made once a module for each scale the tests ask for, and given back as made:
+    its TRAINER_KEYS, metrics and gradients as they were after the generation."""
+    made = {}
+
+    def as_made(scale: str):
+        if scale not in made:
+            trainer, generated = trl_grpo(tmp_path_factory.mktemp("trl"), "dapo", scale)
+            made[scale] = trainer, generated, {key: getattr(trainer, key) for key in TRAINER_KEYS}, \
+                copy.deepcopy(trainer._metrics)
+        trainer, generated, keys, metrics = made[scale]
+        for key, value in keys.items():
+            setattr(trainer, key, value)
+        trainer._metrics = copy.deepcopy(metrics)
+        trainer.model.zero_grad(set_to_none=True)
+        return trainer, generated
+
+    return as_made
+
+
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_the_advantages_are_trls_for_the_same_rewards(tmp_path, scale):
+def test_the_advantages_are_trls_for_the_same_rewards(trl_generated, scale):
     from accelerate import Accelerator
 
     from trainloop.objectives import build_objective
     from trainloop.objectives.grpo import group_advantages
     from trainloop.parallel import build_strategy
 
-    _, generated = trl_grpo(tmp_path, "dapo", scale)
+    _, generated = trl_generated(scale)
     rewards = torch.tensor([[math.nan if v is None else v for v in col] for col in preset_rewards()]).T
     cfg = compose("+preset=smoke", *GRPO, f"objective.scale_rewards={scale}")
     reset_accelerate()
@@ -223,7 +250,7 @@ TRL_METRIC = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}  # els
 @pytest.mark.parametrize("loss_type, beta, keys", LOSSES,
                          ids=[f"{loss}-beta{beta}" + "".join(f"-{k}={v}" for k, v in keys.items())
                               for loss, beta, keys in LOSSES])
-def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta, keys):
+def test_the_loss_is_trls_for_the_same_log_probs(trl_generated, loss_type, beta, keys):
     """TRL's _compute_loss and ours on the model TRL generated with, the completions and masks it
     made, its advantages, and old and reference log-probabilities away from the policy's (so that
     the ratio is clipped on some tokens and the KL is not 0)."""
@@ -233,7 +260,8 @@ def test_the_loss_is_trls_for_the_same_log_probs(tmp_path, loss_type, beta, keys
     from trainloop.objectives.grpo import completion_logps
     from trainloop.parallel import build_strategy
 
-    trainer, generated = trl_grpo(tmp_path, loss_type, "group")
+    trainer, generated = trl_generated("group")
+    trainer.loss_type = loss_type  # built with dapo, which the generation does not read
     trainer.beta = beta  # built with beta=0 (no reference model); the reference log-probs are given below
     trainer.current_gradient_accumulation_steps = 1
     for key, value in keys.items():  # the trainer reads these from itself
