@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from helpers import NEEDS, OPTIONS, compose, reset_accelerate, warm
 from trainloop.config import schema
@@ -219,9 +220,16 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.numpy().tobytes()).hexdigest() + str(tuple(tensor.shape))
 
 
+# What build_dataloaders reads of data.*; and the walk's base datasets, by everything else the build reads.
+LOADER_KEYS = {"batch_size", "num_workers", "persistent_workers", "prefetch_factor", "multiprocessing_context",
+               "pin_memory"}
+_base_datasets: dict[str, tuple] = {}
+
+
 def built(group: str, cfg):
     """What the chosen option of `group` builds from cfg, as comparable plain values."""
     from trainloop.data.loaders import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.data.packing import PackedBlocks
     from trainloop.model.builder import build_model, build_model_config
 
     if group == "model":
@@ -240,16 +248,26 @@ def built(group: str, cfg):
         lora = [(m.scaling, repr(m.lora_dropout)) for m in model.modules() if isinstance(m, LoraLayer)]
         return trained, lora
     if group == "data":
-        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-        try:
-            train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
-        except ConfigError as err:
-            if cfg.data.name != "prepared":
-                raise
-            return f"refused by the build: {err}"  # data.tokenizer is read: one unlike the shards' is refused
+        # build_datasets reads none of the loader's keys (build_dataloaders alone does): their probes reuse the
+        # base's datasets (the walk's first build, kept in _base_datasets)
+        read = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_KEYS}
+        built_by = json.dumps([read, cfg.model.name_or_path, cfg.trainer.seed], sort_keys=True, default=str)
+        if built_by in _base_datasets:
+            train, valid = _base_datasets[built_by]
+        else:
+            tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+            try:
+                train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+            except ConfigError as err:
+                if cfg.data.name != "prepared":
+                    raise
+                return f"refused by the build: {err}"  # data.tokenizer is read: one unlike the shards' is refused
+            if not _base_datasets:
+                _base_datasets[built_by] = train, valid
         loader, _ = build_dataloaders(cfg.data, train, valid, pin_memory=False)
         context = type(loader.multiprocessing_context).__name__ if loader.multiprocessing_context else None
-        blocks = [digest(torch.stack([part[b][key] for b in range(len(part))]))  # prepared blocks are gathered lazily
+        blocks = [digest(part.tensors[key] if isinstance(part, PackedBlocks)  # its tensors: the stack of its items'
+                         else torch.stack([part[b][key] for b in range(len(part))]))  # prepared: gathered lazily
                   if isinstance(part[0][key], torch.Tensor) else [part[b][key] for b in range(len(part))]  # prompts' rows
                   for part in (train, valid) for key in sorted(part[0])]
         return (blocks, loader.batch_size, loader.num_workers,
@@ -437,6 +455,7 @@ def test_a_key_the_option_ignores_is_refused_naming_the_option(group, option, fi
         base = [f"{group}={option}", *NEEDS.get((group, option), []),
                 *(generating(files) if (group, option) == ("objective", "grpo") else [])]
     base = ["+preset=smoke", *base]
+    _base_datasets.clear()
     before = built(group, compose(*base))
     if group == "objective":  # seeded: a loss that moved by itself would make every key look read
         assert built(group, compose(*base)) == before

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SMALL, build_and_step, clean_env, compose, launch, storage_bytes, warm
+from helpers import SMALL, build_and_step, compose, storage_bytes, warm
 from trainloop.optim.optimizers import OPTIMIZERS
 from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
 
@@ -296,9 +296,8 @@ def test_bad_overrides_exit_2_with_the_key(capsys):
 @pytest.mark.slow
 def test_predicted_training_memory_of_a_100m_model_is_within_15_percent_of_rss():
     """fp32 AdamW on CPU: peak RSS during 2 real steps minus RSS just before the model is built."""
-    proc = launch(["python", "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2",
-                   "model.num_layers=10", "model.hidden_size=768", "model.num_heads=12",
-                   "data.seq_len=64", "data.batch_size=2"], env=clean_env(OMP_NUM_THREADS="2"), timeout=300)
+    proc = warm(1, ["--json", "--no-presets", "--measure", "2", "model.num_layers=10", "model.hidden_size=768",
+                    "model.num_heads=12", "data.seq_len=64", "data.batch_size=2"], timeout=300, module="trainloop.plan")
     report = json.loads(proc.stdout)
     assert 90e6 < report["config"]["plan"]["num_params"] < 110e6
     measured = report["measured"]
@@ -385,8 +384,7 @@ def test_dpo_full_fine_tune_memory_counts_the_reference_copy_within_15_percent_o
     dpo = ["data=preference", "objective=dpo", f"data.path={Path(__file__).parent / 'data' / 'preference.jsonl'}",
            "data.validation_fraction=0.2", "model.num_layers=10", "model.hidden_size=768", "model.num_heads=12",
            "data.seq_len=64", "data.batch_size=2"]
-    proc = launch(["python", "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2", *dpo],
-                  env=clean_env(OMP_NUM_THREADS="2"), timeout=300)
+    proc = warm(1, ["--json", "--no-presets", "--measure", "2", *dpo], timeout=300, module="trainloop.plan")
     report = json.loads(proc.stdout)
     lines = {x["what"]: x for x in report["config"]["plan"]["lines"]}
     assert lines["reference model"]["bytes"] == lines["parameters"]["bytes"] > 300e6

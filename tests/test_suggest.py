@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from helpers import launch
+from helpers import warm
 from trainloop.config.compose import compose_config
 from trainloop.tools import suggest as suggestion
 from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, model_shape, plan_memory
@@ -228,8 +228,8 @@ def test_its_memory_order_is_the_measured_order_and_a_budget_between_two_peaks_s
     pages were taken out, the same runs measured 29-57 MiB more in a fresh venv than in an older one."""
     measured = {}
     for name, overrides in MEASURED.items():
-        proc = launch(["python", "-m", "trainloop.plan", "--json", "--no-presets", "--measure", "2", *SMALL_RUN,
-                       *overrides], timeout=300)
+        proc = warm(1, ["--json", "--no-presets", "--measure", "2", *SMALL_RUN, *overrides], timeout=300,
+                    module="trainloop.plan")
         report = json.loads(proc.stdout)
         measured[name] = report["measured"]["cpu_training_bytes"]
     order = sorted(measured, key=measured.get, reverse=True)
