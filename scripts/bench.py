@@ -62,16 +62,6 @@ STEPS_PER_TURN = 6  # a turn stretches past --turn to hold this many of the proc
 MAX_TURN_S = 60.0
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from trainloop.config.compose import CONFIG_DIR, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
-
-
 def build_common(cfg):
     """The tokenizer, packed data and model every variant trains: trainloop's builders, which
     are thin wrappers over `datasets` and `transformers.AutoModelForCausalLM.from_config`, and the
@@ -383,7 +373,9 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    cfg = compose([*SIZES[args.size], *COMMON])
+    from trainloop.config.compose import compose_config
+
+    cfg = compose_config([*SIZES[args.size], *COMMON], check=False)
     if args.worker:
         {"raw": worker_raw, "hf": worker_hf}[args.worker](cfg, args.steps, args.out, args.compiled)
         return

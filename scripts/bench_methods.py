@@ -142,13 +142,9 @@ def _track_live_memory(libc, on: bool) -> None:
 
 
 def worker(overrides: list[str], steps: int, warmup: int, data_file: str) -> dict:
-    from hydra import compose, initialize_config_dir
+    from trainloop.config.compose import ConfigError, compose_config, validate
 
-    from trainloop.config.compose import CONFIG_DIR, ConfigError, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*BASE, *overrides])
+    cfg = compose_config([*BASE, *overrides], check=False)
     try:
         validate(cfg)
         return _train(cfg, steps, warmup, data_file)
@@ -270,14 +266,11 @@ def _maxrss() -> int:
 def tokenize_once(path: Path) -> None:
     """The training blocks every method trains on, written once for all the worker processes."""
     import torch
-    from hydra import compose, initialize_config_dir
 
-    from trainloop.config.compose import CONFIG_DIR, register_configs
+    from trainloop.config.compose import compose_config
     from trainloop.data.loaders import build_datasets, build_tokenizer
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=BASE)
+    cfg = compose_config(BASE, check=False)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     train_set, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     torch.save({"train": train_set.blocks, "vocab_size": len(tokenizer)}, path)

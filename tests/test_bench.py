@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import reset_accelerate, script
+from helpers import compose, reset_accelerate, script
 
 bench = script("bench")
 
@@ -55,8 +55,8 @@ def test_each_baseline_worker_trains_on_the_token_blocks_epoch_after_epoch(tmp_p
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": topics[k][:120]}) + "\n" for k in sorted(topics)[:6]))
     reset_accelerate()
-    cfg = bench.compose(["model.num_layers=1", "model.hidden_size=64", "model.num_heads=2", "data=files",
-                         f"data.path={corpus}", "data.seq_len=64", "data.batch_size=4", *bench.COMMON])
+    cfg = compose("model.num_layers=1", "model.hidden_size=64", "model.num_heads=2", "data=files",
+                  f"data.path={corpus}", "data.seq_len=64", "data.batch_size=4", *bench.COMMON)
     out = tmp_path / "steps.jsonl"
     train_set, _ = bench.build_common(cfg)
     assert len(train_set.blocks) // 4 < 3  # fewer steps an epoch than the run takes

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import NEEDS
-from trainloop.config.compose import CONFIG_DIR, COMPOSED, compose_config, register_configs
+from trainloop.config.compose import COMPOSED, compose_config, hydra_compose
 
 VALUES = ["trainer.max_steps=7", "optimizer.lr=0.5", "optimizer.betas=[0.8,0.9]", "data.seq_len=32",
           "model.num_layers=3", "+trainer.new_key=1", "++trainer.max_steps=9", "logging.trackers=[mlflow]",
@@ -15,17 +15,6 @@ VALUES = ["trainer.max_steps=7", "optimizer.lr=0.5", "optimizer.betas=[0.8,0.9]"
 BAD = ["trainer.max_steps=abc", "trainer.no_such_key=1", "+trainer.max_steps=3", "~trainer.no_such_key",
        "data=no_such_option", "data.path=[", "trainer.max_steps=1,2", "~logging.trackers",
        "optimizer.lr=${oc.env:NO_SUCH_VAR_EVER}"]  # the last is refused only when read: not at composition
-
-
-def whole(overrides: list[str]):
-    """One Hydra compose of every override at once: what compose_config must equal."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
 
 
 def outcome(compose, overrides: list[str]):
@@ -46,7 +35,7 @@ def test_compose_config_is_one_whole_hydra_compose(overrides):
     COMPOSED.clear()
     first = outcome(lambda o: compose_config(o, check=False), overrides)  # composes the group choices
     again = outcome(lambda o: compose_config(o, check=False), overrides)  # from the process's copy
-    assert first == again == outcome(whole, overrides)
+    assert first == again == outcome(lambda o: hydra_compose(o, False), overrides)  # every override at once
     assert (first[0] in ("ConfigCompositionException", "OverrideParseException", "MissingConfigException")) == (
         overrides[-1:] in ([b] for b in BAD[:-1]))  # each bad override is refused (the unset variable only when read)
     assert len(COMPOSED) <= 1

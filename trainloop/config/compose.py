@@ -66,42 +66,41 @@ def composed(overrides: Sequence[str], return_hydra_config: bool):
     group choices (`data=chat`, `+preset=smoke`). The other overrides it applies afterwards, one by one, onto the
     composed config (ConfigLoaderImpl._apply_overrides_to_config, after set_struct). So a process composes each
     set of group choices once, keyed by conf/'s files, and applies the rest to a copy with Hydra's own function:
-    the same config, and the same errors, as a whole compose (tests/test_config.py compares them). Tests compose
-    thousands; a notebook's runs, a sweep's, the planner's presets several. The hydra node, hydra.* overrides
+    the same config, and the same errors, as a whole compose (tests/test_compose.py compares them). Tests compose
+    thousands; a notebook's runs, a sweep's, the planner's presets several. The hydra node, hydra overrides
     (which can bring in files of their own) and sweeps compose whole every time.
     """
-    from hydra import compose, initialize_config_dir
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    choices, values = list(overrides), []
-    whole = return_hydra_config or any(o.lstrip("+~").startswith("hydra") for o in overrides)
-    if not whole:
-        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
-        if any(o.is_sweep_override() for o in parsed):
-            whole = True
-        else:  # Hydra's own split (defaults_list.Overrides): a key that names no config group, or a dict value
-            applied = [not (CONFIG_DIR / o.key_or_group).is_dir() or isinstance(o.value(), dict) for o in parsed]
-            choices = [o for o, later in zip(overrides, applied) if not later]
-            values = [o for o, later in zip(parsed, applied) if later]
-    key = (tuple(choices), return_hydra_config, conf_signature())
-    if key not in COMPOSED or whole:
-        register_configs()
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            made = compose(config_name="train", overrides=choices, return_hydra_config=return_hydra_config)
-        if whole:
-            return made
+    parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    if return_hydra_config or any(o.is_hydra_override() or o.is_sweep_override() for o in parsed):
+        return hydra_compose(overrides, return_hydra_config)
+    # Hydra's own split (defaults_list.Overrides): applied later, a key that names no config group, or a dict value
+    later = [not (CONFIG_DIR / o.key_or_group).is_dir() or isinstance(o.value(), dict) for o in parsed]
+    choices = tuple(o for o, applied in zip(overrides, later) if not applied)
+    key = (choices, conf_signature())
+    if key not in COMPOSED:
         if len(COMPOSED) >= COMPOSED_KEPT:
             COMPOSED.pop(next(iter(COMPOSED)))
-        COMPOSED[key] = made
+        COMPOSED[key] = hydra_compose(choices, return_hydra_config=False)
     cfg = copy.deepcopy(COMPOSED[key])
-    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    ConfigLoaderImpl._apply_overrides_to_config([o for o, applied in zip(parsed, later) if applied], cfg)
     return cfg
 
 
-COMPOSED: dict = {}  # (group choices, return_hydra_config, conf_signature()) -> the config Hydra composed from them
+def hydra_compose(overrides: Sequence[str], return_hydra_config: bool):
+    """One compose by Hydra's compose API, of every override at once, from conf/ onto the schema."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+COMPOSED: dict = {}  # (group choices, conf_signature()) -> the config Hydra composed from them
 COMPOSED_KEPT = 256
 
 
