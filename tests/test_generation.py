@@ -146,3 +146,60 @@ def test_continuous_refuses_autocast_over_fp32_weights(llama):
     finally:
         del model.forward
     assert model.config._attn_implementation == "sdpa" and not model.training
+
+
+def test_each_row_draws_the_same_tokens_in_any_batch(llama):
+    """With keys (GRPO's and on-policy distill's sampling), a row's completion is a function of its prompt
+    and key alone: the 16 rows sampled together, or as two batches of 8 in another order (another padding
+    width, other neighbours), write the same tokens; other keys write other ones."""
+    from trainloop.objectives.generation import row_keys
+
+    model, tokenizer = llama
+    prompt_ids, prompt_mask = left_padded(tokenizer)
+    sampling = settings(do_sample=True, temperature=0.9, top_p=0.95, top_k=0)
+    keys = row_keys(5, 3, torch.arange(len(prompt_ids)))
+
+    def sample(rows, keys, seed=0):
+        keep = prompt_mask[rows].any(0)  # trimmed to the rows' own longest, as grpo trims a micro-batch
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(seed)  # the micro-batch generator a rank seeds: the rows must not depend on it
+            out = complete(model, prompt_ids[rows][:, keep], prompt_mask[rows][:, keep], sampling, "generate",
+                           synced_gpus=False, keys=keys[rows])
+        return [row[:(row == 256).int().argmax() + 1 if (row == 256).any() else NEW].tolist()
+                for row in out[:, int(keep.sum()):]]
+
+    model.eval()
+    together = sample(torch.arange(16), keys)
+    odd, even = torch.arange(15, 0, -2), torch.arange(0, 16, 2)
+    apart = dict(zip([*odd.tolist(), *even.tolist()], sample(odd, keys, seed=1) + sample(even, keys, seed=2)))
+    assert [apart[i] for i in range(16)] == together
+    other = sample(torch.arange(16), row_keys(5, 4, torch.arange(len(prompt_ids))))
+    assert sum(a != b for a, b in zip(other, together)) >= 12
+
+
+def test_row_draws_sample_the_softmax_and_keys_ignore_padding():
+    """Gumbel-max over the hashed uniforms draws each token at its softmax probability (40,000 keys, 4
+    tokens: within 0.01); the hash is exact integer arithmetic (lowbias32, as Python computes it); a row's
+    content key is the same however far it is padded on the left, and another token changes it."""
+    from trainloop.objectives.generation import content_keys, mix32, row_keys, row_uniforms
+
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    uniforms = row_uniforms(row_keys(1, torch.arange(40_000)), 0, 4)
+    assert 0 < uniforms.min() and uniforms.max() < 1
+    drawn = (logits - torch.log(-torch.log(uniforms))).argmax(-1)
+    assert torch.allclose(torch.bincount(drawn, minlength=4) / 40_000, torch.softmax(logits, 0), atol=0.01)
+
+    def lowbias32(x: int) -> int:
+        x ^= x >> 16
+        x = x * 0x7FEB352D & 0xFFFFFFFF
+        x ^= x >> 15
+        x = x * 0x846CA68B & 0xFFFFFFFF
+        return x ^ x >> 16
+
+    values = [0, 1, 2**31, 2**32 - 1, 123456789]
+    assert mix32(torch.tensor(values)).tolist() == [lowbias32(v) for v in values]
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 5, 6, 7, 8], [5, 6, 7, 9, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    narrow = content_keys(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long))
+    keys = content_keys(ids, mask)
+    assert keys[0] == narrow[0] and len(set(keys.tolist())) == 3

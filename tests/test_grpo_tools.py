@@ -186,7 +186,8 @@ def test_the_model_is_asked_again_until_it_calls_nothing_or_the_rounds_or_the_bu
     call = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     asked = []
 
-    def generate(rows, room):
+    def generate(which, rows, room):
+        assert which == [0]  # the one row, by its place
         asked.append(len(rows))
         return [call[:r] for r in room]
 

@@ -101,7 +101,7 @@ def both(parts, first_texts: list[str], budget: int):
     trl = GRPOTrainer._tool_call_loop(stand_in, copy.deepcopy(prompts), [list(p) for p in prompt_ids],
                                       [list(f) for f in first], copy.deepcopy(completions), None, None, None)
     tool_mask, trl_completions, completion_ids, _, calls, failures, _ = trl
-    turns = take_turns(prompt_ids, first, lambda rows, room: greedy(model, rows, room, eos), lambda n: n > 0,
+    turns = take_turns(prompt_ids, first, lambda which, rows, room: greedy(model, rows, room, eos), lambda n: n > 0,
                        tokenizer, BUILTIN_CHAT_TEMPLATE, [dict(tools) for _ in prompts], None, 5.0, budget)
     return completions, (completion_ids, tool_mask, trl_completions, calls, failures), turns
 

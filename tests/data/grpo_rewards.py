@@ -4,7 +4,7 @@
 import os
 import signal
 
-CALLS = {"letters_then_sigterm": 0}
+CALLS = {"letters_then_sigterm": 0, "fails": 0}
 
 
 def letters(prompts, completions, **columns):
@@ -22,8 +22,9 @@ def letters_then_sigterm(prompts, completions, **columns):
 
 
 def fails(prompts, completions, **columns):
-    """A reward function with a bug: it raises on a row whose completion holds a 'q'."""
-    return [1.0 / (0 if "q" in c else 1) for c in completions]
+    """A reward function with a bug: from its third call (step 3), it raises on a row whose completion holds a 'q'."""
+    CALLS["fails"] += 1
+    return [1.0 / (0 if "q" in c and CALLS["fails"] >= 3 else 1) for c in completions]
 
 
 def too_few(prompts, completions, **columns):

@@ -99,7 +99,8 @@ class UnpairedRows(PackedBlocks):
 class PromptRows(PackedBlocks):
     """Prompts as [prompts, seq_len] tensors, padded on the left: prompt_ids, prompt_mask (1 on the
     prompt's tokens), and row_digest (each row's hash, so the data fingerprint sees its other
-    columns); each item also carries `row`, the whole row as JSON, for the reward functions."""
+    columns); each item also carries `row`, the whole row as JSON, for the reward functions, and
+    `index`, its place in the set (what its completions' draws are keyed by)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], rows: list[str]):
         self.tensors, self.rows = tensors, rows
@@ -110,7 +111,7 @@ class PromptRows(PackedBlocks):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
         return {"prompt_ids": self.tensors["prompt_ids"][i], "prompt_mask": self.tensors["prompt_mask"][i],
-                "row": self.rows[i]}
+                "row": self.rows[i], "index": torch.tensor(i)}
 
 
 def materialize(blocks) -> PackedBlocks:

@@ -16,9 +16,9 @@ prompt/completion, chat), the targets as data.train_on marks them. On-policy, GK
 (objective.on_policy_fraction): that share of the steps, drawn from (trainer.seed, step) alike on
 every rank, the student writes its own completion of each row's prompt (the row's tokens before its
 first target: data.packing=none and a format with prompts), sampled at objective.temperature and
-objective.top_p, up to objective.max_new_tokens, from a generator seeded by (trainer.seed, step,
-rank, micro-batch), and the teacher grades every token of it. A resumed run draws and samples what
-a straight one did. A batch's units are its target tokens: a step's loss is the mean over every
+objective.top_p, up to objective.max_new_tokens, each row drawing from its own key, (trainer.seed,
+step, the prompt's tokens; generation.RowDraws), and the teacher grades every token of it. A resumed
+run, or one on another number of ranks, draws and samples what a straight one did. A batch's units are its target tokens: a step's loss is the mean over every
 target token of the global batch (TRL's num_items_in_batch).
 """
 
@@ -231,26 +231,28 @@ class Distill(Objective):
             return group
         from trainloop.objectives.generation import sampling_seed
 
-        batches = [self.sampled(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
+        batches = [self.sampled(strategy, model, batch, step, sampling_seed(self.seed, step, strategy.dp_rank, i))
                    for i, batch in enumerate(group)]
         self.sums[len(SUMS)] += len(batches)
         return batches
 
-    def sampled(self, strategy, model, batch: dict, seed: int) -> dict:
+    def sampled(self, strategy, model, batch: dict, step: int, seed: int) -> dict:
         """The batch's rows with their prompts completed by the student (every rank taking part in every
         forward where the weights are sharded): the completion's tokens up to and with its end-of-text
-        are the targets."""
+        are the targets. Each completion draws from its own key, (trainer.seed, step, its prompt's
+        tokens): the same on any number of ranks (two equal prompts in a step, the same completion)."""
         import torch
 
-        from trainloop.objectives.generation import complete, sampling
-        from trainloop.objectives.generation import completion_mask, left_padded
+        from trainloop.objectives.generation import complete, completion_mask, content_keys, left_padded, row_keys
+        from trainloop.objectives.generation import sampling
 
         ids, attention = batch["input_ids"], batch.get("attention_mask")
         lengths = prompt_lengths(batch["labels"], attention).tolist()
         prompt_ids, prompt_mask = left_padded([row[:n] for row, n in zip(ids.tolist(), lengths)], self.pad, ids)
+        keys = row_keys(self.seed, step, content_keys(prompt_ids, prompt_mask))
         with sampling(strategy, model, seed) as module:
             out = complete(module, prompt_ids, prompt_mask, self.sampling, "generate",
-                           synced_gpus=strategy.world_size > 1)
+                           synced_gpus=strategy.world_size > 1, keys=keys)
         completion = out[:, prompt_ids.shape[1]:]
         mask = completion_mask(completion, self.eos)
         attention = torch.cat([prompt_mask, mask], 1)

@@ -74,13 +74,20 @@ def sampling(strategy, model, seed: int):
 
 
 def complete(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, engine: str,
-             synced_gpus: bool) -> torch.Tensor:
+             synced_gpus: bool, keys: torch.Tensor | None = None) -> torch.Tensor:
     """`module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, ...)`'s output, [n, prompt
     length + the longest completion], written by `engine`. `module`: the unwrapped model (a peft
-    model too); the caller sets eval mode, no_grad and the random seed as for `generate`."""
+    model too); the caller sets eval mode, no_grad and the random seed as for `generate`. With `keys`
+    (row_keys, one per row), engine=generate samples each row from its own key (RowDraws): the same
+    tokens in any batch; continuous batching draws from the seed alone, so its rows depend on the batch."""
     if engine == "generate":
+        draws = None
+        if keys is not None and generation_config.do_sample:
+            from transformers import LogitsProcessorList
+
+            draws = LogitsProcessorList([RowDraws(module, generation_config, keys, prompt_ids.shape[1])])
         return module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
-                               synced_gpus=synced_gpus)
+                               synced_gpus=synced_gpus, logits_processor=draws)
     if engine != "continuous":
         raise ConfigError(f"{KEY}={engine!r} is not one of: {', '.join(ENGINES)}")
     if synced_gpus:
@@ -199,6 +206,94 @@ def padded(prompt_ids: torch.Tensor, completions: list[list[int]], pad: int) -> 
 def sampling_seed(seed: int, step: int, rank: int, micro: int) -> int:
     """The generator seed of one micro-batch's sampling: a function of where it is in the run."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()[:8], "big") >> 1
+
+
+# --- each row's own draws ------------------------------------------------------------------------
+# Sampling a batch with torch.multinomial draws every row from one generator, so a row's tokens depend
+# on the rows beside it: a prompt sampled on one of two data-parallel ranks would get other completions
+# than in one process's larger batch. Drawn per row instead (Gumbel-max: the argmax of the processed
+# logits plus Gumbel noise is a draw from their softmax), from a counter-based hash of the row's key,
+# the token's position and the vocabulary index, a row's completion is a function of the row alone.
+# The hash is exact integer arithmetic in int64 on any device: no generator state, no host read.
+MASK32 = 0xFFFFFFFF
+
+
+def _times(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32), in int64 without overflow: c split into 16-bit halves."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32's constants) of each element of x (int64, in [0, 2**32))."""
+    x = x ^ (x >> 16)
+    x = _times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(*parts) -> torch.Tensor:
+    """Each row's key: `parts` (ints, or [rows] integer tensors, which set the rows and the device)
+    hashed in order into an int64 tensor of 32-bit values."""
+    import torch
+
+    like = next(p for p in parts if isinstance(p, torch.Tensor))
+    key = torch.zeros(like.shape, dtype=torch.int64, device=like.device)
+    for part in parts:
+        if isinstance(part, int):  # its 64 bits folded into 32
+            part = torch.tensor((part % 2**64 & MASK32) ^ (part % 2**64 >> 32), device=like.device)
+        key = mix32(key ^ (part.to(torch.int64) & MASK32))
+    return key
+
+
+def content_keys(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's key from its tokens where `mask` is 1, counted from its first: the same for a row
+    however it is padded (a hash of each (place, token) pair, summed)."""
+    import torch
+
+    place = (mask.cumsum(1) - 1).to(torch.int64)
+    pairs = mix32(mix32(ids.to(torch.int64) & MASK32) ^ place) * mask.to(torch.int64)
+    return mix32(pairs.sum(1) & MASK32)
+
+
+def row_uniforms(keys: torch.Tensor, position: int, width: int) -> torch.Tensor:
+    """[rows, width] float32 uniforms in (0, 1): a function of each row's key, `position` and the column."""
+    import torch
+
+    base = mix32(keys ^ (position & MASK32))
+    bits = mix32(base[:, None] ^ torch.arange(width, device=keys.device))
+    return ((bits >> 8).float() + 0.5) * 2.0**-24
+
+
+class RowDraws:
+    """A logits processor that makes `generate`'s sampling draw each row from its own stream (above):
+    it applies the sampling warpers `generate` would (temperature, top-k, top-p, ...: the effective
+    settings, the model's generation_config.json included), draws the row's token by Gumbel-max from
+    its key, and returns the scores with every other token at -inf, so that the draw `generate` makes
+    after it (the warpers again, then multinomial) can only return that token."""
+
+    def __init__(self, module, settings, keys: torch.Tensor, prompt_width: int):
+        import torch
+
+        model = module.get_base_model() if hasattr(module, "get_base_model") else module
+        sampled = model._prepare_generation_config(copy.deepcopy(settings))[0]
+        greedy = copy.deepcopy(sampled)
+        greedy.do_sample = False
+        every = model._get_logits_processor(sampled, input_ids_seq_length=prompt_width, device=keys.device)
+        processors = model._get_logits_processor(greedy, input_ids_seq_length=prompt_width, device=keys.device)
+        if [type(p) for p in every[:len(processors)]] != [type(p) for p in processors]:
+            raise RuntimeError("transformers' sampling warpers no longer follow its other logits processors; "
+                               "trainloop's per-row draws (objectives/generation.py) need updating")
+        self.warpers, self.keys, self.start, self.neg_inf = every[len(processors):], keys, prompt_width, -torch.inf
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        noise = -torch.log(-torch.log(row_uniforms(self.keys, input_ids.shape[1] - self.start, scores.shape[-1])))
+        choice = (scores.float() + noise).argmax(-1, keepdim=True)
+        return torch.full_like(scores, self.neg_inf).scatter_(1, choice, 0.0)
 
 
 def generation_config(**settings):

@@ -14,10 +14,12 @@ objective.top_entropy_quantile keeps only the step's highest-entropy tokens in t
 
 The loop hands a step's prompt micro-batches to step_batches, which returns the completion
 micro-batches trained on; with objective.num_iterations = k, each generated batch is trained on
-for k steps (the ratio to the log-probabilities it was sampled with then moves from 1). Sampling
-draws from a generator seeded by (trainer.seed, step, rank, micro-batch): a resumed run samples the
-completions a straight one did, without a state to save; one resumed inside a num_iterations window
-trains on the window's completions, which each rank's checkpoint holds (rank_state).
+for k steps (the ratio to the log-probabilities it was sampled with then moves from 1). Each
+completion draws its tokens from its own key, (trainer.seed, step, the prompt's index in the set,
+which of its num_generations, the tool round): the same completions on any number of ranks and
+micro-batches, and after a resume, without a state to save (generation.RowDraws). A run resumed
+inside a num_iterations window trains on the window's completions, which each rank's checkpoint
+holds (rank_state).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.generation import (
-    complete, completion_mask, generation_config, left_padded, length_problems, sampling, sampling_seed,
+    complete, completion_mask, generation_config, left_padded, length_problems, row_keys, sampling, sampling_seed,
 )
 from trainloop.objectives.reference import reference_model
 
@@ -455,7 +457,7 @@ class GRPO(Objective):
         started = time.perf_counter()
         if self.environments is not None:
             self.environments.start()
-        rollouts = [self.generate(strategy, model, batch, sampling_seed(self.seed, step, strategy.dp_rank, i))
+        rollouts = [self.generate(strategy, model, batch, step, sampling_seed(self.seed, step, strategy.dp_rank, i))
                     for i, batch in enumerate(group)]
         self.generating_s += time.perf_counter() - started
         rewards = self.agreed_scores(strategy, rollouts)
@@ -475,22 +477,26 @@ class GRPO(Objective):
             self.generated = batches
         return batches
 
-    def generate(self, strategy, model, batch: dict, seed: int) -> dict:
-        """num_generations completions of each prompt of the batch, sampled from `seed`'s generator,
-        every rank taking part in every forward (trainloop.observe.samples says why)."""
+    def generate(self, strategy, model, batch: dict, step: int, seed: int) -> dict:
+        """num_generations completions of each prompt of the batch, each drawn from its own key (the
+        module's docstring; `seed`: the continuous engine's generator), every rank taking part in every
+        forward (trainloop.observe.samples says why)."""
         import torch
 
+        n = self.cfg.num_generations
         keep = batch["prompt_mask"].any(0)  # the columns where some prompt has a token: the rest is padding
-        prompt_ids = batch["prompt_ids"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
-        prompt_mask = batch["prompt_mask"][:, keep].repeat_interleave(self.cfg.num_generations, 0)
-        rows = [json.loads(r) for r in batch["row"] for _ in range(self.cfg.num_generations)]
+        prompt_ids = batch["prompt_ids"][:, keep].repeat_interleave(n, 0)
+        prompt_mask = batch["prompt_mask"][:, keep].repeat_interleave(n, 0)
+        index = batch["index"]
+        keys = row_keys(self.seed, step, index.repeat_interleave(n), torch.arange(n, device=index.device).repeat(len(index)))
+        rows = [json.loads(r) for r in batch["row"] for _ in range(n)]
         prompt_ids, prompt_mask, environments = self.reset(strategy, rows, prompt_ids, prompt_mask)
         with sampling(strategy, model, seed) as module:
             out = complete(module, prompt_ids, prompt_mask, self.sampling, self.cfg.generation,
-                           synced_gpus=self.synced(strategy))
+                           synced_gpus=self.synced(strategy), keys=keys)
             if self.multi_turn:
                 return self.tool_rollout(strategy, module, prompt_ids, prompt_mask, out, self.sampling, rows,
-                                         environments)
+                                         environments, keys)
         completion_ids = out[:, prompt_ids.shape[1]:]
         mask = completion_mask(completion_ids, self.eos)
         attention = torch.cat([prompt_mask, mask], 1)
@@ -537,7 +543,7 @@ class GRPO(Objective):
         return (*left_padded(prompts, self.pad, prompt_ids), instances)
 
     def tool_rollout(self, strategy, module, prompt_ids, prompt_mask, out, settings, rows: list[dict],
-                     environments: list | None = None) -> dict:
+                     environments: list | None = None, keys: torch.Tensor | None = None) -> dict:
         """The rollouts with their tool calls answered and the model asked again (trainloop.objectives.tools),
         from the first turns in `out`: completion_mask is 1 on the model's tokens only (the loss's and the
         advantage's), the attention mask on every token; the completions as messages, for the rewards.
@@ -549,15 +555,19 @@ class GRPO(Objective):
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         first = [self.first_turn(row) for row in out[:, prompt_ids.shape[1]:].tolist()]
 
-        def generate(rows: list[list[int]], room: list[int]) -> list[list[int]]:
+        rounds = 0
+
+        def generate(which: list[int], rows: list[list[int]], room: list[int]) -> list[list[int]]:
+            nonlocal rounds
+            rounds += 1  # a row's draws in round r are keyed by r: the same in any batch
             stand_in = not rows  # every rank generates together: one with nothing left takes a token of its first
-            rows, room = (prompts[:1], [1]) if stand_in else (rows, room)
+            which, rows, room = ([0], prompts[:1], [1]) if stand_in else (which, rows, room)
             ids, mask = left_padded(rows, self.pad, prompt_ids)
             width = ids.shape[1]
             limited = copy.deepcopy(settings)
             limited.max_new_tokens = max(room)
-            turn = complete(module, ids, mask, limited, self.cfg.generation,
-                            synced_gpus=self.synced(strategy))[:, width:].tolist()
+            turn = complete(module, ids, mask, limited, self.cfg.generation, synced_gpus=self.synced(strategy),
+                            keys=None if keys is None else row_keys(keys[which], rounds))[:, width:].tolist()
             return [] if stand_in else [self.first_turn(t)[:r] for t, r in zip(turn, room)]
 
         def agree(going: int) -> bool:

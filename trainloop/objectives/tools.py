@@ -155,9 +155,10 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
     """Each rollout's turns, from the model's first turns (`first`, one per prompt): its calls
     answered from its own tools (`functions[i]`: objective.tools and its environment's methods) and
     the model asked again, until no call, `max_rounds` rounds (None: no limit but the budget) or the
-    `budget` of completion tokens. `generate(rows, room)`: the model's next turn for each row (prompt
-    + completion so far), at most `room` tokens each, with every rank taking part (an empty list where
-    this rank has none left); `agree(n)`: whether any rank has rows left."""
+    `budget` of completion tokens. `generate(which, rows, room)`: the model's next turn for each row
+    (prompt + completion so far; `which`: the rows' places in `prompts`), at most `room` tokens each,
+    with every rank taking part (empty lists where this rank has none left); `agree(n)`: whether any
+    rank has rows left."""
     eos = tokenizer.eos_token_id
     turns = []
     for ids in first:
@@ -185,7 +186,7 @@ def take_turns(prompts: list[list[int]], first: list[list[int]], generate, agree
             going.append(i)
         if not agree(len(going)):
             break
-        for i, ids in zip(going, generate([prompts[i] + turns[i].ids for i in going],
+        for i, ids in zip(going, generate(going, [prompts[i] + turns[i].ids for i in going],
                                           [budget - len(turns[i].ids) for i in going])):
             turns[i].add_model_turn(ids, tokenizer, eos)
         rounds += 1
