@@ -32,14 +32,25 @@ import sys
 print("\n".join(r for r in dist.requires if "extra ==" not in r))
 PY
 
-# DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against libaio.
-if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then
+# System packages, installed where this runs as root with apt (elsewhere a note says what to install):
+# - libaio-dev: DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against it;
+# - ccache: DeepSpeed's ops compile through it (compiler_cache in trainloop/parallel/deepspeed_config.py), so
+#   a new venv on this machine, a clean clone's, reuses what an earlier one compiled: seconds, not minutes.
+missing=()
+{ [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; } || missing+=(libaio-dev)
+command -v ccache >/dev/null || missing+=(ccache)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get install -y --no-install-recommends libaio-dev >/dev/null \
-      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends libaio-dev >/dev/null; }
+    apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \
+      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
   else
-    echo "note: NVMe offload needs libaio: apt-get install libaio-dev (Debian/Ubuntu, as root)," \
-         "dnf install libaio-devel (Fedora/RHEL) or conda install -c conda-forge libaio" >&2
+    for package in "${missing[@]}"; do
+      case $package in
+        libaio-dev) echo "note: NVMe offload needs libaio: apt-get install libaio-dev (Debian/Ubuntu, as root)," \
+                         "dnf install libaio-devel (Fedora/RHEL) or conda install -c conda-forge libaio" >&2 ;;
+        ccache) echo "note: with ccache installed, DeepSpeed's ops compile once per machine, not once per venv" >&2 ;;
+      esac
+    done
   fi
 fi
 # DeepSpeed compiles its CPU Adam, CPU collectives and async I/O on first use (minutes on a small

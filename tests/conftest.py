@@ -110,7 +110,8 @@ def local_tokenizer(tmp_path: Path) -> Path:
 
 # --- DeepSpeed's compiled ops -------------------------------------------------------------------
 # DeepSpeed JIT-compiles its CPU ops (shm_comm, cpu_adam, async_io) on first use: 8 to 15 minutes
-# of compiler time on a fresh 2-core machine, most of it async_io. So the build starts in the
+# of compiler time on a fresh 2-core machine, most of it async_io; about 10 s where ccache holds them
+# from another venv (trainloop.deepspeed compiles through it: compiler_cache). So the build starts in the
 # background, at the lowest CPU priority, as soon as the collected tests include one that needs
 # it, and those tests run last: the rest of the suite runs meanwhile, and the compiler takes the
 # core that single-threaded test subprocesses leave idle. The build is left to finish if the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -221,3 +222,34 @@ def test_nvme_without_libaio_names_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         build_accelerator(cfg)
     assert "libaio" in str(err.value) and "apt-get install libaio-dev" in str(err.value)
+
+
+def test_deepspeeds_ops_compile_through_ccache_and_a_second_venv_reuses_them(tmp_path, monkeypatch):
+    """compiler_cache (build_ops compiles inside it): torch's JIT build runs `c++`, here ccache. The same source
+    compiled from a second venv's folder (another path, as a clean clone's) is a cache hit: the paths under the
+    venv (sys.prefix) are hashed relative to the build folder. The environment comes back after."""
+    import os
+    import shutil
+    import subprocess
+
+    from trainloop.parallel.deepspeed_config import compiler_cache
+
+    if shutil.which("ccache") is None:
+        pytest.skip("ccache is not installed here (scripts/setup.sh installs it where it runs as root with apt)")
+    for key in ("CXX", "CCACHE_BASEDIR", "CCACHE_NOHASHDIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "cache"))
+    for venv in (tmp_path / "a" / ".venv", tmp_path / "b" / ".venv"):
+        (venv / "build").mkdir(parents=True)
+        (venv / "op.cpp").write_text("int twice(int x) { return 2 * x; }\n")
+        monkeypatch.setattr(sys, "prefix", str(venv))  # a run's venv
+        before = dict(os.environ)
+        with compiler_cache():
+            assert Path(shutil.which("c++")).resolve() == Path(shutil.which("ccache")).resolve()
+            subprocess.run(["c++", "-g", "-O2", "-c", str(venv / "op.cpp"), "-o", "op.o"], cwd=venv / "build",
+                           check=True)
+        assert dict(os.environ) == before
+        assert (venv / "build" / "op.o").stat().st_size > 0
+    stats = dict(line.split("\t") for line in subprocess.run(["ccache", "--print-stats"], capture_output=True,
+                                                              text=True, check=True).stdout.splitlines())
+    assert (int(stats["direct_cache_miss"]), int(stats["direct_cache_hit"])) == (1, 1)

@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -312,8 +313,40 @@ def restore_cpu_adam_step_count(optimizer) -> None:
                                              empty, empty, empty, empty)
 
 
+@contextmanager
+def compiler_cache():
+    """Compile through ccache where it is installed: torch's JIT build runs `c++` (its CXX), here a link
+    to ccache, which finds the real compiler after it on PATH. Paths under the venv are hashed relative
+    to the build folder (CCACHE_BASEDIR) and the folder itself not at all (CCACHE_NOHASHDIR), so a new
+    venv (a clean clone's) reuses the objects another venv compiled from the same sources, flags and
+    headers: minutes of compiler on a small machine, seconds then. The environment comes back after."""
+    import shutil
+    import sys
+    import tempfile
+
+    ccache = shutil.which("ccache")
+    if ccache is None or "CXX" in os.environ:  # not installed, or the user chose the compiler
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="trainloop-ccache-") as masquerade:
+        (Path(masquerade) / "c++").symlink_to(ccache)
+        saved = {key: os.environ.get(key) for key in ("PATH", "CCACHE_BASEDIR", "CCACHE_NOHASHDIR")}
+        os.environ["PATH"] = f"{masquerade}{os.pathsep}{os.environ.get('PATH', '')}"
+        os.environ.setdefault("CCACHE_BASEDIR", sys.prefix)
+        os.environ.setdefault("CCACHE_NOHASHDIR", "1")
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
 def build_ops() -> list[str]:
-    """JIT-build (or load from ~/.cache/torch_extensions) the DeepSpeed ops trainloop runs with.
+    """JIT-build (or load from ~/.cache/torch_extensions) the DeepSpeed ops trainloop runs with,
+    through ccache where it is installed (compiler_cache).
 
     The first build takes minutes on a small CPU machine; scripts/setup.sh and the tests call
     this once so that no training process waits for a compiler.
@@ -329,10 +362,11 @@ def build_ops() -> list[str]:
     if get_accelerator().device_name() == "cpu":
         names.append("ShareMemCommBuilder")  # DeepSpeed's collectives on CPU ranks
     built = []
-    for name in names:
-        get_accelerator().create_op_builder(name).load(verbose=False)
-        built.append(name)
-    if AsyncIOBuilder().is_compatible():
-        AsyncIOBuilder().load(verbose=False)
-        built.append("AsyncIOBuilder")
+    with compiler_cache():
+        for name in names:
+            get_accelerator().create_op_builder(name).load(verbose=False)
+            built.append(name)
+        if AsyncIOBuilder().is_compatible():
+            AsyncIOBuilder().load(verbose=False)
+            built.append("AsyncIOBuilder")
     return built
