@@ -17,13 +17,16 @@ matrix = script("matrix")
 
 
 # the cells that ran refused before issue 59's check 1: tensor parallelism for every objective beyond causal_lm,
-# context parallelism for kto, distill and reward, the pipeline for simpo and orpo (dpo, kto, grpo, distill and
-# reward still refused there: a frozen copy, generation and a score head are not cut into stages yet)
+# context parallelism for kto, distill and reward, the pipeline for simpo and orpo (kto, grpo, distill, reward and dpo
+# with a reference held through training still refused there: a frozen copy, generation and a score head are not cut
+# into stages yet)
 # And grpo on 2 data-parallel ranks, which sampled other completions than one process before each row drew from
-# its own key (objectives/generation.py's RowDraws; ZeRO-3, FSDP2 and HSDP sample as DDP does: scripts/matrix.py)
+# its own key (objectives/generation.py's RowDraws; ZeRO-3, FSDP2 and HSDP sample as DDP does: scripts/matrix.py);
+# and dpo through the pipeline, its reference's log-probabilities computed through the stages before the first step
+# (objective.precompute_reference=true: matrix.NEEDS_NONE)
 NEW_CELLS = [*((objective, "FSDP2 x TP") for objective in ("dpo", "simpo", "orpo", "reward", "kto", "grpo", "distill")),
              *((objective, "context parallel") for objective in ("kto", "distill", "reward")),
-             *((objective, "pipeline") for objective in ("simpo", "orpo")), ("grpo", "DDP")]
+             *((objective, "pipeline") for objective in ("simpo", "orpo", "dpo")), ("grpo", "DDP")]
 SAYS = {"DDP": "DistributedType.MULTI_CPU (2 process(es)", "FSDP2 x TP": "FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp",
         "context parallel": "context parallel: 2 processes split each sequence",
         "pipeline": "pipeline: 2 stages over 2 processes (1f1b)"}

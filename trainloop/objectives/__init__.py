@@ -48,12 +48,13 @@ def layout_problems(cfg, objective: type[Objective]) -> list[str]:
     (trainloop.parallel's declarations): one line for each combination that cannot run, naming both."""
     from trainloop.parallel.degrees import builds_partitioned, one_forward_only
 
-    found, needs = [], objective.needs
+    found, needs = [], objective.needs_in(cfg)
     said = (needs[0] if len(needs) == 1 else f"{', '.join(needs[:-1])} and {needs[-1]}") if needs else ""
     for key, layout, instead in one_forward_only(cfg):
         if needs:
+            other = f", or {objective.needs_none_with}" if objective.needs_none_with else ""
             found.append(f"{key} with objective={objective.name} needs {said}, which {layout} does not give yet (it "
-                         f"hands the objective's loss the logits of one forward of the model); {instead}")
+                         f"hands the objective's loss the logits of one forward of the model); {instead}{other}")
         elif cfg.trainer.loss_chunk_tokens and not objective.next_token_loss:
             found.append(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} with {key} and objective="
                          f"{objective.name}: {layout} chunks the next-token loss alone (objective=causal_lm's) inside "

@@ -61,9 +61,17 @@ class Objective:
     # What its loss needs beyond the logits of one forward of the model (forward_inputs'), in the words a layout
     # that gives only those (the pipeline's last stage) refuses it with; () for those alone (causal_lm, simpo)
     needs: tuple[str, ...] = ()
+    # the setting under which the row needs none of `needs` (objective.precompute_reference=true: dpo's reference
+    # log-probabilities are in the data before the first step), named in a layout's refusal; None: no such setting
+    needs_none_with: str | None = None
     # its loss is the next-token loss on target tokens alone, which chunked_token_loss computes from the final hidden
     # states: what a layout that takes the chunked loss inside its forward (the pipeline's last stage) runs
     next_token_loss = False
+
+    @classmethod
+    def needs_in(cls, cfg) -> tuple[str, ...]:
+        """`needs` in this config: none of it where the row's needs_none_with setting is on."""
+        return cls.needs
 
     @classmethod
     def copies_model(cls, cfg) -> bool:

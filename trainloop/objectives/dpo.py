@@ -17,6 +17,7 @@ is the mean over the pairs of the global batch.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,8 +51,15 @@ def pair_tensors(dataset) -> dict:
 class DPO(PairObjective):
     name = "dpo"
     needs = ("a frozen reference",)
+    needs_none_with = "objective.precompute_reference=true"
     pretrained_lr = (1e-06, "DPOConfig")
     keys = DPOConfig
+
+    @classmethod
+    def needs_in(cls, cfg) -> tuple[str, ...]:
+        """Nothing beyond one forward with objective.precompute_reference: the data carries the reference's
+        log-probabilities, computed before the first step through the layout's own forward (Strategy.computed)."""
+        return () if cfg.objective.precompute_reference else cls.needs
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
@@ -158,9 +166,10 @@ class DPO(PairObjective):
 
     def precompute(self, strategy, model, dataset) -> torch.Tensor:
         """The reference's (chosen, rejected) log-probabilities of every pair of `dataset`, as float32
-        [pairs, 2] on the CPU: each data-parallel rank computes every dp_size-th pair in batches of
-        data.batch_size, every rank running the same number of forwards (a sharded reference needs
-        all of them in each), and the shares are summed."""
+        [pairs, 2] on the CPU, from the policy before its first step (its adapters disabled), in eval mode,
+        through the layout's own forward (Strategy.computed: the pipeline's stages too): each data-parallel
+        rank computes every dp_size-th pair in batches of data.batch_size, every rank running the same
+        number of forwards (a sharded model needs all of them in each), and the shares are summed."""
         import math
 
         import torch
@@ -169,38 +178,46 @@ class DPO(PairObjective):
         batch_size = self.cfg.data.batch_size
         mine = list(range(rank, n, size))
         out = torch.zeros(n, 2, dtype=torch.float64, device=strategy.device)
-        for r in range(math.ceil(math.ceil(n / size) / batch_size)):
-            index = mine[r * batch_size:(r + 1) * batch_size]
-            batch = {key: t[index or [0]].to(strategy.device) for key, t in pair_tensors(dataset).items()}
-            logps = self.reference_logps(model, batch, starting=True)  # a rank out of pairs: one it will not keep
-            if index:
-                out[index] = torch.stack(logps.chunk(2), dim=1).double()
+        with self.reference_policy(model):
+            for r in range(math.ceil(math.ceil(n / size) / batch_size)):
+                index = mine[r * batch_size:(r + 1) * batch_size]
+                batch = {key: t[index or [0]].to(strategy.device) for key, t in pair_tensors(dataset).items()}
+                logps = strategy.computed(self, model, batch,  # a rank out of pairs: one it will not keep
+                                          lambda forward: completion_logps(forward, batch, self.chunk)[0])
+                if index:
+                    out[index] = torch.stack(logps.chunk(2), dim=1).double()
         return strategy.reduce_sum(out).float().cpu()
 
-    def reference_logps(self, model, batch: dict, starting: bool = False) -> torch.Tensor:
-        """The reference's summed completion log-probabilities, chosen rows then rejected: precomputed
-        and carried by the batch, or from the frozen copy, or from the policy with its adapters off,
-        or (`starting`: before the first step, a full fine-tune precomputing) the policy itself.
-        In eval mode, without gradients: the same reference every step."""
-        from contextlib import nullcontext
+    @contextmanager
+    def reference_policy(self, model):
+        """The policy as its own reference, for the length of the block: eval mode, no gradients, its adapters
+        disabled (with one; without, the policy is the reference only before its first step)."""
+        import torch
 
+        adapted = self.cfg.adapter.name != "none"
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), reference_model(model).disable_adapter() if adapted else nullcontext():
+                yield
+        finally:
+            model.train(training)
+
+    def reference_logps(self, model, batch: dict) -> torch.Tensor:
+        """The reference's summed completion log-probabilities, chosen rows then rejected: precomputed
+        and carried by the batch, or from the frozen copy, or from the policy with its adapters off.
+        In eval mode, without gradients: the same reference every step."""
         import torch
 
         if PRECOMPUTED in batch:
             return batch[PRECOMPUTED].T.reshape(-1)
-        adapted = self.cfg.adapter.name != "none"
-        if self.frozen is None and not adapted and not starting:
-            raise RuntimeError("objective=dpo: a full fine-tune's policy is its reference only before its first step")
-        with torch.no_grad():
-            if self.frozen is not None:
+        if self.frozen is not None:
+            with torch.no_grad():
                 return completion_logps(self.frozen, batch, self.chunk)[0]
-            policy, training = reference_model(model) if adapted else model, model.training
-            model.eval()
-            try:
-                with policy.disable_adapter() if adapted else nullcontext():
-                    return completion_logps(policy, batch, self.chunk)[0]
-            finally:
-                model.train(training)
+        if self.cfg.adapter.name == "none":
+            raise RuntimeError("objective=dpo: a full fine-tune's policy is its reference only before its first step")
+        with self.reference_policy(model):
+            return completion_logps(reference_model(model), batch, self.chunk)[0]
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pair's loss, and SUMS over the batch's pairs."""

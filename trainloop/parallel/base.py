@@ -216,6 +216,11 @@ class Strategy:
         with self.sequences_split():
             return objective.eval_sums(model, batch)
 
+    def computed(self, objective, model, batch: dict, compute):
+        """compute(model): a 1-D tensor from a forward of the objective's forward_inputs(batch), on every rank
+        (the pipeline runs that forward across its stages and calls compute on the last one's logits)."""
+        return compute(model)
+
     @contextmanager
     def micro_step(self, model, last: bool):
         """accelerate's `accumulate`, with the step's last micro-batch named by the step: the loop reads

@@ -121,7 +121,7 @@ def each_micro_batch(stage):
 
 
 class Forwarded:
-    """The last stage's logits as the model an objective's loss calls (its batch_loss, eval_sums): the forward
+    """The last stage's logits as the model an objective's loss calls (its batch_loss, eval_sums, computed): the forward
     ran already, on the objective's forward_inputs, and called with those rows it returns that forward's logits."""
 
     def __init__(self, logits, input_ids):
@@ -348,6 +348,22 @@ class Pipeline(Strategy):
     def eval_sums(self, objective, model, batch: dict):
         """The stages' forwards in order (activations sent on between ranks), the summed loss and
         units taken on the last, and sent to every rank of its pipeline."""
+        def sums(hidden, forward):  # the logits, or with the chunked loss their summed loss
+            return (objective.token_loss_sums(hidden, batch) if self.chunk else
+                    objective.eval_sums(Forwarded(hidden, forward["input_ids"]), batch))
+
+        return self._last_stage(objective, model, batch, sums)
+
+    def computed(self, objective, model, batch: dict, compute):
+        """compute(the last stage's logits, as Forwarded) after the stages' forwards, on every rank of the pipeline
+        (float64)."""
+        return self._last_stage(objective, model, batch,
+                                lambda hidden, forward: compute(Forwarded(hidden, forward["input_ids"])))
+
+    def _last_stage(self, objective, model, batch: dict, compute):
+        """compute(the last stage's output, forward_inputs) after the stages' forwards of the objective's
+        forward_inputs(batch) in order (activations sent on between ranks), as float64, sent to every rank of
+        its pipeline."""
         import torch
         import torch.distributed as dist
 
@@ -367,17 +383,16 @@ class Pipeline(Strategy):
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
         pp = self.mesh.get_group("pp")
-        if self.num_stages - 1 in self.stage_ids:  # the logits, or with the chunked loss their summed loss
-            sums = (objective.token_loss_sums(hidden, batch) if self.chunk else
-                    objective.eval_sums(Forwarded(hidden, forward["input_ids"]), batch)).to(torch.float64)
-            size = torch.tensor([len(sums)], device=self.device)
+        if self.num_stages - 1 in self.stage_ids:
+            values = compute(hidden, forward).to(torch.float64)
+            size = torch.tensor([len(values)], device=self.device)
         else:
             size = torch.zeros(1, dtype=torch.long, device=self.device)
-        dist.broadcast(size, src=self.last_rank, group=pp)  # how many sums the objective keeps
+        dist.broadcast(size, src=self.last_rank, group=pp)  # how many values the last stage computed
         if self.num_stages - 1 not in self.stage_ids:
-            sums = torch.zeros(int(size), dtype=torch.float64, device=self.device)
-        dist.broadcast(sums, src=self.last_rank, group=pp)
-        return sums
+            values = torch.zeros(int(size), dtype=torch.float64, device=self.device)
+        dist.broadcast(values, src=self.last_rank, group=pp)
+        return values
 
     def reduce_computed(self, tensor):
         """What the last stage accumulated from its losses, on every stage of its pipeline, summed over dp_shard."""
