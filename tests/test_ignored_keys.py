@@ -126,7 +126,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "    return [sum(ch.isalpha() for ch in c[-1]['content']) / max(len(c[-1]['content']), 1) for c in completions]\n"
         "\n\n"
         "def printable(prompts, completions, **columns):\n"
-        "    return [sum(ch.isprintable() for ch in c[-1]['content']) / max(len(c[-1]['content']), 1) for c in completions]\n")
+        "    return [sum(ch.isprintable() for ch in c[-1]['content']) / max(len(c[-1]['content']), 1) for c in completions]\n"
+        "\n\n"
+        "def place(prompts, completions, **columns):\n"  # what the sampled text says does not matter to these two
+        "    return [float(i) for i in range(len(completions))]\n"
+        "\n\n"
+        "def place_squared(prompts, completions, **columns):\n"
+        "    return [float(i * i) for i in range(len(completions))]\n")
     (root / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                      "{% if add_generation_prompt %}assistant: {% endif %}")
     for name in ("corpus_a", "corpus_b"):  # the same corpora, prepared (data=prepared)
@@ -153,11 +159,14 @@ PAIRED = {"preference": ["objective=dpo", "adapter=lora"],  # what trains on the
 
 
 def generating(files) -> list[str]:
-    """What objective=grpo's probe generates from: real prompts, two reward functions (so that their
-    weights show), LoRA (objective.beta > 0 needs it) and a rollout small enough for a few seconds."""
+    """What objective=grpo's probe generates from: real prompts, two reward functions whose weights show
+    in the advantages whatever the model samples (a completion's place in the call, and its square: in a
+    group of 3, no weighting of one is the other's shape; with 2, a group's normalised advantages are
+    +-1 and show only the sign of the weighted difference), LoRA (objective.beta > 0 needs it) and a
+    rollout small enough for a few seconds."""
     rewards = files["rewards.py"]
-    return [f"data.path={files['prompts_a']}", f"objective.rewards=[{rewards}:letters,{rewards}:printable]",
-            "adapter=lora", "objective.num_generations=2", "objective.max_new_tokens=4"]
+    return [f"data.path={files['prompts_a']}", f"objective.rewards=[{rewards}:place,{rewards}:place_squared]",
+            "adapter=lora", "objective.num_generations=3", "objective.max_new_tokens=4"]
 
 
 def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[str, object]:
@@ -198,7 +207,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "objective.beta": 0.3, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
         "objective.label_smoothing": 0.1, "objective.gamma": 0.3,
         "objective.rewards": [f"{files['rewards.py']}:printable"], "objective.reward_weights": [1.0, 3.0],
-        "objective.num_generations": 3, "objective.temperature": 0.7, "objective.top_p": 0.5,
+        "objective.num_generations": 4, "objective.temperature": 0.7, "objective.top_p": 0.5,
         "objective.max_new_tokens": 3, "objective.scale_rewards": "batch", "objective.epsilon": 0.05,
         "objective.epsilon_high": 0.5, "objective.num_iterations": 2, "objective.importance_sampling_level": "sequence",
         "objective.top_entropy_quantile": 0.5, "objective.sapo_temperature_pos": 0.5,
@@ -266,8 +275,8 @@ def built(group: str, cfg):
                 _base_datasets[built_by] = train, valid
         loader, _ = build_dataloaders(cfg.data, train, valid, pin_memory=False)
         context = type(loader.multiprocessing_context).__name__ if loader.multiprocessing_context else None
-        blocks = [digest(part.tensors[key] if isinstance(part, PackedBlocks)  # its tensors: the stack of its items'
-                         else torch.stack([part[b][key] for b in range(len(part))]))  # prepared: gathered lazily
+        blocks = [digest(part.tensors[key] if isinstance(part, PackedBlocks) and key in part.tensors  # its items' stack
+                         else torch.stack([part[b][key] for b in range(len(part))]))  # prepared; a prompt's index
                   if isinstance(part[0][key], torch.Tensor) else [part[b][key] for b in range(len(part))]  # prompts' rows
                   for part in (train, valid) for key in sorted(part[0])]
         return (blocks, loader.batch_size, loader.num_workers,
@@ -364,7 +373,8 @@ def generated_loss(cfg):
         train, _ = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
         items = [train[0], train[1]]
         batch = {"prompt_ids": torch.stack([i["prompt_ids"] for i in items]),
-                 "prompt_mask": torch.stack([i["prompt_mask"] for i in items]), "row": [i["row"] for i in items]}
+                 "prompt_mask": torch.stack([i["prompt_mask"] for i in items]), "row": [i["row"] for i in items],
+                 "index": torch.stack([i["index"] for i in items])}
         torch.manual_seed(0)
         model = build_model(cfg.model, build_model_config(cfg.model, len(tokenizer)))
         if cfg.adapter.name != "none":
