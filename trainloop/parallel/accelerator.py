@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trainloop.errors import ConfigError
-from trainloop.parallel.process_group import MPI_SIZE_VARS, world_size_from_env
+from trainloop.parallel.process_group import MPI_SIZE_VARS, environment_as_found, world_size_from_env
 from trainloop.parallel.zero import NO_STAGE
 
 log = logging.getLogger("trainloop")
@@ -168,16 +168,9 @@ def _accelerate_env_for_plugin():
     the JSON, so accelerate's refusal to mix the two is moot; and the ACCELERATE_USE_DEEPSPEED
     it exports must not leak into a later run in the same process (sweeps, tests).
     """
-    saved = {k: os.environ.get(k) for k in ("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_USE_DEEPSPEED")}
-    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-    try:
+    with environment_as_found("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_USE_DEEPSPEED"):
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _is_op_load_notice(line: str) -> bool:

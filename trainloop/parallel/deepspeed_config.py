@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainloop.errors import ConfigError
+from trainloop.parallel.process_group import environment_as_found
 
 log = logging.getLogger("trainloop")
 
@@ -328,20 +329,13 @@ def compiler_cache():
     if ccache is None or "CXX" in os.environ:  # not installed, or the user chose the compiler
         yield
         return
-    with tempfile.TemporaryDirectory(prefix="trainloop-ccache-") as masquerade:
+    with tempfile.TemporaryDirectory(prefix="trainloop-ccache-") as masquerade, \
+            environment_as_found("PATH", "CCACHE_BASEDIR", "CCACHE_NOHASHDIR"):
         (Path(masquerade) / "c++").symlink_to(ccache)
-        saved = {key: os.environ.get(key) for key in ("PATH", "CCACHE_BASEDIR", "CCACHE_NOHASHDIR")}
         os.environ["PATH"] = f"{masquerade}{os.pathsep}{os.environ.get('PATH', '')}"
         os.environ.setdefault("CCACHE_BASEDIR", sys.prefix)
         os.environ.setdefault("CCACHE_NOHASHDIR", "1")
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield
 
 
 def build_ops() -> list[str]:

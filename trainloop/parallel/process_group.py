@@ -62,6 +62,20 @@ def hold_default_group() -> None:
 
 
 @contextmanager
+def environment_as_found(*keys: str):
+    """The environment variables `keys` as they were before the block (set again, or removed)."""
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
 def distributed_as_found():
     """Leave torch.distributed and the rank variables as they were before a run in this process.
 
@@ -72,15 +86,10 @@ def distributed_as_found():
     """
     import torch.distributed as dist
 
-    saved = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
     found = dist.is_available() and dist.is_initialized()
-    try:
-        yield
-    finally:
-        if not found and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-            dist.destroy_process_group()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environment_as_found(*PROCESS_GROUP_ENV):
+        try:
+            yield
+        finally:
+            if not found and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+                dist.destroy_process_group()
