@@ -70,7 +70,7 @@ class Objective:
 
     @classmethod
     def needs_in(cls, cfg) -> tuple[str, ...]:
-        """`needs` in this config: none of it where the row's needs_none_with setting is on."""
+        """`needs` in this config; a row with a needs_none_with setting returns () where that setting is on."""
         return cls.needs
 
     @classmethod

@@ -229,14 +229,11 @@ class Distill(Objective):
     def step_batches(self, strategy, model, group: list[dict] | None, step: int) -> list[dict]:
         if not self.on_policy(step):
             return group
-        from trainloop.objectives.generation import sampling_seed
-
-        batches = [self.sampled(strategy, model, batch, step, sampling_seed(self.seed, step, strategy.dp_rank, i))
-                   for i, batch in enumerate(group)]
+        batches = [self.sampled(strategy, model, batch, step) for batch in group]
         self.sums[len(SUMS)] += len(batches)
         return batches
 
-    def sampled(self, strategy, model, batch: dict, step: int, seed: int) -> dict:
+    def sampled(self, strategy, model, batch: dict, step: int) -> dict:
         """The batch's rows with their prompts completed by the student (every rank taking part in every
         forward where the weights are sharded): the completion's tokens up to and with its end-of-text
         are the targets. Each completion draws from its own key, (trainer.seed, step, its prompt's
@@ -250,7 +247,7 @@ class Distill(Objective):
         lengths = prompt_lengths(batch["labels"], attention).tolist()
         prompt_ids, prompt_mask = left_padded([row[:n] for row, n in zip(ids.tolist(), lengths)], self.pad, ids)
         keys = row_keys(self.seed, step, content_keys(prompt_ids, prompt_mask))
-        with sampling(strategy, model, seed) as module:
+        with sampling(strategy, model, seed=0) as module:  # the draws are the keys': the generator is only forked
             out = complete(module, prompt_ids, prompt_mask, self.sampling, "generate",
                            synced_gpus=strategy.world_size > 1, keys=keys)
         completion = out[:, prompt_ids.shape[1]:]

@@ -273,8 +273,6 @@ class RowDraws:
     after it (the warpers again, then multinomial) can only return that token."""
 
     def __init__(self, module, settings, keys: torch.Tensor, prompt_width: int):
-        import torch
-
         model = module.get_base_model() if hasattr(module, "get_base_model") else module
         sampled = model._prepare_generation_config(copy.deepcopy(settings))[0]
         greedy = copy.deepcopy(sampled)
@@ -284,7 +282,7 @@ class RowDraws:
         if [type(p) for p in every[:len(processors)]] != [type(p) for p in processors]:
             raise RuntimeError("transformers' sampling warpers no longer follow its other logits processors; "
                                "trainloop's per-row draws (objectives/generation.py) need updating")
-        self.warpers, self.keys, self.start, self.neg_inf = every[len(processors):], keys, prompt_width, -torch.inf
+        self.warpers, self.keys, self.start = every[len(processors):], keys, prompt_width
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
@@ -293,7 +291,7 @@ class RowDraws:
             scores = warper(input_ids, scores)
         noise = -torch.log(-torch.log(row_uniforms(self.keys, input_ids.shape[1] - self.start, scores.shape[-1])))
         choice = (scores.float() + noise).argmax(-1, keepdim=True)
-        return torch.full_like(scores, self.neg_inf).scatter_(1, choice, 0.0)
+        return torch.full_like(scores, -torch.inf).scatter_(1, choice, 0.0)
 
 
 def generation_config(**settings):
