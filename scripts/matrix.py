@@ -54,12 +54,11 @@ LAYOUTS = {
     "FSDP2": (2, ["fsdp=full_shard"], 2, []),
     "HSDP": (4, ["fsdp=full_shard", "parallel.dp_replicate=2"], 1, []),
     "FSDP2 x TP": (2, ["fsdp=full_shard", "parallel.tp_size=2"], 4, []),
-    "pipeline": (2, ["parallel.pp_size=2", "trainer.gradient_accumulation_steps=2"], 2, ["model.tie_embeddings=false"]),
+    # one process at the pipeline's micro-batches (kto's KL estimate is a micro-batch's, over every rank)
+    "pipeline": (2, ["parallel.pp_size=2", "trainer.gradient_accumulation_steps=2"], 2,
+                 ["model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"]),
     "context parallel": (2, ["parallel.cp_size=2"], 4, []),
 }
-# a cell whose objective needs more than the layout gives as configured runs with the objective's setting that drops
-# the need (its row's needs_none_with), and so does its one process
-NEEDS_NONE = {("dpo", "pipeline"): ["objective.precompute_reference=true"]}
 MEASURED = {"time", "tokens_per_s", "tflops", "mfu", "data_wait_frac", "rss_bytes", "generation_s",
             "generated_tokens_per_s", "world_size"}  # what the clock or the machine says, not the computation
 TOLERANCE = 1e-5
@@ -71,15 +70,17 @@ def with_objective(objective: str, teacher: str) -> list[str]:
 
 
 def one_process(objective: str, layout: str, teacher: str) -> list[str]:
-    """The one-process run a cell is compared with: the objective's, at batch BATCH, with the model the layout needs."""
-    return [*STEPS, *with_objective(objective, teacher), *NEEDS_NONE.get((objective, layout), []), *LAYOUTS[layout][3],
-            f"data.batch_size={BATCH}"]
+    """The one-process run a cell is compared with: the objective's, at the global batch BATCH, with the model and
+    the micro-batches the layout needs."""
+    same = LAYOUTS[layout][3]
+    accumulation = next((int(o.split("=")[1]) for o in same if o.startswith("trainer.gradient_accumulation_steps=")), 1)
+    return [*STEPS, *with_objective(objective, teacher), *same, f"data.batch_size={BATCH // accumulation}"]
 
 
 def cell(objective: str, layout: str, teacher: str) -> tuple[int, list[str]]:
     """(processes, overrides) of the layout's run of the objective."""
     processes, overrides, batch, model = LAYOUTS[layout]
-    return processes, [*STEPS, *with_objective(objective, teacher), *NEEDS_NONE.get((objective, layout), []), *model,
+    return processes, [*STEPS, *with_objective(objective, teacher), *model,
                        *overrides, f"data.batch_size={batch}"]
 
 

@@ -148,6 +148,21 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+def started(objective, cfg, model):
+    """The objective as the build hands it over on one process, with the frozen model it keeps (a reference,
+    distill's teacher) placed by the one-process strategy."""
+    from accelerate import Accelerator
+
+    from trainloop.parallel import build_strategy
+
+    frozen = objective.frozen_copy(model)
+    if frozen is not None:
+        reset_accelerate()
+        strategy = build_strategy(cfg, Accelerator(cpu=True))
+        objective.start(strategy, model, strategy.prepare_frozen(frozen), None, None, None)
+    return objective
+
+
 def train(run_dir: Path, *overrides: str, small: bool = True):
     """Run trainloop in this process with SMALL + overrides; returns the run dir."""
     from trainloop.run import run

@@ -19,7 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import NEEDS, OPTIONS, compose, reset_accelerate, warm
+from helpers import NEEDS, OPTIONS, compose, reset_accelerate, started, warm
 from trainloop.config import schema
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -344,10 +344,7 @@ def objective_loss(cfg):
                  "label": torch.tensor([True, False])}
     else:
         batch = {"input_ids": ids, "labels": labels}
-    objective = build_objective(cfg, "cpu")
-    frozen = objective.frozen_copy(model)  # distill's teacher, as the build hands it over
-    if frozen is not None:
-        objective.start(None, model, frozen.eval(), None, None, None)
+    objective = started(build_objective(cfg, "cpu"), cfg, model)  # with distill's teacher, as the build hands it over
     with torch.no_grad():
         return objective.batch_loss(model, batch).summed.item()
 

@@ -92,7 +92,9 @@ def test_a_bad_row_is_refused_naming_file_and_line(tmp_path, row, says):
     (["objective=dpo", "adapter=lora"],
      "data=unpaired holds completions labelled desirable or not, which objective=dpo"),
     (["objective.desirable_weight=0"], "objective.desirable_weight=0.0 must be greater than 0"),
-    (["parallel.pp_size=2"], "parallel.pp_size=2 with objective=kto needs a frozen reference and a second forward"),
+    (["parallel.pp_size=2", "trainer.loss_chunk_tokens=64"],
+     "trainer.loss_chunk_tokens=64 with parallel.pp_size=2 and objective=kto: the pipeline chunks the next-token loss "
+     "alone"),
 ])
 def test_what_cannot_work_is_refused_by_name(overrides, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):

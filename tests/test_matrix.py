@@ -17,16 +17,15 @@ matrix = script("matrix")
 
 
 # the cells that ran refused before issue 59's check 1: tensor parallelism for every objective beyond causal_lm,
-# context parallelism for kto, distill and reward, the pipeline for simpo and orpo (kto, grpo, distill, reward and dpo
-# with a reference held through training still refused there: a frozen copy, generation and a score head are not cut
-# into stages yet)
+# context parallelism for kto, distill and reward, the pipeline for every objective but grpo (which generates; the
+# pipeline runs the forwards an objective's loss reads without gradients through the stages first: a frozen
+# reference or teacher cut into them, kto's mismatched pairs; reward's score head sits on the last stage)
 # And grpo on 2 data-parallel ranks, which sampled other completions than one process before each row drew from
-# its own key (objectives/generation.py's RowDraws; ZeRO-3, FSDP2 and HSDP sample as DDP does: scripts/matrix.py);
-# and dpo through the pipeline, its reference's log-probabilities computed through the stages before the first step
-# (objective.precompute_reference=true: matrix.NEEDS_NONE)
+# its own key (objectives/generation.py's RowDraws; ZeRO-3, FSDP2 and HSDP sample as DDP does: scripts/matrix.py)
 NEW_CELLS = [*((objective, "FSDP2 x TP") for objective in ("dpo", "simpo", "orpo", "reward", "kto", "grpo", "distill")),
              *((objective, "context parallel") for objective in ("kto", "distill", "reward")),
-             *((objective, "pipeline") for objective in ("simpo", "orpo", "dpo")), ("grpo", "DDP")]
+             *((objective, "pipeline") for objective in ("simpo", "orpo", "dpo", "kto", "reward", "distill")),
+             ("grpo", "DDP")]
 SAYS = {"DDP": "DistributedType.MULTI_CPU (2 process(es)", "FSDP2 x TP": "FSDP2 x TP: mesh cpu 1 dp_shard x 2 tp",
         "context parallel": "context parallel: 2 processes split each sequence",
         "pipeline": "pipeline: 2 stages over 2 processes (1f1b)"}
@@ -40,6 +39,8 @@ def test_the_objective_trains_on_the_layout_as_one_process_does(objective, layou
     run_dir = tmp_path / "run"
     warm(processes, [*overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert SAYS[layout] in run_log(run_dir), run_log(run_dir)[-2000:]
+    if layout == "pipeline" and objective in ("dpo", "distill"):  # a full fine-tune's reference, the teacher
+        assert "cut into the pipeline's stages like the policy" in run_log(run_dir), run_log(run_dir)[-2000:]
     first, worst = matrix.difference(matrix.numbers(run_dir), want)
     assert first is None, f"{objective} under {layout}: {first}"
     assert len({v for _, _, key, v in want if key == "loss"}) > 1  # the model moved

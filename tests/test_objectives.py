@@ -10,7 +10,7 @@ import torch
 
 from pathlib import Path
 
-from helpers import OBJECTIVE_NEEDS, compose, read_metrics, reset_accelerate, train
+from helpers import OBJECTIVE_NEEDS, compose, read_metrics, reset_accelerate, started, train
 from trainloop.objectives import OBJECTIVES, build_objective
 
 # The config each objective needs on top of the smoke preset (a new row adds its own).
@@ -46,11 +46,7 @@ def batch_for(cfg, objective_name: str) -> tuple[dict, torch.nn.Module]:
 
 def objective_for(cfg, model):
     """The objective as the build hands it over, with the frozen model it keeps (distill's teacher) whole."""
-    objective = build_objective(cfg, "cpu")
-    frozen = objective.frozen_copy(model)
-    if frozen is not None:
-        objective.start(None, model, frozen.eval(), None, None, None)
-    return objective
+    return started(build_objective(cfg, "cpu"), cfg, model)
 
 
 def test_every_objective_has_its_config_and_its_test_needs():

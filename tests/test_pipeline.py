@@ -188,8 +188,9 @@ def test_the_blocks_are_balanced_over_the_stages():
     (["fsdp=full_shard", "fsdp.offload=cpu"], "set fsdp.offload=none"),
     (["parallel.tp_size=2", "parallel.sequence_parallel=true", "fsdp=full_shard"],
      "set parallel.sequence_parallel=false"),
-    (["objective=dpo", "data=preference"], "with objective=dpo needs a frozen reference, which the pipeline does not "
-                                           "give yet (it hands the objective's loss the logits of one forward"),
+    (["objective=grpo", "data=prompts", "data.path=x.jsonl", "data.packing=documents"],
+     "with objective=grpo needs generation, which the pipeline does not give yet (it hands the objective's loss the "
+     "output of one forward"),
     (["objective=simpo", "data=preference", "trainer.loss_chunk_tokens=16"],
      "trainer.loss_chunk_tokens=16 with parallel.pp_size=2 and objective=simpo: the pipeline chunks the next-token "
      "loss alone"),

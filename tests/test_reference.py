@@ -193,4 +193,4 @@ def test_the_objective_layout_table_is_read_from_the_declarations():
             assert text == "yes" or text.startswith("no: ") and any(o.split("=")[0] in text for o in overrides), \
                 (layout, text)
     assert table[0] == "| `causal_lm` | " + " | ".join(["yes"] * len(LAYOUTS)) + " |"
-    assert "no: " in table[list(OBJECTIVES).index("dpo")]  # a frozen reference: refused by tp and pp
+    assert "no: " in table[list(OBJECTIVES).index("grpo")]  # generation: refused by the pipeline

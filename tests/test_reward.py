@@ -233,7 +233,6 @@ def test_a_margin_that_is_not_a_number_is_refused_naming_file_and_line(tmp_path)
 
 @pytest.mark.parametrize("overrides,named", [
     (["objective.center_rewards_coefficient=-0.1"], "objective.center_rewards_coefficient=-0.1 must be 0"),
-    (["parallel.pp_size=2"], "parallel.pp_size=2"),
     (["eval.prompts=[hello]"], "eval.prompts: objective=reward trains a score head"),
     (["data=prompts", "data.path=x.jsonl"], "objective=reward trains on preference pairs"),
     (["trainer.loss_chunk_tokens=64"], "trainer.loss_chunk_tokens=64 is read by objective="),

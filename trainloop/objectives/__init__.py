@@ -49,12 +49,12 @@ def layout_problems(cfg, objective: type[Objective]) -> list[str]:
     from trainloop.parallel.degrees import builds_partitioned, one_forward_only
 
     found, needs = [], objective.needs_in(cfg)
-    said = (needs[0] if len(needs) == 1 else f"{', '.join(needs[:-1])} and {needs[-1]}") if needs else ""
-    for key, layout, instead in one_forward_only(cfg):
-        if needs:
-            other = f", or {objective.needs_none_with}" if objective.needs_none_with else ""
+    for key, layout, instead, gives in one_forward_only(cfg):
+        if missing := [need for need in needs if need not in gives]:
+            said = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
             found.append(f"{key} with objective={objective.name} needs {said}, which {layout} does not give yet (it "
-                         f"hands the objective's loss the logits of one forward of the model); {instead}{other}")
+                         f"hands the objective's loss the output of one forward of the model, and of forwards "
+                         f"without gradients before it); {instead}")
         elif cfg.trainer.loss_chunk_tokens and not objective.next_token_loss:
             found.append(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} with {key} and objective="
                          f"{objective.name}: {layout} chunks the next-token loss alone (objective=causal_lm's) inside "

@@ -58,19 +58,17 @@ class Objective:
     # optimizer.lr for a pretrained model (model=hf) where the config sets none: the default of TRL's trainer
     # for the same objective (its config class, named in the start-up line); a model from scratch keeps 1e-3
     pretrained_lr: tuple[float, str] = (2e-5, "SFTConfig")
-    # What its loss needs beyond the logits of one forward of the model (forward_inputs'), in the words a layout
-    # that gives only those (the pipeline's last stage) refuses it with; () for those alone (causal_lm, simpo)
+    # What its loss needs beyond the output of one forward of the model (forward_inputs'): trainloop.parallel.degrees'
+    # words (FROZEN, SECOND_FORWARD, GENERATION, SCORE_HEAD), which a dimension that runs that forward itself (the
+    # pipeline) checks against what it gives; () for that forward alone (causal_lm, simpo)
     needs: tuple[str, ...] = ()
-    # the setting under which the row needs none of `needs` (objective.precompute_reference=true: dpo's reference
-    # log-probabilities are in the data before the first step), named in a layout's refusal; None: no such setting
-    needs_none_with: str | None = None
     # its loss is the next-token loss on target tokens alone, which chunked_token_loss computes from the final hidden
     # states: what a layout that takes the chunked loss inside its forward (the pipeline's last stage) runs
     next_token_loss = False
 
     @classmethod
     def needs_in(cls, cfg) -> tuple[str, ...]:
-        """`needs` in this config; a row with a needs_none_with setting returns () where that setting is on."""
+        """`needs` in this config (a row that needs some only in some settings says which)."""
         return cls.needs
 
     @classmethod
@@ -143,14 +141,21 @@ class Objective:
         return loss_sums(self.batch_loss(model, batch).summed, self.count(batch))
 
     # -- the loss alone, for a layout that runs the forward itself (the pipeline's last stage) ----------------
-    # An objective that needs nothing beyond one forward's logits (needs == ()) is trained on such a layout by
-    # its own batch_loss and eval_sums, handed as the model what returns the logits of the forward the layout ran
-    # on forward_inputs(batch); with trainer.loss_chunk_tokens the layout's last stage takes chunked_token_loss
-    # instead (trainloop.objectives.layout_problems keeps the rest off).
+    # Such a layout first asks beside(strategy, model, batch) for what the loss reads from other forwards, which it
+    # runs through strategy.computed; then it runs the forward of forward_inputs(batch) and hands the objective's
+    # own batch_loss and eval_sums, as the model, what returns that forward's output. With
+    # trainer.loss_chunk_tokens the layout's last stage takes chunked_token_loss instead
+    # (trainloop.objectives.layout_problems keeps the rest off).
     def forward_inputs(self, batch: dict) -> dict:
         """The inputs of the one forward of the model that batch_loss and eval_sums read: the token rows (and the
         position ids of packed documents)."""
         return {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
+
+    def beside(self, strategy, model, batch: dict) -> dict:
+        """The batch with what its loss reads from forwards without gradients other than forward_inputs' (a frozen
+        copy's, the policy's own of other rows), each computed by strategy.computed, so that batch_loss and
+        eval_sums read them from it instead of running them; the batch itself where it reads none."""
+        return batch
 
     def chunked_token_loss(self, hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor,
                            chunk: int) -> torch.Tensor:

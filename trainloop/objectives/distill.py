@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Optional
 from trainloop.data.tokenizer import IGNORE
 from trainloop.errors import ConfigError
 from trainloop.objectives.base import BatchLoss, Objective, not_yet
+from trainloop.parallel.degrees import FROZEN, GENERATION
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # imported where used: config checks read the table without l
 log = logging.getLogger("trainloop")
 KEY = "objective.teacher"
 SHOWN = 2  # on-policy completions in each log interval's event=samples record
+TEACHER_LOGITS = "teacher_logits"  # what Objective.beside puts in a batch: the teacher's forward's logits
 # summed over a window or the validation split: divergence, target tokens, the student's and the teacher's
 # cross-entropy, then (train only) on-policy micro-batches and micro-batches
 SUMS = ("divergence", "tokens", "nll", "teacher_nll")
@@ -86,7 +88,11 @@ def prompt_lengths(labels: torch.Tensor, attention_mask: torch.Tensor | None) ->
 
 class Distill(Objective):
     name = "distill"
-    needs = ("a frozen teacher's logits over the whole vocabulary",)
+    needs = (FROZEN, GENERATION)  # the teacher's forward; generation with objective.on_policy_fraction > 0
+
+    @classmethod
+    def needs_in(cls, cfg) -> tuple[str, ...]:
+        return cls.needs if cfg.objective.on_policy_fraction > 0 else (FROZEN,)
     pretrained_lr = (2e-05, "GKDConfig")
     keys = DistillConfig
     chunks_loss = True
@@ -208,13 +214,12 @@ class Distill(Objective):
         return forward_flops_per_token(frozen.config, seq_len, model=frozen)
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
-        from trainloop.objectives.reference import held
         from trainloop.model.tensors import is_fsdp2
 
         self.teacher = frozen
         # ZeRO-3 and FSDP2 free the teacher's gathered output weight after its forward: the chunks read a copy
         self.copy_head = is_fsdp2(frozen) or getattr(frozen, "zero_optimization_stage", lambda: 0)() == 3
-        log.info("objective=distill: the teacher %s, %s", self.cfg.objective.teacher, held(frozen))
+        log.info("objective=distill: the teacher %s, %s", self.cfg.objective.teacher, strategy.holds_frozen(frozen))
 
     # -- the step ----------------------------------------------------------------------------------
     def on_policy(self, step: int) -> bool:
@@ -261,13 +266,24 @@ class Distill(Objective):
         return {"input_ids": input_ids, "attention_mask": attention, "labels": input_ids.where(targets, IGNORE),
                 "position_ids": (attention.cumsum(1) - 1).clamp(min=0)}
 
+    def beside(self, strategy, model, batch: dict) -> dict:
+        """The batch with the teacher's logits (TEACHER_LOGITS), its forward through strategy.computed."""
+        from trainloop.model.attention import with_document_mask
+
+        def logits(teacher):
+            return teacher(**with_document_mask(teacher, self.forward_inputs(batch))).logits
+
+        return batch | {TEACHER_LOGITS: strategy.computed(self, self.teacher, batch, logits)}
+
     def sums_of(self, model, batch: dict) -> torch.Tensor:
         """divergence_sums of the batch: [divergence (with its gradient), student cross-entropy, teacher's]."""
+        from trainloop.model.forwarded import Forwarded
         from trainloop.objectives.divergence import divergence_sums
 
         keys = ("input_ids", "position_ids", "attention_mask")
         inputs = {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
-        return divergence_sums(model, self.teacher, inputs, batch["labels"], self.beta, self.temperature, self.chunk,
+        teacher = Forwarded(batch[TEACHER_LOGITS], batch["input_ids"]) if TEACHER_LOGITS in batch else self.teacher
+        return divergence_sums(model, teacher, inputs, batch["labels"], self.beta, self.temperature, self.chunk,
                                self.copy_head)
 
     # -- the objective's contract ---------------------------------------------------------------------
@@ -299,7 +315,7 @@ class Distill(Objective):
         return {"nll": nll, "ppl": math.exp(min(nll, 50.0)), "teacher_nll": teacher_nll}
 
     def window(self, strategy) -> dict:
-        total = strategy.reduce_sum(self.sums)
+        total = strategy.reduce_computed(self.sums)
         self.sums = self.sums.new_zeros(self.sums.shape)
         values = self.means(total)
         if self.fraction > 0:

@@ -17,13 +17,13 @@ is the mean over the pairs of the global batch.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import not_yet
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
-from trainloop.objectives.reference import held, plan_copy, reference_model
+from trainloop.objectives.reference import as_reference, plan_copy, reference_model
+from trainloop.parallel.degrees import FROZEN
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -50,8 +50,7 @@ def pair_tensors(dataset) -> dict:
 
 class DPO(PairObjective):
     name = "dpo"
-    needs = ("a frozen reference",)
-    needs_none_with = "objective.precompute_reference=true"
+    needs = (FROZEN,)
     pretrained_lr = (1e-06, "DPOConfig")
     keys = DPOConfig
 
@@ -119,7 +118,8 @@ class DPO(PairObjective):
         disabled), or read back from the run dir when a resumed run has them."""
         self.frozen = frozen
         if frozen is not None:
-            log.info("objective=dpo: the reference is a frozen copy of the starting model, %s", held(frozen))
+            log.info("objective=dpo: the reference is a frozen copy of the starting model, %s",
+                     strategy.holds_frozen(frozen))
         if not self.cfg.objective.precompute_reference:
             return
         from pathlib import Path
@@ -178,7 +178,7 @@ class DPO(PairObjective):
         batch_size = self.cfg.data.batch_size
         mine = list(range(rank, n, size))
         out = torch.zeros(n, 2, dtype=torch.float64, device=strategy.device)
-        with self.reference_policy(model):
+        with as_reference(model, self.cfg.adapter.name != "none"):
             for r in range(math.ceil(math.ceil(n / size) / batch_size)):
                 index = mine[r * batch_size:(r + 1) * batch_size]
                 batch = {key: t[index or [0]].to(strategy.device) for key, t in pair_tensors(dataset).items()}
@@ -188,20 +188,23 @@ class DPO(PairObjective):
                     out[index] = torch.stack(logps.chunk(2), dim=1).double()
         return strategy.reduce_sum(out).float().cpu()
 
-    @contextmanager
-    def reference_policy(self, model):
-        """The policy as its own reference, for the length of the block: eval mode, no gradients, its adapters
-        disabled (with one; without, the policy is the reference only before its first step)."""
+    def beside(self, strategy, model, batch: dict) -> dict:
+        """The batch with the reference's log-probabilities of its pairs, as precomputed ones are carried (those
+        stay): the frozen copy's forward, or the policy's with its adapters disabled, through strategy.computed."""
         import torch
 
-        adapted = self.cfg.adapter.name != "none"
-        training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), reference_model(model).disable_adapter() if adapted else nullcontext():
-                yield
-        finally:
-            model.train(training)
+        if PRECOMPUTED in batch:
+            return batch
+
+        def reference(forward) -> torch.Tensor:
+            return completion_logps(forward, batch, self.chunk)[0]
+
+        if self.frozen is not None:
+            logps = strategy.computed(self, self.frozen, batch, reference)
+        else:
+            with as_reference(model, self.cfg.adapter.name != "none"):
+                logps = strategy.computed(self, model, batch, reference)
+        return batch | {PRECOMPUTED: torch.stack(logps.chunk(2), dim=1)}
 
     def reference_logps(self, model, batch: dict) -> torch.Tensor:
         """The reference's summed completion log-probabilities, chosen rows then rejected: precomputed
@@ -216,7 +219,7 @@ class DPO(PairObjective):
                 return completion_logps(self.frozen, batch, self.chunk)[0]
         if self.cfg.adapter.name == "none":
             raise RuntimeError("objective=dpo: a full fine-tune's policy is its reference only before its first step")
-        with self.reference_policy(model):
+        with as_reference(model, adapted=True):
             return completion_logps(reference_model(model), batch, self.chunk)[0]
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

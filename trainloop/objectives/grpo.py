@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
+from trainloop.parallel.degrees import FROZEN, GENERATION
 from trainloop.objectives.generation import (
     complete, completion_mask, generation_config, left_padded, length_problems, row_keys, sampling, sampling_seed,
 )
@@ -268,7 +269,11 @@ def shown(rollout: dict, prompt_field: str, names: list[str], rewards) -> list[d
 
 class GRPO(Objective):
     name = "grpo"
-    needs = ("generation", "a frozen reference (objective.beta > 0)")
+    needs = (GENERATION, FROZEN)  # the reference's only with objective.beta > 0
+
+    @classmethod
+    def needs_in(cls, cfg) -> tuple[str, ...]:
+        return cls.needs if cfg.objective.beta > 0 else (GENERATION,)
     pretrained_lr = (1e-06, "GRPOConfig")
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")
@@ -735,12 +740,11 @@ class GRPO(Objective):
         return copy.deepcopy(model).requires_grad_(False)
 
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
-        from trainloop.objectives.reference import held
-
         self.frozen = frozen  # placed and sharded like the policy by the strategy (prepare_frozen)
         self.strategy = strategy  # eval_sums generates and scores on every rank together
         if frozen is not None:
-            log.info("objective=grpo: the KL's reference is a frozen copy of the starting model, %s", held(frozen))
+            log.info("objective=grpo: the KL's reference is a frozen copy of the starting model, %s",
+                     strategy.holds_frozen(frozen))
 
     def record(self, rollouts: list[dict], rewards: torch.Tensor, summed: torch.Tensor) -> None:
         """The step's completions into the window's sums, and a few shown with their rewards."""

@@ -20,11 +20,15 @@ from typing import TYPE_CHECKING
 
 from trainloop.data.formats.unpaired import KL, LABEL
 from trainloop.objectives.base import BatchLoss, Objective, not_yet
+from trainloop.parallel.degrees import FROZEN, SECOND_FORWARD
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
 
 # The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
+# What Objective.beside puts in a batch (a layout that runs the forward itself asks it): the reference's
+# log-probabilities [rows, 2] (completion, mismatched), and the micro-batch's KL estimate
+REFERENCE, KL_ESTIMATE = "reference_logps", "kl_estimate"
 SUMS = ("loss", "rows", "rewards/chosen", "chosen", "rewards/rejected", "rejected", "kl", "micro_batches",
         "logps/chosen", "logps/rejected")
 
@@ -38,7 +42,7 @@ class KTOConfig:
 
 class KTO(Objective):
     name = "kto"
-    needs = ("a frozen reference", "a second forward of mismatched pairs for the KL term")
+    needs = (FROZEN, SECOND_FORWARD)  # the reference; the policy's forward of the mismatched pairs (the KL term)
     pretrained_lr = (1e-06, "KTOConfig")
     keys = KTOConfig
     unpaired = True
@@ -95,47 +99,64 @@ class KTO(Objective):
     def start(self, strategy, model, frozen, train_set, valid_set, run_dir) -> None:
         import logging
 
-        from trainloop.objectives.reference import held
-
         self.frozen, self.strategy = frozen, strategy  # the KL estimate is reduced over the ranks in each forward
         if frozen is not None:
             logging.getLogger("trainloop").info("objective=kto: the reference is a frozen copy of the starting "
-                                                "model, %s", held(frozen))
+                                                "model, %s", strategy.holds_frozen(frozen))
 
     # -- the log-probabilities ----------------------------------------------------------------------
+    def summed(self, model, batch: dict, prefix: str = "") -> torch.Tensor:
+        """Each row's summed log-probability of its completion (prefix KL: of its mismatched one)."""
+        from trainloop.objectives.chunked_loss import token_logps
+
+        inputs = {"input_ids": batch[f"{prefix}input_ids"], "use_cache": False}
+        return token_logps(model, inputs, batch[f"{prefix}labels"], self.chunk).sum(1)
+
     def logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's summed log-probability of its completion, and of its mismatched one. The mismatched
         forward runs first and without gradients (the KL estimate is detached: as TRL's, it keeps no
         activations for a backward), then the completion's."""
         import torch
 
-        from trainloop.objectives.chunked_loss import token_logps
-
-        def summed(prefix: str) -> torch.Tensor:
-            inputs = {"input_ids": batch[f"{prefix}input_ids"], "use_cache": False}
-            return token_logps(model, inputs, batch[f"{prefix}labels"], self.chunk).sum(1)
-
         with torch.no_grad():
-            mismatched = summed(KL)
-        return summed(""), mismatched
+            mismatched = self.summed(model, batch, KL)
+        return self.summed(model, batch), mismatched
 
     def reference_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's (completion, mismatched): the frozen copy's, or the policy's with its adapters
         disabled; in eval mode, without gradients."""
         import torch
 
-        from trainloop.objectives.reference import reference_model
+        from trainloop.objectives.reference import as_reference, reference_model
 
-        with torch.no_grad():
-            if self.frozen is not None:
+        if self.frozen is not None:
+            with torch.no_grad():
                 return self.logps(self.frozen, batch)
-            policy, training = reference_model(model), model.training
-            model.eval()
-            try:
-                with policy.disable_adapter():
-                    return self.logps(policy, batch)
-            finally:
-                model.train(training)
+        with as_reference(model, adapted=True):
+            return self.logps(reference_model(model), batch)
+
+    def beside(self, strategy, model, batch: dict) -> dict:
+        """The batch with the reference's log-probabilities (REFERENCE) and the KL estimate of the micro-batch
+        (KL_ESTIMATE), their forwards and the policy's of the mismatched pairs run through strategy.computed: its
+        loss then runs the completion's forward alone."""
+        import torch
+
+        from trainloop.objectives.reference import as_reference
+
+        mismatched_inputs = {"input_ids": batch[f"{KL}input_ids"]}
+
+        def summed(prefix: str):
+            return lambda forward: self.summed(forward, batch, prefix)
+
+        mismatched = strategy.computed(self, model, batch, summed(KL), mismatched_inputs)
+        if self.frozen is not None:
+            reference = [strategy.computed(self, self.frozen, batch, summed(prefix), inputs)
+                         for prefix, inputs in (("", None), (KL, mismatched_inputs))]
+        else:
+            with as_reference(model, adapted=True):
+                reference = [strategy.computed(self, model, batch, summed(prefix), inputs)
+                             for prefix, inputs in (("", None), (KL, mismatched_inputs))]
+        return batch | {REFERENCE: torch.stack(reference, 1), KL_ESTIMATE: self.kl(mismatched - reference[1])}
 
     def kl(self, ratios: torch.Tensor) -> torch.Tensor:
         """The mean of the mismatched log-ratios over this micro-batch of every rank, at least 0, detached."""
@@ -152,10 +173,13 @@ class KTO(Objective):
         import torch
 
         n = batch["input_ids"].shape[0]
-        logps, mismatched = self.logps(model, batch)
-        reference, reference_mismatched = self.reference_logps(model, batch)
+        if KL_ESTIMATE in batch:  # beside ran the other forwards
+            logps, reference, kl = self.summed(model, batch), batch[REFERENCE][:, 0], batch[KL_ESTIMATE]
+        else:
+            logps, mismatched = self.logps(model, batch)
+            reference, reference_mismatched = self.reference_logps(model, batch)
+            kl = self.kl(mismatched - reference_mismatched)
         ratio = logps - reference
-        kl = self.kl(mismatched - reference_mismatched)
         desirable = batch[LABEL].bool()
         losses = torch.where(desirable, self.desirable * (1 - torch.sigmoid(self.beta * (ratio - kl))),
                              self.undesirable * (1 - torch.sigmoid(self.beta * (kl - ratio))))
@@ -195,7 +219,7 @@ class KTO(Objective):
         return out
 
     def window(self, strategy) -> dict:
-        total = strategy.reduce_sum(self.sums)  # every rank adds each micro-batch's global KL once: the mean holds
+        total = strategy.reduce_computed(self.sums)  # each micro-batch adds its global KL once a rank: the mean holds
         self.sums = self.sums.new_zeros(self.sums.shape)
         return self.means(total)
 

@@ -1,9 +1,11 @@
 """The frozen reference the objectives that keep one share (dpo, kto, grpo with objective.beta > 0; distill's
 teacher is held the same way): the policy with its adapters disabled where it has them, else a frozen copy of
 the model as built, which the strategy places like the policy (Strategy.prepare_frozen); the planner's line for
-such a copy, and the start-up line saying how the ranks hold it."""
+such a copy."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
 
 
 def reference_model(model):
@@ -21,14 +23,16 @@ def plan_copy(plan, who: str) -> None:
                                note=f"{who}: a frozen copy of the parameters, held like them"))
 
 
-def held(frozen) -> str:
-    """How the ranks hold a frozen copy, read back from it (FSDP2's DTensors, DeepSpeed's engine)."""
-    from trainloop.model.tensors import is_fsdp2
+@contextmanager
+def as_reference(model, adapted: bool):
+    """The policy as its own reference for the length of the block: eval mode, no gradients, its adapters disabled
+    (`adapted`; without adapters the policy is its reference only before its first step)."""
+    import torch
 
-    if is_fsdp2(frozen):
-        return "sharded by FSDP2 like the policy"
-    if hasattr(frozen, "zero_optimization_stage"):
-        stage = frozen.zero_optimization_stage()
-        return f"partitioned by DeepSpeed ZeRO-{stage} like the policy" if stage == 3 else \
-            "whole on each rank (a DeepSpeed engine without ZeRO: the policy's stage partitions no parameters)"
-    return "whole on each rank"
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), reference_model(model).disable_adapter() if adapted else nullcontext():
+            yield
+    finally:
+        model.train(training)

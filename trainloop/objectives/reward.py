@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import not_yet
 from trainloop.objectives.pairs import PairObjective, sums
+from trainloop.parallel.degrees import SCORE_HEAD
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
@@ -36,7 +37,7 @@ class RewardConfig:
 
 class Reward(PairObjective):
     name = "reward"
-    needs = ("a score head on each row's last token in place of the output layer",)
+    needs = (SCORE_HEAD,)
     pretrained_lr = (0.0001, "RewardConfig")
     keys = RewardConfig
     head = "score"

@@ -183,6 +183,19 @@ class Strategy:
         keep_output_dtype(model)
         return model.eval()
 
+    def holds_frozen(self, frozen) -> str:
+        """How the ranks hold a frozen copy prepare_frozen placed, read back from it (FSDP2's DTensors, DeepSpeed's
+        engine), for the start-up line."""
+        from trainloop.model.tensors import is_fsdp2
+
+        if is_fsdp2(frozen):
+            return "sharded by FSDP2 like the policy"
+        if hasattr(frozen, "zero_optimization_stage"):
+            stage = frozen.zero_optimization_stage()
+            return f"partitioned by DeepSpeed ZeRO-{stage} like the policy" if stage == 3 else \
+                "whole on each rank (a DeepSpeed engine without ZeRO: the policy's stage partitions no parameters)"
+        return "whole on each rank"
+
     # -- each step -------------------------------------------------------------------------------
     def forward_backward(self, objective, model, group: list[dict], units, forward_context, alone: bool = False):
         """The forwards and backwards of a step's micro-batches (`group`), one after another, the
@@ -216,9 +229,11 @@ class Strategy:
         with self.sequences_split():
             return objective.eval_sums(model, batch)
 
-    def computed(self, objective, model, batch: dict, compute):
-        """compute(model): a 1-D tensor from a forward of the objective's forward_inputs(batch), on every rank
-        (the pipeline runs that forward across its stages and calls compute on the last one's logits)."""
+    def computed(self, objective, model, batch: dict, compute, inputs: dict | None = None):
+        """compute(model): a tensor from a forward of `model` (the policy, or a frozen copy prepare_frozen placed)
+        on `inputs` (the objective's forward_inputs(batch) if None), without gradients, on every rank. Here the
+        forward is compute's own; the pipeline runs it across the model's stages and hands compute the last one's
+        output."""
         return compute(model)
 
     @contextmanager

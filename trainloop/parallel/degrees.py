@@ -20,16 +20,27 @@ def context_size(cfg) -> int:
     return cfg.parallel.cp_size
 
 
-def one_forward_only(cfg) -> list[tuple[str, str, str]]:
-    """The dimensions of this config that give an objective's loss the logits of one forward of the model and
-    nothing else (the pipeline runs that forward across its stages and hands the last stage's logits to the
-    objective's loss), each as (its key, what it is, what to set instead): trainloop.objectives checks what the
-    objective needs beyond them. Tensor parallelism is not one: it splits the blocks' matrices and keeps the
+# What an objective's loss may need beyond the logits of one forward of the model (its row's `needs`), as the
+# dimensions that give less name it when they refuse the objective
+FROZEN = "a frozen copy's forward (a reference, a teacher)"
+SECOND_FORWARD = "a second forward of the policy without gradients"
+GENERATION = "generation"
+SCORE_HEAD = "a score head read at each row's last token"
+
+
+def one_forward_only(cfg) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """The dimensions of this config that run the one forward of the model whose output the objective's loss reads
+    themselves (the pipeline, across its stages, handing the last stage's output to the loss), each as (its key,
+    what it is, what to set instead, what it gives beside that forward): trainloop.objectives checks what the
+    objective needs against the last. The pipeline gives the forwards an objective computes before its loss
+    without gradients (a frozen copy cut into the same stages, the policy's own) and a score head on its last
+    stage, not generation. Tensor parallelism is not one: it splits the blocks' matrices and keeps the
     embeddings, the output layer and the loss whole on every rank of a tp group (trainloop.parallel.tensor_parallel),
     so every objective's forward, frozen copy and generation run there as on one process."""
     p, found = cfg.parallel, []
     if p.pp_size > 1:
-        found.append((f"parallel.pp_size={p.pp_size}", "the pipeline", "use parallel.pp_size=1"))
+        found.append((f"parallel.pp_size={p.pp_size}", "the pipeline", "use parallel.pp_size=1",
+                      (FROZEN, SECOND_FORWARD, SCORE_HEAD)))
     return found
 
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from trainloop.errors import ConfigError
+from trainloop.model.forwarded import Forwarded
 from trainloop.parallel.base import Strategy
 
+OUTPUT_HEADS = {"lm_head": "lm", "score": "score"}  # a model's output head -> its name in trainloop.model.heads
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
@@ -52,27 +53,29 @@ def stage_blocks(num_blocks: int, stages: int) -> list[range]:
 
 
 def decoder_parts(model):
-    """(the causal LM, its decoder, its blocks) of a model transformers lays out as
-    `model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm` and `lm_head` (Llama,
-    Qwen, Mistral...), under a peft wrapper or not, or a ConfigError naming the class."""
+    """(the model, its decoder, its blocks, the name of its output head) of a model transformers lays out as
+    `model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm` and an output head, `lm_head` (Llama,
+    Qwen, Mistral...) or a sequence classifier's `score`, under a peft wrapper or not, or a ConfigError naming the
+    class."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: cut the model it wraps
     inner = getattr(model, "model", None)
     wanted = ("embed_tokens", "layers", "rotary_emb", "norm")
-    if inner is None or not all(hasattr(inner, part) for part in wanted) or not hasattr(model, "lm_head"):
+    head = next((name for name in OUTPUT_HEADS if hasattr(model, name)), None)
+    if inner is None or not all(hasattr(inner, part) for part in wanted) or head is None:
         raise ConfigError(f"parallel.pp_size: {type(model).__name__}'s blocks cannot be cut into stages here "
                           "(it is not laid out as model.embed_tokens / model.layers / model.rotary_emb / model.norm "
                           "/ lm_head, as Llama is); use model.arch=llama or parallel.pp_size=1")
-    return model, inner, inner.layers
+    return model, inner, inner.layers, head
 
 
-def _stage_module(causal, first: bool, last: bool, blocks: list[str], head_loss=None):
+def _stage_module(causal, head: str, first: bool, last: bool, blocks: list[str], head_loss=None):
     import torch
 
     class Stage(torch.nn.Module):
         """One stage's forward over the cut model's own layers: ids (first stage) or the previous
-        stage's hidden states in, hidden states (or, on the last stage, logits) out. It registers its
-        own parts only (the embedding, its blocks, the final norm and output layer), so that FSDP2
-        makes it the root of exactly them."""
+        stage's hidden states in, hidden states (or, on the last stage, the output head's: logits, or a
+        score head's per-token scores) out. It registers its own parts only (the embedding, its blocks, the
+        final norm and output head), so that FSDP2 makes it the root of exactly them."""
 
         def __init__(self):
             super().__init__()
@@ -80,7 +83,7 @@ def _stage_module(causal, first: bool, last: bool, blocks: list[str], head_loss=
             self.embed = inner.embed_tokens if first else None
             self.blocks = torch.nn.ModuleDict({name: inner.layers[name] for name in blocks})
             self.rotary = inner.rotary_emb
-            self.norm, self.head = (inner.norm, causal.lm_head) if last else (None, None)
+            self.norm, self.head = (inner.norm, getattr(causal, head)) if last else (None, None)
 
         def forward(self, hidden, position_ids, document_mask=None, labels=None):
             """labels: with trainer.loss_chunk_tokens, the last stage returns the summed loss of its targets,
@@ -118,22 +121,6 @@ def each_micro_batch(stage):
             return self.stage(*args, **kwargs)
 
     return EachMicroBatch()
-
-
-class Forwarded:
-    """The last stage's logits as the model an objective's loss calls (its batch_loss, eval_sums, computed): the forward
-    ran already, on the objective's forward_inputs, and called with those rows it returns that forward's logits."""
-
-    def __init__(self, logits, input_ids):
-        self.logits, self.input_ids = logits, input_ids
-
-    def __call__(self, input_ids, **_):
-        import torch
-
-        if not torch.equal(input_ids, self.input_ids):  # other shapes are not equal either
-            raise RuntimeError("the objective's loss asked for a forward of other rows than its forward_inputs, "
-                               "which the pipeline ran")
-        return SimpleNamespace(logits=self.logits)
 
 
 class Pipeline(Strategy):
@@ -200,6 +187,10 @@ class Pipeline(Strategy):
         self._scale = None  # what the loss on the last stage is multiplied by this step
         self._objective = None  # whose loss the last stage takes (handed in by the step or the evaluation)
         self._pending = deque()  # (micro-batch, its forward_inputs) whose losses the last stage takes next
+        # id(a model) -> (its stage modules, in the order of stage_ids; a score head's padding id or None): the
+        # policy's and a frozen copy's, whose forwards Strategy.computed runs
+        self.forwards: dict[int, tuple[list, int | None]] = {}
+        self.pad_id = None  # a score head's padding id: its output is read at each row's last token before it
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
@@ -226,36 +217,68 @@ class Pipeline(Strategy):
     # -- the build -------------------------------------------------------------------------------
     def shard(self, model):
         """Cut the model in place to this rank's stages, and build them and the schedule."""
-        import torch
         from torch.distributed import pipelining
 
-        causal, inner, layers = decoder_parts(model)
-        if len(layers) < self.num_stages:
-            raise ConfigError(f"parallel.pp_size={self.pp} x parallel.pp_stages_per_rank={self.per_rank}: "
-                              f"{self.num_stages} stages but the model has {len(layers)} blocks; use fewer stages")
-        if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        causal, _, layers, head = decoder_parts(model)
+        if head == "lm_head" and causal.lm_head.weight is model.get_input_embeddings().weight:
             raise ConfigError("parallel.pp_size: the model ties its output layer to its input embedding, which "
                               "would live on two stages; set model.tie_embeddings=false (or parallel.pp_size=1)")
         self.blocks = stage_blocks(len(layers), self.num_stages)
         self.whole_groups = optimizer_groups(self.cfg.optimizer, model)  # a whole model's checkpoint maps by them
-        kept = sorted(i for s in self.stage_ids for i in self.blocks[s])
+        self.pad_id = causal.config.pad_token_id if head == "score" else None  # a score head's rows end before it
+        modules = self._cut(model, self._chunked_loss if self.chunk else None)
+        if self.sharded and self.cfg.fsdp.sync_each_batch:  # each micro-batch's gradients reduce-scattered
+            modules = [each_micro_batch(module) for module in modules]
+        self.stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device,
+                                                group=self.mesh.get_group("pp"))
+                       for module, s in zip(modules, self.stage_ids)]
+        self.forwards[id(model)] = ([stage.submod for stage in self.stages], self.pad_id)
+        schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
+        micro = self.cfg.trainer.gradient_accumulation_steps
+        self.schedule = schedule(self.stages if self.per_rank > 1 else self.stages[0], n_microbatches=micro,
+                                 loss_fn=self._loss, scale_grads=False)
+        return model
+
+    def prepare_frozen(self, model):
+        """A frozen copy (a reference, a teacher) cut into the same stages as the policy, placed and sharded like
+        it: its forwards run through them in Strategy.computed, before the schedule (Objective.beside). A teacher
+        with other blocks than the policy's is cut into as many stages, by its own count."""
+        self.forwards[id(model)] = (self._cut(model, None), None)
+        return model.eval()
+
+    def holds_frozen(self, frozen) -> str:
+        how = ", each sharded by FSDP2 over dp_shard" if self.sharded else ""
+        return f"cut into the pipeline's stages like the policy{how}"
+
+    def _cut(self, model, head_loss) -> list:
+        """The model cut in place to this rank's stages (their blocks under their own names), on the device, split
+        over tp and sharded over dp_shard as configured: its stage modules, in the order of stage_ids."""
+        import torch
+
+        causal, inner, layers, head = decoder_parts(model)
+        if len(layers) < self.num_stages:
+            raise ConfigError(f"parallel.pp_size={self.pp} x parallel.pp_stages_per_rank={self.per_rank}: "
+                              f"{self.num_stages} stages but {type(causal).__name__} has {len(layers)} blocks; use "
+                              "fewer stages")
+        blocks = stage_blocks(len(layers), self.num_stages)
+        kept = sorted(i for s in self.stage_ids for i in blocks[s])
         inner.layers = torch.nn.ModuleDict({str(i): layers[i] for i in kept})  # the blocks keep their names
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         if not first:
             inner.embed_tokens = None
         if not last:
-            inner.norm, causal.lm_head = None, None
+            inner.norm = None
+            setattr(causal, head, None)
         model.to(self.device)
         if self.tp > 1:  # each block's matrices split over tp, then sharded over dp_shard (2-D DTensors)
             from trainloop.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 
             apply_tensor_parallel(model, self.mesh["tp"], tensor_parallel_plan(causal.config, self.tp))
-        if self.chunk and last:
+        if head_loss is not None and last:
             from trainloop.model.output_layer import output_layer
 
             output_layer(causal)  # a plain Linear, nothing applied to its logits: or refused naming the key
-        head_loss = self._chunked_loss if self.chunk else None
-        modules = [_stage_module(causal, s == 0, s == self.num_stages - 1, [str(i) for i in self.blocks[s]],
+        modules = [_stage_module(causal, head, s == 0, s == self.num_stages - 1, [str(i) for i in blocks[s]],
                                  head_loss) for s in self.stage_ids]
         if self.sharded:  # each block, then each stage as the root of what no block holds
             from torch.distributed.fsdp import fully_shard
@@ -267,16 +290,7 @@ class Pipeline(Strategy):
                 for block in module.blocks.values():
                     fully_shard(block, **options)
                 fully_shard(module, **options)
-            if self.cfg.fsdp.sync_each_batch:  # each micro-batch's gradients reduce-scattered into the shards
-                modules = [each_micro_batch(module) for module in modules]
-        self.stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device,
-                                                group=self.mesh.get_group("pp"))
-                       for module, s in zip(modules, self.stage_ids)]
-        schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
-        micro = self.cfg.trainer.gradient_accumulation_steps
-        self.schedule = schedule(self.stages if self.per_rank > 1 else self.stages[0], n_microbatches=micro,
-                                 loss_fn=self._loss, scale_grads=False)
-        return model
+        return modules
 
     def prepare(self, model, optimizer):
         return model, self.accelerator.prepare(optimizer)  # each rank steps its own stages' parameters
@@ -290,7 +304,7 @@ class Pipeline(Strategy):
         if not self._initialized():  # torch's first step infers the gradients' shapes from a forward of its own
             return output.float().sum() * 0.0  # on made-up activations: a loss of the shape's, counting nothing
         batch, forward = self._pending.popleft()
-        loss = self._objective.batch_loss(Forwarded(output, forward["input_ids"]), batch)
+        loss = self._objective.batch_loss(Forwarded(output, forward["input_ids"], self.pad_id), batch)
         if loss.penalty is not None:
             raise RuntimeError(f"objective={self._objective.name}: a loss with a penalty runs no pipeline")
         return loss.summed * self._scale
@@ -306,12 +320,14 @@ class Pipeline(Strategy):
 
     # -- each step -------------------------------------------------------------------------------
     def forward_backward(self, objective, model, group: list[dict], units, forward_context, alone: bool = False):
-        """The schedule runs the step's micro-batches; the last stage's losses (each summed over its
-        targets / the step's units) are summed and sent to every rank of its pipeline. Replicated
-        stages then sum their gradients over dp_shard; FSDP2 reduce-scatters them in the schedule."""
+        """What each micro-batch's loss reads from forwards without gradients first (Objective.beside: a frozen
+        copy's, through its own stages), then the schedule runs the step's micro-batches; the last stage's losses
+        (each summed over its targets / the step's units) are summed and sent to every rank of its pipeline.
+        Replicated stages then sum their gradients over dp_shard; FSDP2 reduce-scatters them in the schedule."""
         import torch
         import torch.distributed as dist
 
+        group = [objective.beside(self, model, b) for b in group]
         # FSDP2 averages the gradients it reduce-scatters over dp_shard: the loss is multiplied back
         factor = self.dp if self.sharded else 1
         self._scale, self._objective = factor / units, objective
@@ -348,49 +364,59 @@ class Pipeline(Strategy):
     def eval_sums(self, objective, model, batch: dict):
         """The stages' forwards in order (activations sent on between ranks), the summed loss and
         units taken on the last, and sent to every rank of its pipeline."""
+        batch = objective.beside(self, model, batch)
+
         def sums(hidden, forward):  # the logits, or with the chunked loss their summed loss
             return (objective.token_loss_sums(hidden, batch) if self.chunk else
-                    objective.eval_sums(Forwarded(hidden, forward["input_ids"]), batch))
+                    objective.eval_sums(Forwarded(hidden, forward["input_ids"], self.pad_id), batch))
 
         return self._last_stage(objective, model, batch, sums)
 
-    def computed(self, objective, model, batch: dict, compute):
-        """compute(the last stage's logits, as Forwarded) after the stages' forwards, on every rank of the pipeline
-        (float64)."""
-        return self._last_stage(objective, model, batch,
-                                lambda hidden, forward: compute(Forwarded(hidden, forward["input_ids"])))
+    def computed(self, objective, model, batch: dict, compute, inputs: dict | None = None):
+        """compute(the last stage's output, as Forwarded) after the forwards of `model`'s stages (the policy's, or a
+        frozen copy's: prepare_frozen) of `inputs` (the objective's forward_inputs(batch) if None), on every rank
+        of the pipeline."""
+        pad_id = self.forwards[id(model)][1]
+        return self._last_stage(objective, model, batch, lambda hidden, forward: compute(
+            Forwarded(hidden, forward["input_ids"], pad_id)), inputs)
 
-    def _last_stage(self, objective, model, batch: dict, compute):
-        """compute(the last stage's output, forward_inputs) after the stages' forwards of the objective's
-        forward_inputs(batch) in order (activations sent on between ranks), as float64, sent to every rank of
-        its pipeline."""
+    def _last_stage(self, objective, model, batch: dict, compute, forward: dict | None = None):
+        """compute(the last stage's output, the forward's inputs) after the forwards of `model`'s stages of `forward`
+        (objective.forward_inputs(batch) if None) in order (activations sent on between ranks), without gradients,
+        sent to every rank of its pipeline in its shape and dtype."""
         import torch
         import torch.distributed as dist
 
         self._objective = objective  # the chunked loss inside the last stage's forward is its
-        forward = objective.forward_inputs(batch)
+        forward = objective.forward_inputs(batch) if forward is None else forward
+        stages = self.forwards[id(model)][0]
         inputs = stage_inputs(model, [forward]) | ({"labels": batch["labels"]} if self.chunk else {})
         hidden = forward["input_ids"]
         rank = self.accelerator.process_index
-        with self.accelerator.autocast():
+        with torch.no_grad(), self.accelerator.autocast():
             for s in range(self.num_stages):
                 owner, before, after = (self.rank_of(k % self.pp) for k in (s, s - 1, s + 1))
                 if owner != rank:
                     continue
                 if s > 0 and before != rank:
                     hidden = receive(forward["input_ids"].shape + (model.config.hidden_size,), before, self.device)
-                hidden = self.stages[self.stage_ids.index(s)].submod(hidden, **inputs)
+                hidden = stages[self.stage_ids.index(s)](hidden, **inputs)
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
         pp = self.mesh.get_group("pp")
-        if self.num_stages - 1 in self.stage_ids:
-            values = compute(hidden, forward).to(torch.float64)
-            size = torch.tensor([len(values)], device=self.device)
-        else:
-            size = torch.zeros(1, dtype=torch.long, device=self.device)
-        dist.broadcast(size, src=self.last_rank, group=pp)  # how many values the last stage computed
-        if self.num_stages - 1 not in self.stage_ids:
-            values = torch.zeros(int(size), dtype=torch.float64, device=self.device)
+        last = self.num_stages - 1 in self.stage_ids
+        with torch.no_grad():
+            values = compute(hidden, forward) if last else None
+        # what the last stage computed, its dtype and shape first: [dtype code, dimensions, size of each (at most 4)]
+        meta = torch.zeros(6, dtype=torch.long, device=self.device)
+        if last:
+            meta[:2 + values.dim()] = torch.tensor([DTYPES.index(str(values.dtype).removeprefix("torch.")),
+                                                    values.dim(), *values.shape])
+        dist.broadcast(meta, src=self.last_rank, group=pp)
+        if not last:
+            code, dims, *shape = meta.tolist()
+            values = torch.empty(shape[:dims], dtype=getattr(torch, DTYPES[code]), device=self.device)
+        values = values.contiguous()
         dist.broadcast(values, src=self.last_rank, group=pp)
         return values
 
@@ -469,15 +495,15 @@ class Pipeline(Strategy):
         """This rank holds its stages only: the whole model's modules, on the meta device (no memory),
         with the live configs, for the export to name every stage's tensors (peft walks the modules)."""
         import torch
-        from transformers import AutoModelForCausalLM
 
         from trainloop.model.adapter import wrap_lora
+        from trainloop.model.heads import auto_class
 
-        causal = decoder_parts(model)[0]
+        causal, _, _, head = decoder_parts(model)
         with torch.device("meta"):
-            whole = AutoModelForCausalLM.from_config(causal.config)
+            whole = auto_class(OUTPUT_HEADS[head]).from_config(causal.config)
         whole.config, whole.generation_config = causal.config, causal.generation_config
-        return wrap_lora(whole, self.cfg.adapter) if model is not causal else whole
+        return wrap_lora(whole, self.cfg.adapter, OUTPUT_HEADS[head]) if model is not causal else whole
 
     def describe(self, model) -> str:
         counts = "/".join(str(len(self.blocks[s])) for s in range(self.num_stages))
@@ -565,8 +591,10 @@ class Pipeline(Strategy):
         from trainloop.data.formats import FORMATS
 
         key, found = f"parallel.pp_size={p.pp_size}", []
-        # preference pairs are right-padded to data.seq_len whatever data.packing says: causal, they need no mask
-        pairs = cfg.data.name in FORMATS and FORMATS[cfg.data.name].pairs
+        # preference pairs and unpaired completions are right-padded to data.seq_len whatever data.packing says:
+        # causal, they need no mask
+        fmt = FORMATS.get(cfg.data.name)
+        padded = fmt is not None and (fmt.pairs or fmt.unpaired)
         if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
             found.append("parallel.pp_schedule=interleaved_1f1b interleaves several stages on each process: "
                          "set parallel.pp_stages_per_rank=2 (or more)")
@@ -592,7 +620,7 @@ class Pipeline(Strategy):
         unsupported = {
             "arch": (cfg.model.name == "tiny" and cfg.model.arch != "llama", f"model.arch={cfg.model.arch}: only "
                      "model.arch=llama is cut into stages for now"),
-            "attention": (cfg.model.attn_implementation != "sdpa" or cfg.data.packing == "none" and not pairs,
+            "attention": (cfg.model.attn_implementation != "sdpa" or cfg.data.packing == "none" and not padded,
                           f"model.attn_implementation={cfg.model.attn_implementation} with data.packing="
                           f"{cfg.data.packing}: stages attend through trainloop's sdpa attention, which needs "
                           "data.packing=documents or stream and model.attn_implementation=sdpa"),
@@ -741,7 +769,7 @@ def stage_inputs(model, group: list[dict]) -> dict:
     return with_document_mask(model, inputs) if any("position_ids" in b for b in group) else inputs
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def send(hidden, to: int) -> None:
