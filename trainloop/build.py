@@ -91,7 +91,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler
-    from trainloop.parallel import check_context_model, context_size
+    from trainloop.parallel import check_context_model, own_attention
 
     settle_learning_rate(cfg)  # a run settled it already; the planner's measurement and the benchmarks here
     accelerator = strategy.accelerator
@@ -124,9 +124,10 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     shapes_only = strategy.builds_on_meta()  # its weights come from the main process when sharded
     with torch.device("meta") if shapes_only else nullcontext():
         model = build_model(cfg.model, model_config, cfg.precision.name, shapes_only, objective.head)
-        if (attention := training_attention(cfg, model_config, items(objective) is None, context_size(cfg) > 1)) is not None:
-            use_attention(model, attention, f"parallel.cp_size={context_size(cfg)}" if context_size(cfg) > 1
-                          else f"data.packing={cfg.data.packing}")
+        needed = own_attention(cfg)  # the key of a layout that needs it for every objective, or None
+        attention = training_attention(cfg, model_config, items(objective) is None, needed is not None)
+        if attention is not None:
+            use_attention(model, attention, needed or f"data.packing={cfg.data.packing}")
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model, objective.head)
         if fp8.enabled(cfg):  # before compile and sharding, as torchtitan converts

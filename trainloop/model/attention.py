@@ -97,14 +97,15 @@ def register() -> None:
     AttentionInterface.register(SDPA_DOCUMENTS, _sdpa)
 
 
-def training_attention(cfg, model_config, blocks: bool, context_split: bool = False) -> str | None:
+def training_attention(cfg, model_config, blocks: bool, needed: bool = False) -> str | None:
     """The attention a run's training forwards take instead of transformers' sdpa, or None. `blocks`: the
     objective trains on the data's token blocks (trainloop.objectives.items(row) is None: causal_lm, and
     distill, whose teacher attends as its student), whose packing says where documents end; other rows
-    come whole, padded, with their attention mask. `context_split`: context parallelism splits the sequences
-    (parallel.cp_size > 1), which needs one for every objective: it swaps sequence for heads around attention
-    (its checks refuse what cannot: another implementation, a sliding window)."""
-    if context_split:
+    come whole, padded, with their attention mask. `needed`: a layout needs one for every objective
+    (trainloop.parallel.own_attention: context parallelism swaps sequence for heads around attention, the
+    pipeline's stages hand the blocks its mask; their checks refuse what cannot: another implementation, a
+    sliding window)."""
+    if needed:
         return FOR_PACKING.get(cfg.data.packing, SDPA_CAUSAL) if blocks else SDPA_CAUSAL
     if not blocks or cfg.model.attn_implementation != "sdpa":
         return None

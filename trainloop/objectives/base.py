@@ -148,8 +148,8 @@ class Objective:
     # (trainloop.objectives.layout_problems keeps the rest off).
     def forward_inputs(self, batch: dict) -> dict:
         """The inputs of the one forward of the model that batch_loss and eval_sums read: the token rows (and the
-        position ids of packed documents)."""
-        return {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
+        position ids of packed documents, the mask of padded rows)."""
+        return {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask") if key in batch}
 
     def beside(self, strategy, model, batch: dict) -> dict:
         """The batch with what its loss reads from forwards without gradients other than forward_inputs' (a frozen

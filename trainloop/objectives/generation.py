@@ -53,24 +53,21 @@ def length_problems(cfg) -> list[str]:
 
 @contextmanager
 def sampling(strategy, model, seed: int):
-    """The unwrapped model, ready to sample from for the length of the block: eval mode, no gradients,
-    sdpa's own masks (trainloop.model.attention.generating), eager under a compile, and torch's
-    generator seeded with `seed` inside a fork, so training's own random stream goes on as if
-    nothing had been drawn. Training mode comes back after."""
+    """The model to sample from for the length of the block (the layout's: Strategy.generator): eval mode, no
+    gradients, eager under a compile, and torch's generator seeded with `seed` inside a fork, so training's
+    own random stream goes on as if nothing had been drawn. Training mode comes back after."""
     import torch
 
-    from trainloop.model.attention import generating
-
-    module = strategy.accelerator.unwrap_model(model)
     eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
     devices = [strategy.device.index or 0] if strategy.device.type == "cuda" else []
-    module.eval()
-    try:
-        with torch.no_grad(), eager, generating(module), torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            yield module
-    finally:
-        module.train()
+    with strategy.generator(model) as module:
+        module.eval()
+        try:
+            with torch.no_grad(), eager, torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                yield module
+        finally:
+            module.train()
 
 
 def complete(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generation_config, engine: str,

@@ -477,7 +477,7 @@ class GRPO(Objective):
             batch = {key: rollout[key] for key in ("input_ids", "attention_mask", "position_ids", "completion_mask")}
             batch["advantages"] = advantages[start:start + n]
             start += n
-            batches.append(self.with_logps(model, batch))
+            batches.append(self.with_logps(strategy, model, batch))
         if self.cfg.num_iterations > 1:  # trained on again by the window's next steps
             self.generated = batches
         return batches
@@ -686,20 +686,23 @@ class GRPO(Objective):
         std = (second[0] / (first[1] - 1)).sqrt() if first[1] > 1 else torch.tensor(torch.nan, device=rewards.device)
         return mean.float(), std.float()
 
-    def with_logps(self, model, batch: dict) -> dict:
-        """The batch with the log-probabilities it needs from before any update: the sampling policy's
-        (num_iterations > 1) and the reference's (beta > 0)."""
+    def with_logps(self, strategy, model, batch: dict) -> dict:
+        """The batch with the log-probabilities it needs from before any update, through the layout's forward
+        (Strategy.computed): the sampling policy's (num_iterations > 1) and the reference's (beta > 0)."""
         import torch
+
+        def logps(forward) -> torch.Tensor:
+            return completion_logps(forward, batch, self.cfg.temperature)
 
         with torch.no_grad():
             if self.cfg.num_iterations > 1:
-                batch["old_logps"] = completion_logps(model, batch, self.cfg.temperature)
+                batch["old_logps"] = strategy.computed(self, model, batch, logps)
             if self.cfg.beta != 0.0 and self.frozen is not None:  # a full fine-tune's frozen copy
-                batch["ref_logps"] = completion_logps(self.frozen, batch, self.cfg.temperature)
+                batch["ref_logps"] = strategy.computed(self, self.frozen, batch, logps)
             elif self.cfg.beta != 0.0:  # the policy with its adapters disabled
                 reference = reference_model(model)
                 with reference.disable_adapter():
-                    batch["ref_logps"] = completion_logps(reference, batch, self.cfg.temperature)
+                    batch["ref_logps"] = strategy.computed(self, reference, batch, logps)
         return batch
 
     @staticmethod
@@ -822,7 +825,8 @@ class GRPO(Objective):
         """The train line's values since the last one, over every rank."""
         import torch
 
-        total = strategy.reduce_sum(self.sums).tolist()
+        # the rollouts' sums are every rank's; the loss's own four (batch_loss) the ranks' that take the loss
+        total = torch.cat([strategy.reduce_sum(self.sums[:-4]), strategy.reduce_computed(self.sums[-4:])]).tolist()
         ranks = torch.zeros(strategy.dp_size, 2, device=strategy.device, dtype=torch.float64)  # maxima, by a sum
         ranks[strategy.dp_rank] = torch.tensor([self.longest, self.generating_s], dtype=torch.float64)
         longest, generating_s = strategy.reduce_sum(ranks).max(0).values.tolist()
@@ -880,13 +884,11 @@ class GRPO(Objective):
         strategy = self.strategy
         keep = batch["prompt_mask"].any(0)
         ids, mask = batch["prompt_ids"][:, keep], batch["prompt_mask"][:, keep]
-        from trainloop.model.attention import generating
-
-        module, rows = strategy.accelerator.unwrap_model(model), [json.loads(r) for r in batch["row"]]
+        rows = [json.loads(r) for r in batch["row"]]
         if self.environments is not None:
             self.environments.start()
         ids, mask, environments = self.reset(strategy, rows, ids, mask)
-        with generating(module):
+        with strategy.generator(model) as module:
             out = complete(module, ids, mask, self.greedy, self.cfg.generation, synced_gpus=self.synced(strategy))
             if self.multi_turn:
                 rollout = self.tool_rollout(strategy, module, ids, mask, out, self.greedy, rows, environments)

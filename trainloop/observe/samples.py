@@ -13,7 +13,6 @@ from contextlib import nullcontext
 import torch
 
 from trainloop.errors import ConfigError
-from trainloop.model.attention import generating
 
 
 class Samples:
@@ -41,20 +40,20 @@ class Samples:
     def generate(self, strategy, model) -> list[dict]:
         """[{"prompt": ..., "text": what the model wrote after it}], the same on every rank: each
         takes part in every forward while sharded weights are gathered (`strategy`: trainloop.parallel's)."""
-        module = strategy.accelerator.unwrap_model(model)  # DDP and DeepSpeed's engine wrap it; FSDP2 shards it in place
         # a compiled model would recompile for every new length: generation runs it eagerly
         eager = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         outputs = []
-        module.eval()
-        try:
-            with eager, generating(module):
-                for ids in self.ids:
-                    ids = ids.to(strategy.device)
-                    outputs.append(module.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                   max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                                   synced_gpus=strategy.world_size > 1))
-        finally:
-            module.train()
+        with strategy.generator(model) as module:  # the model as the layout runs it (a pipeline's stages too)
+            module.eval()
+            try:
+                with eager:
+                    for ids in self.ids:
+                        ids = ids.to(strategy.device)
+                        outputs.append(module.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                       max_new_tokens=self.max_new_tokens, pad_token_id=pad,
+                                                       synced_gpus=strategy.world_size > 1))
+            finally:
+                module.train()
         return [{"prompt": prompt, "text": self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
                 for prompt, ids, out in zip(self.prompts, self.ids, outputs)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
-from trainloop.parallel.degrees import builds_partitioned, context_size, one_forward_only, splits
+from trainloop.parallel.degrees import builds_partitioned, context_size, one_forward_only, own_attention, splits
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.hsdp import HybridShard
 from trainloop.parallel.pipeline import Pipeline
@@ -35,7 +35,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 __all__ = ["OFF", "STRATEGIES", "Strategy", "build_strategy", "builds_partitioned", "check_context_model", "chosen",
            "context_problems", "context_size", "forwards_together", "full_numel", "full_shape", "layouts", "local_shard",
-           "one_forward_only", "problems", "row", "running", "shards_weights", "splits"]
+           "one_forward_only", "own_attention", "problems", "row", "running", "shards_weights", "splits"]
 
 
 def chosen(cfg) -> str:

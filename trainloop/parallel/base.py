@@ -237,6 +237,16 @@ class Strategy:
         return compute(model)
 
     @contextmanager
+    def generator(self, model):
+        """The model to call `generate` on for the length of the block, its forwards run as this layout runs
+        them: here the unwrapped model, attending by sdpa's own masks (trainloop.model.attention.generating)."""
+        from trainloop.model.attention import generating
+
+        module = self.accelerator.unwrap_model(model)
+        with generating(module):
+            yield module
+
+    @contextmanager
     def micro_step(self, model, last: bool):
         """accelerate's `accumulate`, with the step's last micro-batch named by the step: the loop reads
         a step's batches before running them, so accelerate's own end-of-epoch test would fire early.

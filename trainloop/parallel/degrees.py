@@ -40,8 +40,17 @@ def one_forward_only(cfg) -> list[tuple[str, str, str, tuple[str, ...]]]:
     p, found = cfg.parallel, []
     if p.pp_size > 1:
         found.append((f"parallel.pp_size={p.pp_size}", "the pipeline", "use parallel.pp_size=1",
-                      (FROZEN, SECOND_FORWARD, SCORE_HEAD)))
+                      (FROZEN, SECOND_FORWARD, SCORE_HEAD, GENERATION)))
     return found
+
+
+def own_attention(cfg) -> str | None:
+    """The key of a dimension whose forwards attend through trainloop's training attention for every objective
+    (context parallelism swaps sequence for heads around it; the pipeline's stages call the blocks themselves,
+    handing them the mask it builds), or None."""
+    p = cfg.parallel
+    return (f"parallel.cp_size={p.cp_size}" if p.cp_size > 1 else f"parallel.pp_size={p.pp_size}" if p.pp_size > 1
+            else None)
 
 
 def builds_partitioned(cfg) -> str | None:

@@ -22,6 +22,7 @@ after the last micro-batch). Tensor parallelism inside the stages comes next.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from trainloop.errors import ConfigError
@@ -29,6 +30,7 @@ from trainloop.model.forwarded import Forwarded
 from trainloop.parallel.base import Strategy
 
 OUTPUT_HEADS = {"lm_head": "lm", "score": "score"}  # a model's output head -> its name in trainloop.model.heads
+WIDTH_MULTIPLE = 8  # micro-batches of other widths are padded to a multiple of this (same_width)
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
@@ -182,15 +184,16 @@ class Pipeline(Strategy):
         self.sharded = cfg.fsdp.name != "none"  # FSDP2 over dp_shard; else each stage replicated over it
         self.stage_ids = [self.pp_rank + k * self.pp for k in range(self.per_rank)]  # round robin: interleaved
         self.last_rank = self.rank_of((self.num_stages - 1) % self.pp)  # the last stage's, in this dp position
-        self.stages, self.schedule, self.blocks = [], None, []
+        self.schedule, self.width, self.blocks = None, 0, []  # the schedule, of micro-batches this wide (_schedule)
         self.chunk = cfg.trainer.loss_chunk_tokens  # the last stage takes the chunked loss in its forward
         self._scale = None  # what the loss on the last stage is multiplied by this step
         self._objective = None  # whose loss the last stage takes (handed in by the step or the evaluation)
-        self._pending = deque()  # (micro-batch, its forward_inputs) whose losses the last stage takes next
+        self._pending = deque()  # (micro-batch, its forward's input ids) whose losses the last stage takes next
         # id(a model) -> (its stage modules, in the order of stage_ids; a score head's padding id or None): the
         # policy's and a frozen copy's, whose forwards Strategy.computed runs
         self.forwards: dict[int, tuple[list, int | None]] = {}
         self.pad_id = None  # a score head's padding id: its output is read at each row's last token before it
+        self.policy = 0  # id of the policy, whose stages the schedule runs
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
@@ -216,9 +219,7 @@ class Pipeline(Strategy):
 
     # -- the build -------------------------------------------------------------------------------
     def shard(self, model):
-        """Cut the model in place to this rank's stages, and build them and the schedule."""
-        from torch.distributed import pipelining
-
+        """Cut the model in place to this rank's stages and build them (their schedule: _schedule)."""
         causal, _, layers, head = decoder_parts(model)
         if head == "lm_head" and causal.lm_head.weight is model.get_input_embeddings().weight:
             raise ConfigError("parallel.pp_size: the model ties its output layer to its input embedding, which "
@@ -226,18 +227,29 @@ class Pipeline(Strategy):
         self.blocks = stage_blocks(len(layers), self.num_stages)
         self.whole_groups = optimizer_groups(self.cfg.optimizer, model)  # a whole model's checkpoint maps by them
         self.pad_id = causal.config.pad_token_id if head == "score" else None  # a score head's rows end before it
+        self.policy = id(model)
         modules = self._cut(model, self._chunked_loss if self.chunk else None)
         if self.sharded and self.cfg.fsdp.sync_each_batch:  # each micro-batch's gradients reduce-scattered
             modules = [each_micro_batch(module) for module in modules]
-        self.stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device,
-                                                group=self.mesh.get_group("pp"))
-                       for module, s in zip(modules, self.stage_ids)]
-        self.forwards[id(model)] = ([stage.submod for stage in self.stages], self.pad_id)
-        schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
-        micro = self.cfg.trainer.gradient_accumulation_steps
-        self.schedule = schedule(self.stages if self.per_rank > 1 else self.stages[0], n_microbatches=micro,
-                                 loss_fn=self._loss, scale_grads=False)
+        self.forwards[id(model)] = (modules, self.pad_id)
         return model
+
+    def _schedule(self, width: int):
+        """The schedule of micro-batches `width` tokens wide. torch's stages fix their buffers' shapes at their
+        first step, so micro-batches of another width (grpo's completions) get stages and a schedule of their
+        own, over the same modules."""
+        from torch.distributed import pipelining
+
+        if self.schedule is None or self.width != width:
+            modules = self.forwards[self.policy][0]
+            stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device, group=self.mesh.get_group("pp"))
+                      for module, s in zip(modules, self.stage_ids)]
+            schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
+            self.schedule = schedule(stages if self.per_rank > 1 else stages[0],
+                                     n_microbatches=self.cfg.trainer.gradient_accumulation_steps, loss_fn=self._loss,
+                                     scale_grads=False)
+            self.width = width
+        return self.schedule
 
     def prepare_frozen(self, model):
         """A frozen copy (a reference, a teacher) cut into the same stages as the policy, placed and sharded like
@@ -303,8 +315,9 @@ class Pipeline(Strategy):
             return output * self._scale
         if not self._initialized():  # torch's first step infers the gradients' shapes from a forward of its own
             return output.float().sum() * 0.0  # on made-up activations: a loss of the shape's, counting nothing
-        batch, forward = self._pending.popleft()
-        loss = self._objective.batch_loss(Forwarded(output, forward["input_ids"], self.pad_id), batch)
+        batch, ids = self._pending.popleft()
+        output = output[:, output.shape[1] - ids.shape[1]:]  # without the padding same_width put before its rows
+        loss = self._objective.batch_loss(Forwarded(output, ids, self.pad_id), batch)
         if loss.penalty is not None:
             raise RuntimeError(f"objective={self._objective.name}: a loss with a penalty runs no pipeline")
         return loss.summed * self._scale
@@ -331,16 +344,17 @@ class Pipeline(Strategy):
         # FSDP2 averages the gradients it reduce-scatters over dp_shard: the loss is multiplied back
         factor = self.dp if self.sharded else 1
         self._scale, self._objective = factor / units, objective
-        forwards = [objective.forward_inputs(b) for b in group]
-        self._pending = deque(zip(group, forwards))
+        self._pending = deque((b, objective.forward_inputs(b)["input_ids"]) for b in group)
+        forwards = same_width([objective.forward_inputs(b) for b in group])
         ids = torch.cat([f["input_ids"] for f in forwards])
+        schedule = self._schedule(ids.shape[1])
         inputs = stage_inputs(model, forwards)
         if self.chunk:
             inputs["labels"] = torch.cat([b["labels"] for b in group])
         losses = []
         with forward_context(), self.accelerator.autocast():
             args = (ids,) if 0 in self.stage_ids else ()
-            self.schedule.step(*args, **inputs, target=ids, losses=losses, return_outputs=False)
+            schedule.step(*args, **inputs, target=ids, losses=losses, return_outputs=False)
         if self.num_stages - 1 in self.stage_ids and self._pending and not self.chunk:
             raise RuntimeError(f"the pipeline's last stage took {len(group) - len(self._pending)} of {len(group)} "
                                "micro-batches' losses")
@@ -364,6 +378,8 @@ class Pipeline(Strategy):
     def eval_sums(self, objective, model, batch: dict):
         """The stages' forwards in order (activations sent on between ranks), the summed loss and
         units taken on the last, and sent to every rank of its pipeline."""
+        if objective.prompts:  # it evaluates what it generates (Pipeline.generator), not one forward of the batch
+            return objective.eval_sums(model, batch)
         batch = objective.beside(self, model, batch)
 
         def sums(hidden, forward):  # the logits, or with the chunked loss their summed loss
@@ -387,7 +403,8 @@ class Pipeline(Strategy):
         import torch
         import torch.distributed as dist
 
-        self._objective = objective  # the chunked loss inside the last stage's forward is its
+        if objective is not None:  # the chunked loss inside the last stage's forward is its
+            self._objective = objective
         forward = objective.forward_inputs(batch) if forward is None else forward
         stages = self.forwards[id(model)][0]
         inputs = stage_inputs(model, [forward]) | ({"labels": batch["labels"]} if self.chunk else {})
@@ -419,6 +436,38 @@ class Pipeline(Strategy):
         values = values.contiguous()
         dist.broadcast(values, src=self.last_rank, group=pp)
         return values
+
+    @contextmanager
+    def generator(self, model):
+        """The model to call `generate` on: its forward runs the stages in order for every new token (no cache:
+        each rank holds its stages' layers only) and hands every rank of the pipeline the last one's logits,
+        so that every rank of a pipeline writes the same tokens."""
+        import copy
+
+        import torch
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        causal = decoder_parts(model)[0]
+        generate = model.generate
+
+        def forward(input_ids=None, attention_mask=None, **_):
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            rows = {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+            return CausalLMOutputWithPast(logits=self._last_stage(None, model, rows, lambda hidden, _: hidden, rows))
+
+        def uncached(*args, **kwargs):
+            if kwargs.get("generation_config") is None:
+                kwargs["use_cache"] = False
+            else:
+                kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+                kwargs["generation_config"].use_cache = False
+            return generate(*args, **kwargs)
+
+        causal.forward, model.generate = forward, uncached
+        try:
+            yield model
+        finally:
+            del causal.forward, model.generate
 
     def reduce_computed(self, tensor):
         """What the last stage accumulated from its losses, on every stage of its pipeline, summed over dp_shard."""
@@ -588,13 +637,7 @@ class Pipeline(Strategy):
         p = cfg.parallel
         if p.pp_size <= 1:
             return []
-        from trainloop.data.formats import FORMATS
-
         key, found = f"parallel.pp_size={p.pp_size}", []
-        # preference pairs and unpaired completions are right-padded to data.seq_len whatever data.packing says:
-        # causal, they need no mask
-        fmt = FORMATS.get(cfg.data.name)
-        padded = fmt is not None and (fmt.pairs or fmt.unpaired)
         if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
             found.append("parallel.pp_schedule=interleaved_1f1b interleaves several stages on each process: "
                          "set parallel.pp_stages_per_rank=2 (or more)")
@@ -620,12 +663,9 @@ class Pipeline(Strategy):
         unsupported = {
             "arch": (cfg.model.name == "tiny" and cfg.model.arch != "llama", f"model.arch={cfg.model.arch}: only "
                      "model.arch=llama is cut into stages for now"),
-            "attention": (cfg.model.attn_implementation != "sdpa" or cfg.data.packing == "none" and not padded,
-                          f"model.attn_implementation={cfg.model.attn_implementation} with data.packing="
-                          f"{cfg.data.packing}: stages attend through trainloop's sdpa attention, which needs "
-                          "data.packing=documents or stream and model.attn_implementation=sdpa"),
-            "prompts": (bool(cfg.eval.prompts), "eval.prompts: generation across stages is not built; set "
-                        "eval.prompts=[]"),
+            "attention": (cfg.model.attn_implementation != "sdpa", f"model.attn_implementation="
+                          f"{cfg.model.attn_implementation}: stages attend through trainloop's sdpa attention, which "
+                          "needs model.attn_implementation=sdpa"),
             "fp16": (cfg.precision.name in ("fp16", "fp8"), f"precision={cfg.precision.name}: use bf16 or fp32"),
             "auto": (cfg.trainer.auto_batch_size, "trainer.auto_batch_size: its trials run the whole model on one "
                      "process; set data.batch_size yourself"),
@@ -757,7 +797,9 @@ def load_whole(path, model, optimizer, whole_groups: list[list[str]], adapter_on
 def stage_inputs(model, group: list[dict]) -> dict:
     """What every stage gets of the micro-batches (concatenated; the schedule splits them again):
     their position ids, the plain count where a batch carries none (trainloop.data.loaders.collate),
-    and, where some row restarts them, the documents' mask (trainloop.model.attention)."""
+    and the mask attention reads (trainloop.model.attention): padded rows' where a batch carries an
+    attention_mask (grpo's left-padded prompts), else, where some row restarts the position ids, the
+    documents'."""
     import torch
 
     from trainloop.model.attention import with_document_mask
@@ -766,7 +808,29 @@ def stage_inputs(model, group: list[dict]) -> dict:
                  torch.arange(b["input_ids"].shape[1], device=b["input_ids"].device).expand_as(b["input_ids"])
                  for b in group]
     inputs = {"position_ids": torch.cat(positions)}
-    return with_document_mask(model, inputs) if any("position_ids" in b for b in group) else inputs
+    if any("attention_mask" in b for b in group):
+        inputs["attention_mask"] = torch.cat([b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in group])
+    return with_document_mask(model, inputs) if len(inputs) > 1 or any("position_ids" in b for b in group) else inputs
+
+
+def same_width(forwards: list[dict]) -> list[dict]:
+    """The micro-batches' forward inputs at one width, the schedule's (it splits one tensor into equal
+    micro-batches): a narrower one's rows get masked padding before them (grpo's completions end where they
+    end), which their own tokens never attend to; its output is read without it (Pipeline._loss)."""
+    import torch
+    import torch.nn.functional as F
+
+    widths = {f["input_ids"].shape[1] for f in forwards}
+    if len(widths) == 1:
+        return forwards
+    width = -(-max(widths) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE  # fewer widths, fewer schedules (Pipeline._schedule)
+    widened = []
+    for f in forwards:
+        ids, pad = f["input_ids"], width - f["input_ids"].shape[1]
+        positions = f.get("position_ids", torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
+        widened.append({"input_ids": F.pad(ids, (pad, 0)), "position_ids": F.pad(positions, (pad, 0)),
+                        "attention_mask": F.pad(f.get("attention_mask", torch.ones_like(ids)), (pad, 0))})
+    return widened
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
