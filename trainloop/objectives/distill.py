@@ -89,16 +89,16 @@ def prompt_lengths(labels: torch.Tensor, attention_mask: torch.Tensor | None) ->
 class Distill(Objective):
     name = "distill"
     needs = (FROZEN, GENERATION)  # the teacher's forward; generation with objective.on_policy_fraction > 0
-
-    @classmethod
-    def needs_in(cls, cfg) -> tuple[str, ...]:
-        return cls.needs if cfg.objective.on_policy_fraction > 0 else (FROZEN,)
     pretrained_lr = (2e-05, "GKDConfig")
     keys = DistillConfig
     chunks_loss = True
     headline = ("nll",)
     read_when = {f"objective.{key}": (lambda c: c.objective.on_policy_fraction > 0, "objective.on_policy_fraction > 0")
                  for key in ("max_new_tokens", "top_p")}
+
+    @classmethod
+    def needs_in(cls, cfg) -> tuple[str, ...]:
+        return cls.needs if cfg.objective.on_policy_fraction > 0 else (FROZEN,)
 
     def __init__(self, cfg, device):
         import torch

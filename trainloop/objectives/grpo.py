@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from trainloop.objectives.base import BatchLoss, Objective
-from trainloop.parallel.degrees import FROZEN, GENERATION
 from trainloop.objectives.generation import (
     complete, completion_mask, generation_config, left_padded, length_problems, row_keys, sampling, sampling_seed,
 )
+from trainloop.parallel.degrees import FROZEN, GENERATION
 from trainloop.objectives.reference import reference_model
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -270,10 +270,6 @@ def shown(rollout: dict, prompt_field: str, names: list[str], rewards) -> list[d
 class GRPO(Objective):
     name = "grpo"
     needs = (GENERATION, FROZEN)  # the reference's only with objective.beta > 0
-
-    @classmethod
-    def needs_in(cls, cfg) -> tuple[str, ...]:
-        return cls.needs if cfg.objective.beta > 0 else (GENERATION,)
     pretrained_lr = (1e-06, "GRPOConfig")
     prompts = True
     headline = ("reward", "reward_std", "kl", "unscored")
@@ -302,6 +298,10 @@ class GRPO(Objective):
                                 "objective.tools names some, or objective.environment is set")
            for key in ("max_tool_calls", "tool_timeout_s")},
     }
+
+    @classmethod
+    def needs_in(cls, cfg) -> tuple[str, ...]:
+        return cls.needs if cfg.objective.beta > 0 else (GENERATION,)
 
     def __init__(self, cfg, device):
         import torch

@@ -25,10 +25,10 @@ from trainloop.parallel.degrees import FROZEN, SECOND_FORWARD
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
 
-# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
 # What Objective.beside puts in a batch (a layout that runs the forward itself asks it): the reference's
 # log-probabilities [rows, 2] (completion, mismatched), and the micro-batch's KL estimate
 REFERENCE, KL_ESTIMATE = "reference_logps", "kl_estimate"
+# The sums a window or an evaluation keeps (float64, on the device), then reduces over the ranks.
 SUMS = ("loss", "rows", "rewards/chosen", "chosen", "rewards/rejected", "rejected", "kl", "micro_batches",
         "logps/chosen", "logps/rejected")
 

@@ -344,8 +344,9 @@ class Pipeline(Strategy):
         # FSDP2 averages the gradients it reduce-scatters over dp_shard: the loss is multiplied back
         factor = self.dp if self.sharded else 1
         self._scale, self._objective = factor / units, objective
-        self._pending = deque((b, objective.forward_inputs(b)["input_ids"]) for b in group)
-        forwards = same_width([objective.forward_inputs(b) for b in group])
+        forwards = [objective.forward_inputs(b) for b in group]
+        self._pending = deque((b, f["input_ids"]) for b, f in zip(group, forwards))
+        forwards = same_width(forwards)
         ids = torch.cat([f["input_ids"] for f in forwards])
         schedule = self._schedule(ids.shape[1])
         inputs = stage_inputs(model, forwards)
