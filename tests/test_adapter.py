@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from helpers import (
-    adapter_tensors, compose, conversation, executable, finish, launch, logits_agree,
-    pretrained_llama, start, train, warm, warm_runs, write_rows,
+    adapter_tensors, compose, conversation, launch, logits_agree, pretrained_llama, train, warm, warm_runs, write_rows,
 )
 from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
@@ -126,20 +125,13 @@ def test_target_modules_matching_nothing_exit_2_listing_the_modules(tmp_path):
 # within 1e-6 is test_resume.py's (full fine-tune); ZeRO-3 is the DeepSpeed case LoRA changes
 @pytest.mark.parametrize("strategy,rtol", [("ddp", "0"), ("zero3", "1e-6")])
 def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, strategy, rtol, deepspeed_ops):
-    """LoRA on 2 processes: DDP under torchrun, given to verify_resume's command as --launcher (bitwise),
-    ZeRO-3 on warm ranks (within 1e-6). The adapter, gathered under ZeRO-3, is complete in the export, and
-    the merged model agrees with base + adapter."""
+    """LoRA on 2 processes (warm ranks), verify_resume's runs: DDP bitwise, ZeRO-3 within 1e-6. The adapter,
+    gathered under ZeRO-3, is complete in the export, and the merged model agrees with base + adapter."""
     command = ["--rtol", rtol, "--steps", "4", "--dir", str(tmp_path / "runs"), "+preset=smoke", *hf(base),
-               "adapter=lora"]
-    if strategy == "ddp":
-        torchrun = f"{' '.join(executable(['torchrun']))} --standalone --nproc_per_node 2"
-        proc = start([sys.executable, "-m", "trainloop.verify_resume", "--launcher", torchrun, *command],
-                     tmp_path / "output.txt")
-        code, out = finish(proc, timeout=900), (tmp_path / "output.txt").read_text()
-    else:
-        with open(tmp_path / "output.txt", "w") as out, redirect_stdout(out), redirect_stderr(out):
-            code = verify_resume.main([*command, f"deepspeed={strategy}"], run=warm_runs(2))
-        out = (tmp_path / "output.txt").read_text()
+               "adapter=lora", *([f"deepspeed={strategy}"] if strategy != "ddp" else [])]
+    with open(tmp_path / "output.txt", "w") as out, redirect_stdout(out), redirect_stderr(out):
+        code = verify_resume.main(command, run=warm_runs(2))
+    out = (tmp_path / "output.txt").read_text()
     assert code == 0, out[-4000:]
     log = (tmp_path / "runs" / "second_half.log").read_text()
     engaged = {"ddp": "DistributedType.MULTI_CPU (2 process", "zero3": "ZeRO-3 engaged"}
@@ -150,6 +142,19 @@ def test_two_process_lora_resumes_and_exports_a_full_adapter(tmp_path, base, str
     assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # it trained
     name, worst = logits_agree(final, base)
     assert worst < 1e-4, worst
+
+
+@pytest.mark.slow
+def test_verify_resume_launches_each_of_its_runs_under_the_given_launcher(tmp_path):
+    """verify_resume's own command, a process of its own, puts --launcher before `-m trainloop` in each of its three
+    runs (users give torchrun or accelerate launch; here python -X importtime, whose import lines show in each run's
+    log that the prefix ran it)."""
+    runs = tmp_path / "runs"
+    launch(["python", "-m", "trainloop.verify_resume", "--launcher", f"{sys.executable} -X importtime", "--steps", "2",
+            "--rtol", "0", "--dir", str(runs), "+preset=smoke"], timeout=600)  # exit 0: the runs agreed bitwise
+    logs = sorted(runs.glob("*.log"))
+    assert len(logs) == 3 and all("import time:" in log.read_text() for log in logs), [p.name for p in logs]
+    assert "resumed from" in (runs / "second_half.log").read_text()
 
 
 @pytest.mark.slow

@@ -42,7 +42,8 @@ def test_the_objective_trains_on_the_layout_as_one_process_does(objective, layou
 @pytest.mark.slow
 def test_on_policy_distill_generates_through_the_pipeline_as_one_process_does(tmp_path_factory, tmp_path):
     """The student completes each prompt through the stages (Pipeline.generator) on padded chat rows."""
-    on_policy = ["data=chat", f"data.path={DATA / 'chat.jsonl'}", "data.packing=none", "objective.on_policy_fraction=1"]
+    on_policy = ["data=chat", f"data.path={DATA / 'chat.jsonl'}", "data.packing=none", "objective.on_policy_fraction=1",
+                 "objective.max_new_tokens=8"]
     run_dir = the_cell_runs_as_one_process("distill", "pipeline", on_policy, tmp_path_factory, tmp_path)
     assert '"on_policy_share": 1.0' in (run_dir / "metrics.jsonl").read_text()
 

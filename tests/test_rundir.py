@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, alive, clean_env, end_family, family, launch, start, torchrun
+from helpers import SMALL, alive, clean_env, end_family, family, launch, start, torchrun, warm
 from trainloop.config.compose import ConfigError
 from trainloop.rundir import RUN_LOCK, hold_run_dir, run_dir_problem
 
@@ -114,19 +114,19 @@ def test_a_second_launch_into_a_running_run_dir_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_refused_launch_keeps_the_record_of_the_run_before(tmp_path):
+    """Hydra's record of a run dir's launches (each `python -m trainloop` on a warm rank)."""
     run_dir, record = tmp_path / "run", tmp_path / "run" / ".hydra"
-    launch(["python", "-m", "trainloop", *SMALL, f"hydra.run.dir={run_dir}"])
+    warm(1, [*SMALL, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     before = {p.name: p.read_bytes() for p in record.iterdir()}
     assert sorted(before) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
 
     # refused after the run dir is held: the checkpoint there was made with another seq_len
-    refused = launch(["python", "-m", "trainloop", *SMALL, "data.seq_len=100000", f"hydra.run.dir={run_dir}"],
-                     check=False)
+    refused = warm(1, [*SMALL, "data.seq_len=100000", f"hydra.run.dir={run_dir}"], cwd=tmp_path, check=False)
     assert refused.returncode == 2 and "data.seq_len: 64 -> 100000" in refused.stderr, refused.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in record.iterdir()} == before
 
     # a resumed launch is recorded as the current one; the first launch's files are kept
-    launch(["python", "-m", "trainloop", *SMALL, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"])
+    warm(1, [*SMALL, "trainer.max_steps=5", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert "trainer.max_steps=5" in (record / "overrides.yaml").read_text()
     assert "max_steps: 5" in (record / "config.yaml").read_text()
     assert {p.name: p.read_bytes() for p in (record / "launches" / "001").iterdir()} == before
