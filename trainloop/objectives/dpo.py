@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from trainloop.objectives.base import not_yet
 from trainloop.objectives.pairs import PairObjective, completion_logps, sums
-from trainloop.objectives.reference import as_reference, plan_copy, reference_model
+from trainloop.objectives.reference import as_reference, plan_copy, reference_forward
 from trainloop.parallel.degrees import FROZEN
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -199,28 +199,20 @@ class DPO(PairObjective):
         def reference(forward) -> torch.Tensor:
             return completion_logps(forward, batch, self.chunk)[0]
 
-        if self.frozen is not None:
-            logps = strategy.computed(self, self.frozen, batch, reference)
-        else:
-            with as_reference(model, self.cfg.adapter.name != "none"):
-                logps = strategy.computed(self, model, batch, reference)
+        with reference_forward(model, self.frozen) as frozen:
+            logps = strategy.computed(self, frozen, batch, reference)
         return batch | {PRECOMPUTED: torch.stack(logps.chunk(2), dim=1)}
 
     def reference_logps(self, model, batch: dict) -> torch.Tensor:
         """The reference's summed completion log-probabilities, chosen rows then rejected: precomputed
         and carried by the batch, or from the frozen copy, or from the policy with its adapters off.
         In eval mode, without gradients: the same reference every step."""
-        import torch
-
         if PRECOMPUTED in batch:
             return batch[PRECOMPUTED].T.reshape(-1)
-        if self.frozen is not None:
-            with torch.no_grad():
-                return completion_logps(self.frozen, batch, self.chunk)[0]
-        if self.cfg.adapter.name == "none":
+        if self.frozen is None and self.cfg.adapter.name == "none":
             raise RuntimeError("objective=dpo: a full fine-tune's policy is its reference only before its first step")
-        with as_reference(model, adapted=True):
-            return completion_logps(reference_model(model), batch, self.chunk)[0]
+        with reference_forward(model, self.frozen) as reference:
+            return completion_logps(reference, batch, self.chunk)[0]
 
     def pair_losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pair's loss, and SUMS over the batch's pairs."""

@@ -35,8 +35,8 @@ from trainloop.objectives.base import BatchLoss, Objective
 from trainloop.objectives.generation import (
     complete, completion_mask, generation_config, left_padded, length_problems, row_keys, sampling, sampling_seed,
 )
-from trainloop.parallel.degrees import FROZEN, GENERATION
 from trainloop.objectives.reference import reference_model
+from trainloop.parallel.degrees import FROZEN, GENERATION
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch

@@ -125,15 +125,10 @@ class KTO(Objective):
     def reference_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's (completion, mismatched): the frozen copy's, or the policy's with its adapters
         disabled; in eval mode, without gradients."""
-        import torch
+        from trainloop.objectives.reference import reference_forward
 
-        from trainloop.objectives.reference import as_reference, reference_model
-
-        if self.frozen is not None:
-            with torch.no_grad():
-                return self.logps(self.frozen, batch)
-        with as_reference(model, adapted=True):
-            return self.logps(reference_model(model), batch)
+        with reference_forward(model, self.frozen) as reference:
+            return self.logps(reference, batch)
 
     def beside(self, strategy, model, batch: dict) -> dict:
         """The batch with the reference's log-probabilities (REFERENCE) and the KL estimate of the micro-batch
@@ -141,7 +136,7 @@ class KTO(Objective):
         loss then runs the completion's forward alone."""
         import torch
 
-        from trainloop.objectives.reference import as_reference
+        from trainloop.objectives.reference import reference_forward
 
         mismatched_inputs = {"input_ids": batch[f"{KL}input_ids"]}
 
@@ -149,13 +144,9 @@ class KTO(Objective):
             return lambda forward: self.summed(forward, batch, prefix)
 
         mismatched = strategy.computed(self, model, batch, summed(KL), mismatched_inputs)
-        if self.frozen is not None:
-            reference = [strategy.computed(self, self.frozen, batch, summed(prefix), inputs)
+        with reference_forward(model, self.frozen) as frozen:
+            reference = [strategy.computed(self, frozen, batch, summed(prefix), inputs)
                          for prefix, inputs in (("", None), (KL, mismatched_inputs))]
-        else:
-            with as_reference(model, adapted=True):
-                reference = [strategy.computed(self, model, batch, summed(prefix), inputs)
-                             for prefix, inputs in (("", None), (KL, mismatched_inputs))]
         return batch | {REFERENCE: torch.stack(reference, 1), KL_ESTIMATE: self.kl(mismatched - reference[1])}
 
     def kl(self, ratios: torch.Tensor) -> torch.Tensor:

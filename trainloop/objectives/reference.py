@@ -36,3 +36,17 @@ def as_reference(model, adapted: bool):
             yield
     finally:
         model.train(training)
+
+
+@contextmanager
+def reference_forward(model, frozen, adapted: bool = True):
+    """The model a reference forward runs on, for the length of the block, without gradients: the frozen copy,
+    or the policy as its own reference (as_reference)."""
+    import torch
+
+    if frozen is not None:
+        with torch.no_grad():
+            yield frozen
+    else:
+        with as_reference(model, adapted):
+            yield reference_model(model)

@@ -189,11 +189,11 @@ class Pipeline(Strategy):
         self._scale = None  # what the loss on the last stage is multiplied by this step
         self._objective = None  # whose loss the last stage takes (handed in by the step or the evaluation)
         self._pending = deque()  # (micro-batch, its forward's input ids) whose losses the last stage takes next
-        # id(a model) -> (its stage modules, in the order of stage_ids; a score head's padding id or None): the
-        # policy's and a frozen copy's, whose forwards Strategy.computed runs
-        self.forwards: dict[int, tuple[list, int | None]] = {}
-        self.pad_id = None  # a score head's padding id: its output is read at each row's last token before it
-        self.policy = 0  # id of the policy, whose stages the schedule runs
+        # id(a model) -> its stage modules, in the order of stage_ids: the policy's (whose the schedule runs) and a
+        # frozen copy's, whose forwards Strategy.computed runs
+        self.forwards: dict[int, list] = {}
+        self.policy = 0  # id of the policy
+        self.pad_id = None  # the policy's score head's padding id: its output is read at the last token before it
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
@@ -231,7 +231,7 @@ class Pipeline(Strategy):
         modules = self._cut(model, self._chunked_loss if self.chunk else None)
         if self.sharded and self.cfg.fsdp.sync_each_batch:  # each micro-batch's gradients reduce-scattered
             modules = [each_micro_batch(module) for module in modules]
-        self.forwards[id(model)] = (modules, self.pad_id)
+        self.forwards[id(model)] = modules
         return model
 
     def _schedule(self, width: int):
@@ -241,7 +241,7 @@ class Pipeline(Strategy):
         from torch.distributed import pipelining
 
         if self.schedule is None or self.width != width:
-            modules = self.forwards[self.policy][0]
+            modules = self.forwards[self.policy]
             stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device, group=self.mesh.get_group("pp"))
                       for module, s in zip(modules, self.stage_ids)]
             schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
@@ -255,7 +255,7 @@ class Pipeline(Strategy):
         """A frozen copy (a reference, a teacher) cut into the same stages as the policy, placed and sharded like
         it: its forwards run through them in Strategy.computed, before the schedule (Objective.beside). A teacher
         with other blocks than the policy's is cut into as many stages, by its own count."""
-        self.forwards[id(model)] = (self._cut(model, None), None)
+        self.forwards[id(model)] = self._cut(model, None)
         return model.eval()
 
     def holds_frozen(self, frozen) -> str:
@@ -393,7 +393,7 @@ class Pipeline(Strategy):
         """compute(the last stage's output, as Forwarded) after the forwards of `model`'s stages (the policy's, or a
         frozen copy's: prepare_frozen) of `inputs` (the objective's forward_inputs(batch) if None), on every rank
         of the pipeline."""
-        pad_id = self.forwards[id(model)][1]
+        pad_id = self.pad_id if id(model) == self.policy else None  # a frozen copy ends in an output layer
         return self._last_stage(objective, model, batch, lambda hidden, forward: compute(
             Forwarded(hidden, forward["input_ids"], pad_id)), inputs)
 
@@ -407,7 +407,7 @@ class Pipeline(Strategy):
         if objective is not None:  # the chunked loss inside the last stage's forward is its
             self._objective = objective
         forward = objective.forward_inputs(batch) if forward is None else forward
-        stages = self.forwards[id(model)][0]
+        stages = self.forwards[id(model)]
         inputs = stage_inputs(model, [forward]) | ({"labels": batch["labels"]} if self.chunk else {})
         hidden = forward["input_ids"]
         rank = self.accelerator.process_index
@@ -809,9 +809,10 @@ def stage_inputs(model, group: list[dict]) -> dict:
                  torch.arange(b["input_ids"].shape[1], device=b["input_ids"].device).expand_as(b["input_ids"])
                  for b in group]
     inputs = {"position_ids": torch.cat(positions)}
-    if any("attention_mask" in b for b in group):
+    padded = any("attention_mask" in b for b in group)
+    if padded:
         inputs["attention_mask"] = torch.cat([b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in group])
-    return with_document_mask(model, inputs) if len(inputs) > 1 or any("position_ids" in b for b in group) else inputs
+    return with_document_mask(model, inputs) if padded or any("position_ids" in b for b in group) else inputs
 
 
 def same_width(forwards: list[dict]) -> list[dict]:
