@@ -128,7 +128,7 @@ def score(model_dir: Path, held_out: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainloop.data.formats.chat import chat_tokens
+    from trainloop.data.chat_template import chat_tokens
     from trainloop.data.tokenizer import IGNORE
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

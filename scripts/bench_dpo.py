@@ -40,7 +40,7 @@ has its own address space and peak memory, and the ~6 s of imports are paid once
   - peak memory: on CPU, the peak resident set over the warm-up steps (VmHWM, reset through
     /proc/self/clear_refs when training starts) minus the resident set just before the model
     is built (VmRSS), with glibc told to give every allocation of 64 KiB or more its own mapping
-    (trainloop.tools.plan.track_live_memory) so that freed tensors leave the resident set. Each
+    (trainloop.tools.measure.track_live_memory) so that freed tensors leave the resident set. Each
     process first runs its side once on a one-block copy of the model (2 steps, not measured), so
     that the code paths and lazy imports of its trainer are loaded before the baseline: what is
     measured is the training, not the libraries. Those 2 steps run with the tracking on too: a step
@@ -136,7 +136,7 @@ class Meter:
 
         import torch
 
-        from trainloop.tools.plan import track_live_memory
+        from trainloop.tools.measure import track_live_memory
 
         gc.collect()
         self.marks["glibc_live_tracking"] = track_live_memory(True)
@@ -159,7 +159,7 @@ class Meter:
         self.wall.append(time.perf_counter() - wall)
         self.cpu.append(time.process_time() - cpu)
         if len(self.wall) == self.warmup:  # the warm-up steps hold the peak: state, activations
-            from trainloop.tools.plan import track_live_memory
+            from trainloop.tools.measure import track_live_memory
 
             self.marks["training"] = self._now() - self.marks["before"]
             track_live_memory(False)  # glibc's usual heap for the timed steps
@@ -391,7 +391,7 @@ def prepare(work: str, size: str) -> dict:
 
     cfg = compose_config(["model=tiny", *SIZES[size]["model"], *SIZES[size]["data"], *COMMON, *DPO,
                           "data.path=unused"], check=False)
-    from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+    from trainloop.data.chat_template import BUILTIN_CHAT_TEMPLATE
 
     tokenizer, params = byte_level_tokenizer(), {}
     tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE  # both sides render the conversations alike

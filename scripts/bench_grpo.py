@@ -31,7 +31,7 @@ with `python scripts/toy_agent.py --out DIR`: DIR/sft/final), chat prompts askin
 one tool `vault` (the same plain function in both: objective.tools, GRPOTrainer(tools=...)), one
 round of calls (objective.max_tool_calls=1, max_tool_calling_iterations=1), the reward 1.0 where the
 completion holds a tool reply. TRL parses the built-in template's turns with
-trainloop.data.formats.chat.BUILTIN_RESPONSE_TEMPLATE. Each line adds the tool calls a completion.
+trainloop.data.chat_template.BUILTIN_RESPONSE_TEMPLATE. Each line adds the tool calls a completion.
 
     python scripts/bench_grpo.py --tools /tmp/agent/sft/final --steps 6 --rounds 1  # CPU: about a minute
 """
@@ -108,7 +108,7 @@ def trl_child(args, folder: Path) -> None:
     if args.tools:  # the tool-calling model, read as trainloop's model=hf reads it
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from trainloop.data.formats.chat import BUILTIN_RESPONSE_TEMPLATE
+        from trainloop.data.chat_template import BUILTIN_RESPONSE_TEMPLATE
 
         tokenizer = AutoTokenizer.from_pretrained(args.tools)
         tokenizer.response_template = BUILTIN_RESPONSE_TEMPLATE  # TRL parses the model's turns with it

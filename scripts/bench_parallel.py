@@ -10,7 +10,7 @@ with tensor parallelism over 2 of the processes, a pipeline of N stages under 1F
 one `torchrun --nproc_per_node N` launch of this script (gloo on CPU, NCCL on
 GPUs) training the same model (default: a 57M-parameter Llama, 6 blocks of 768, fp32 AdamW) on
 the same batch of 2 x 128 tokens per process, through trainloop's own builders
-(trainloop.tools.plan.measure_training: DDP and DeepSpeed ZeRO-3 through accelerate, FSDP2 through
+(trainloop.tools.measure.measure_training: DDP and DeepSpeed ZeRO-3 through accelerate, FSDP2 through
 trainloop.parallel.sharding, as run.py prepares them). Per process, the largest over the processes:
   - training peak: over the warm-up steps, on CPU the peak resident set (VmHWM, reset through
     /proc/self/clear_refs just before the model is built) minus the resident set at that moment,
@@ -79,7 +79,9 @@ BASELINE = {"cp1": "cp1", "cp2": "cp1", "cp4": "cp1"}  # the row each row's rati
 
 def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
     from trainloop.config.compose import compose_config
-    from trainloop.tools.plan import compare, measure_training, model_shape, plan_memory
+    from trainloop.tools.measure import measure_training
+    from trainloop.tools.plan import compare, plan_memory
+    from trainloop.tools.shape import model_shape
 
     _, preset, own = STRATEGIES[name]
     nproc = int(os.environ.get("WORLD_SIZE", "1"))

@@ -86,7 +86,8 @@ def test_a_cpu_run_says_once_there_is_nothing_to_offload_resumes_exactly_and_exp
 
 
 def test_the_planner_keeps_offloaded_activations_in_host_memory_on_a_gpu():
-    from trainloop.tools.plan import model_shape, plan_memory
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
 
     cfg = compose("+preset=smoke", "trainer.activation_offload=true")
     on_gpu, on_cpu = plan_memory(cfg, model_shape(cfg), 1, "cuda"), plan_memory(cfg, model_shape(cfg), 1, "cpu")

@@ -184,7 +184,8 @@ def test_plan_counts_frozen_quantized_and_adapter_state(base):
 
     from trainloop.model.adapter import lora_config
     from trainloop.model.builder import build_model, build_model_config
-    from trainloop.tools.plan import model_shape, plan_memory
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
 
     cfg = compose("+preset=smoke", *hf(base), "adapter=lora", "adapter.r=4")
     shape = model_shape(cfg)

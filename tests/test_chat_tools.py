@@ -19,7 +19,8 @@ import pytest
 from helpers import compose, conversation, read_metrics, reset_accelerate, train, warm, write_rows
 
 from trainloop.config.compose import ConfigError, validate
-from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE, message_problem, parse_tool_calls
+from trainloop.data.chat_template import BUILTIN_CHAT_TEMPLATE, parse_tool_calls
+from trainloop.data.formats.chat import message_problem
 
 EOS = "<|endoftext|>"
 WEATHER = {"type": "function", "function": {

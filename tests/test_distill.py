@@ -277,7 +277,8 @@ def test_on_policy_with_lora_under_fsdp2_resumes_bitwise_after_sigterm(tmp_path)
 def test_the_planner_counts_the_teacher_held_like_the_policy():
     from transformers import AutoModelForCausalLM
 
-    from trainloop.tools.plan import model_shape, plan_memory
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
 
     numel = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(TEACHER).parameters())
     for preset, world, held in (("smoke", 1, 4 * numel), ("[smoke,fsdp]", 2, 4 * -(-numel // 2))):

@@ -64,7 +64,7 @@ def test_the_three_row_forms_give_one_pair_per_row(tmp_path, caplog):
     import pandas
 
     from trainloop.data.loaders import byte_level_tokenizer, trained_chat_template
-    from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+    from trainloop.data.chat_template import BUILTIN_CHAT_TEMPLATE
 
     tokenizer, rows = byte_level_tokenizer(), sums()
     plain = write_rows(tmp_path / "plain.jsonl", rows)

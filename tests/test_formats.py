@@ -69,7 +69,7 @@ def test_a_new_format_is_one_class_and_one_row(monkeypatch, tiny_jsonl):
 def test_training_sets_answer_the_protocol_with_their_defaults(tiny_jsonl):
     from trainloop.data.loaders import build_datasets, byte_level_tokenizer
     from trainloop.data.mixture import MixtureBlocks
-    from trainloop.data.packing import TrainingSet
+    from trainloop.data.sets import TrainingSet
 
     cfg = compose("data=files", f"data.path={tiny_jsonl}", "data.text_field=content", "+preset=smoke")
     train, valid = build_datasets(cfg.data, byte_level_tokenizer(), cfg.trainer.seed)

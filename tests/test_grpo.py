@@ -218,7 +218,7 @@ def test_the_advantages_are_trls_for_the_same_rewards(trl_generated, scale):
     from accelerate import Accelerator
 
     from trainloop.objectives import build_objective
-    from trainloop.objectives.grpo import group_advantages
+    from trainloop.objectives.policy_gradient import group_advantages
     from trainloop.parallel import build_strategy
 
     _, generated = trl_generated(scale)
@@ -257,7 +257,7 @@ def test_the_loss_is_trls_for_the_same_log_probs(trl_generated, loss_type, beta,
     from accelerate import Accelerator
 
     from trainloop.objectives import build_objective
-    from trainloop.objectives.grpo import completion_logps
+    from trainloop.objectives.policy_gradient import completion_logps
     from trainloop.parallel import build_strategy
 
     trainer, generated = trl_generated("group")

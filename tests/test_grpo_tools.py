@@ -89,7 +89,8 @@ def test_tool_replies_and_the_prompt_get_no_loss_and_no_advantage():
     """The model's first turn calls the tool (written here: a random model rarely would); the tool's
     reply and the header of the model's next turn follow, untrained; the model writes that turn.
     The loss's gradient reaches each of the model's tokens and none of the reply's."""
-    from trainloop.objectives.grpo import GRPO as Objective, policy_loss, summed_loss
+    from trainloop.objectives.grpo import GRPO as Objective
+    from trainloop.objectives.policy_gradient import policy_loss, summed_loss
 
     cfg = compose("+preset=smoke", *GRPO, f"objective.tools=[{TOOLS}:lookup]", "objective.max_new_tokens=160")
     strategy, objective, model = built(cfg)
@@ -178,7 +179,7 @@ def test_the_model_is_asked_again_until_it_calls_nothing_or_the_rounds_or_the_bu
     """The model's turns are written here (each calls the tool again, the fourth answers): with
     objective.max_tool_calls=1 one round of calls is answered; with no limit, rounds go on until the
     budget of completion tokens has no room for a reply and a token more."""
-    from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+    from trainloop.data.chat_template import BUILTIN_CHAT_TEMPLATE
     from trainloop.data.tokenizer import byte_level_tokenizer
     from trainloop.objectives.tools import load_tools, take_turns
 

@@ -238,7 +238,7 @@ _base_datasets: dict[str, tuple] = {}
 def built(group: str, cfg):
     """What the chosen option of `group` builds from cfg, as comparable plain values."""
     from trainloop.data.loaders import build_dataloaders, build_datasets, build_tokenizer
-    from trainloop.data.packing import PackedBlocks
+    from trainloop.data.sets import PackedBlocks
     from trainloop.model.builder import build_model, build_model_config
 
     if group == "model":

@@ -55,7 +55,7 @@ def assert_final_generates(run_dir: Path, cfg) -> None:
     """final/ is a Mixtral with the run's experts and the planner's parameter count, and it generates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainloop.tools.plan import model_shape
+    from trainloop.tools.shape import model_shape
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")

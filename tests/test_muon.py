@@ -12,7 +12,8 @@ import torch
 from helpers import SMALL, build_and_step, compose, storage_bytes, warm_runs
 from trainloop.config.compose import ConfigError, validate
 from trainloop.tools import verify_resume
-from trainloop.tools.plan import model_shape, plan_memory
+from trainloop.tools.plan import plan_memory
+from trainloop.tools.shape import model_shape
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

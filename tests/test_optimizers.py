@@ -13,7 +13,7 @@ from helpers import REPO, compose
 from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
 from trainloop.optim.optimizers import OPTIMIZERS, build_optimizer, planned_state_bytes
 from trainloop.tools.plan import main as plan_main
-from trainloop.tools.plan import model_shape
+from trainloop.tools.shape import model_shape
 
 OPTIONS = sorted(p.stem for p in (CONFIG_DIR / "optimizer").glob("*.yaml"))
 

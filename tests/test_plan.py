@@ -12,7 +12,9 @@ import torch
 
 from helpers import SMALL, build_and_step, compose, storage_bytes, warm
 from trainloop.optim.optimizers import OPTIMIZERS
-from trainloop.tools.plan import ModelShape, activation_bytes, main, model_shape, plan_memory
+from trainloop.parallel.memory import activation_bytes
+from trainloop.tools.plan import main, plan_memory
+from trainloop.tools.shape import ModelShape, model_shape
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

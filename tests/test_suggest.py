@@ -16,7 +16,8 @@ import pytest
 from helpers import warm
 from trainloop.config.compose import compose_config
 from trainloop.tools import suggest as suggestion
-from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, model_shape, plan_memory
+from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, plan_memory
+from trainloop.tools.shape import model_shape
 
 # Llama 3 8B's shape without a hub: 32 blocks of 4096, 32 query and 8 key/value heads, an MLP of
 # 14,336, 128,256 tokens and an output head of its own, 8,192-token sequences in bf16.

@@ -268,7 +268,7 @@ def test_the_planner_splits_what_the_split_splits_and_leaves_a_mixtures_experts_
     from trainloop.model.adapter import apply_adapter
     from trainloop.model.builder import build_model, build_model_config
     from trainloop.parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
-    from trainloop.tools.plan import model_shape
+    from trainloop.tools.shape import model_shape
 
     cfg = compose("+preset=[smoke,tp" + (",lora]" if adapter == "lora" else "]"), "model.arch=mixtral",
                   "model.num_experts=4")
@@ -311,7 +311,9 @@ def test_the_planner_counts_each_tp_ranks_shards_exactly(case):
     fewer tensors, which the coefficients (read from a full fine-tune) do not know."""
     import json
 
-    from trainloop.tools.plan import activation_bytes, model_shape, plan_memory
+    from trainloop.parallel.memory import activation_bytes
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
 
     presets = "smoke,tp" + (",lora" if case == "lora" else "")
     overrides = ["model.hidden_size=128", "data.batch_size=2"]

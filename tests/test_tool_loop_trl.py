@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import compose
 
-from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE, BUILTIN_RESPONSE_TEMPLATE
+from trainloop.data.chat_template import BUILTIN_CHAT_TEMPLATE, BUILTIN_RESPONSE_TEMPLATE
 
 TOOLS = Path(__file__).resolve().parent / "data" / "grpo_tools.py"
 # The completion's tokens (TRL's max_completion_length), well away from every case's boundary: at exactly the

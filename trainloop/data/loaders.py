@@ -14,7 +14,7 @@ from trainloop.config.sections import DataConfig
 from trainloop.data.formats import data_format
 from trainloop.data.formats.prepared import prepared_fingerprint
 from trainloop.data.order import ValidationOrder
-from trainloop.data.packing import PackedBlocks
+from trainloop.data.sets import PackedBlocks
 from trainloop.data.tokenizer import build_tokenizer, byte_level_tokenizer, vocabulary_fingerprint
 from trainloop.errors import ConfigError
 from trainloop.lifetime import start_loader_worker

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainloop.data.order import Permutation
-from trainloop.data.packing import TrainingSet
+from trainloop.data.sets import TrainingSet
 
 
 def source_names(data_cfg) -> list[str]:

@@ -1,5 +1,5 @@
-"""Token documents into training blocks, the same way for data tokenized by the run and for shards;
-and TrainingSet, what a run asks of every training set.
+"""Token documents into training blocks, the same way for data tokenized by the run and for shards
+(PlannedBlocks, a TrainingSet of trainloop.data.sets).
 
 A corpus is a sequence of documents (rows), stored end to end in one or more parts: token ids, the
 offsets where each document starts, and, for chat and prompt/completion data, which tokens are
@@ -19,105 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
+from trainloop.data.sets import TrainingSet
 from trainloop.data.tokenizer import IGNORE
 
 log = logging.getLogger("trainloop")
-
-
-
-class TrainingSet(Dataset):
-    """What a run asks of a training set, answered here as a plain one answers: a set of blocks the
-    run shuffles itself (PackedBlocks, PlannedBlocks). A set with an order of its own (a mixture's
-    schedule, trainloop.data.mixture) overrides them. The run and the loop call these directly.
-
-    - orders_itself: True if its items come in its own order, to be read in order (no shuffle).
-    - whole_batches(global_batch): trim an epoch to whole global batches, before the order is made.
-    - set_epoch(epoch): called at the start of each epoch, before its items are read.
-    """
-
-    orders_itself = False
-
-    def whole_batches(self, global_batch: int) -> None:
-        """A plain set keeps every block: the order (trainloop.data.order) drops the tail of an epoch."""
-
-    def set_epoch(self, epoch: int) -> None:
-        """A plain set is the same every epoch: the order reshuffles it."""
-
-
-class PackedBlocks(TrainingSet):
-    """Training blocks: rows of [num_blocks, seq_len] tensors, one dict of them per block.
-
-    labels are the input ids with IGNORE where no loss is taken; position_ids restart at 0 at
-    each packed row (the model then keeps attention inside the row); attention_mask only for
-    data.packing=none, where rows are padded on the right.
-    """
-
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
-        if labels is None:
-            labels = input_ids
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        self.tensors = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-        if attention_mask is not None:
-            self.tensors["attention_mask"] = attention_mask
-
-    @property
-    def blocks(self) -> torch.Tensor:
-        return self.tensors["input_ids"]
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {key: tensor[i] for key, tensor in self.tensors.items()}
-
-
-class PairBlocks(PackedBlocks):
-    """data=preference's pairs (trainloop.data.formats.preference) as [pairs, seq_len] tensors: chosen_input_ids, chosen_labels,
-    rejected_input_ids, rejected_labels; padded on the right, so causal attention needs no mask."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    @property
-    def blocks(self) -> torch.Tensor:
-        return self.tensors["chosen_input_ids"]
-
-
-class UnpairedRows(PackedBlocks):
-    """data=unpaired's rows (trainloop.data.formats.unpaired) as [rows, seq_len] tensors: input_ids and
-    labels, kl_input_ids and kl_labels (the prompt with the row before's completion), and label ([rows],
-    true: desirable); padded on the right, so causal attention needs no mask."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-
-class PromptRows(PackedBlocks):
-    """Prompts as [prompts, seq_len] tensors, padded on the left: prompt_ids, prompt_mask (1 on the
-    prompt's tokens), and row_digest (each row's hash, so the data fingerprint sees its other
-    columns); each item also carries `row`, the whole row as JSON, for the reward functions, and
-    `index`, its place in the set (what its completions' draws are keyed by)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], rows: list[str]):
-        self.tensors, self.rows = tensors, rows
-
-    @property
-    def blocks(self) -> torch.Tensor:
-        return self.tensors["prompt_ids"]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
-        return {"prompt_ids": self.tensors["prompt_ids"][i], "prompt_mask": self.tensors["prompt_mask"][i],
-                "row": self.rows[i], "index": torch.tensor(i)}
-
-
-def materialize(blocks) -> PackedBlocks:
-    """Planned blocks gathered into tensors: data the run tokenized itself fits in memory."""
-    items = [blocks[b] for b in range(len(blocks))]
-    return PackedBlocks(**{key: torch.stack([item[key] for item in items]) for key in items[0]})
 
 
 def memory_map(path: Path) -> tuple[np.ndarray, mmap.mmap]:

@@ -44,7 +44,7 @@ class DPOConfig:
     precompute_reference: bool = False
 
 def pair_tensors(dataset) -> dict:
-    """A preference set's own columns (trainloop.data.packing.PairBlocks), without precomputed ones."""
+    """A preference set's own columns (trainloop.data.sets.PairBlocks), without precomputed ones."""
     return {key: t for key, t in dataset.tensors.items() if key != PRECOMPUTED}
 
 

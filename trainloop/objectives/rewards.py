@@ -182,7 +182,7 @@ class RewardModel:
         import torch
 
         if isinstance(prompts[0], list):  # its own template (a trainloop run's final/ carries it), else the built-in
-            from trainloop.data.formats.chat import BUILTIN_CHAT_TEMPLATE
+            from trainloop.data.chat_template import BUILTIN_CHAT_TEMPLATE
 
             template = self.tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE
             texts = [self.tokenizer.apply_chat_template(p + c, chat_template=template, tokenize=False)

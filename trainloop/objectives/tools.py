@@ -131,7 +131,7 @@ class Turns:
     ended: bool = False  # no room left for the replies to its last calls: the completion is cut after them
 
     def add_model_turn(self, ids: list[int], tokenizer, eos: int) -> None:
-        from trainloop.data.formats.chat import parse_tool_calls
+        from trainloop.data.chat_template import parse_tool_calls
 
         self.ids += ids
         self.trained += [1] * len(ids)

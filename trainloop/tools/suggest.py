@@ -43,7 +43,8 @@ from trainloop.parallel import OFF, layouts, row, splits
 from trainloop.parallel.memory import MemoryPlan
 from trainloop.parallel.tp import SEQUENCE_PARALLEL
 from trainloop.tools import plan as planner
-from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, Machine, _gib, model_shape, plan_memory, verdict
+from trainloop.tools.plan import GIB, GPU_USABLE, RUNTIME_RAM, Machine, _gib, plan_memory, verdict
+from trainloop.tools.shape import model_shape
 
 
 @dataclass(frozen=True)

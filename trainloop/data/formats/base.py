@@ -94,14 +94,8 @@ class DataFormat:
         The blocks are planned and gathered by trainloop.data.packing, the code that serves prepared shards
         (data=prepared: memory-mapped, gathered block by block), so both give the same blocks.
         """
-        from trainloop.data.packing import (
-            Documents,
-            materialize,
-            part_from_batches,
-            plan_blocks,
-            split_documents,
-            token_batches,
-        )
+        from trainloop.data.packing import Documents, part_from_batches, plan_blocks, split_documents, token_batches
+        from trainloop.data.sets import materialize
         from trainloop.data.tokenizer import pad_id
 
         tokens = self.tokenize(cfg, tokenizer, self.load(cfg, tokenizer))

@@ -28,8 +28,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from trainloop.config.sections import DataConfig
+from trainloop.data.chat_template import TemplateConfig, chat_template, template_of
 from trainloop.data.formats.base import DataFormat, ragged_table
-from trainloop.data.formats.chat import TemplateConfig, chat_template, message_problem, template_of
+from trainloop.data.formats.chat import message_problem
 from trainloop.data.formats.prompt_completion import PromptConfig
 from trainloop.data.formats.rows import json_kind, read_rows
 from trainloop.data.tokenizer import IGNORE
@@ -172,7 +173,8 @@ class Preference(OneItemPerRow):
         validation (data.validation_fraction, drawn from the seed)."""
         import torch
 
-        from trainloop.data.packing import PairBlocks, split_documents
+        from trainloop.data.packing import split_documents
+        from trainloop.data.sets import PairBlocks
         from trainloop.data.tokenizer import pad_id
 
         rows = self.load(cfg, tokenizer)

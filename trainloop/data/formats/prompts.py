@@ -22,8 +22,9 @@ import logging
 from dataclasses import dataclass
 
 from trainloop.config.sections import DataConfig
+from trainloop.data.chat_template import TemplateConfig, chat_template, template_of
 from trainloop.data.formats.base import DataFormat
-from trainloop.data.formats.chat import TemplateConfig, chat_template, message_problem, template_of
+from trainloop.data.formats.chat import message_problem
 from trainloop.data.formats.prompt_completion import PromptConfig
 from trainloop.data.formats.rows import data_files, json_kind, json_records, root_cause
 from trainloop.errors import ConfigError
@@ -140,7 +141,8 @@ class Prompts(DataFormat):
         (data.validation_fraction, drawn from the seed). `tools`: prompt_tokens'."""
         import torch
 
-        from trainloop.data.packing import PromptRows, split_documents
+        from trainloop.data.packing import split_documents
+        from trainloop.data.sets import PromptRows
         from trainloop.data.tokenizer import pad_id
 
         rows, tokens = self.load(cfg, tokenizer), self.prompt_tokens(cfg, tokenizer, tools)

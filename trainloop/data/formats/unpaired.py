@@ -26,8 +26,9 @@ import logging
 from dataclasses import dataclass
 
 from trainloop.config.sections import DataConfig
+from trainloop.data.chat_template import TemplateConfig, chat_template, template_of
 from trainloop.data.formats.base import ragged_table
-from trainloop.data.formats.chat import TemplateConfig, chat_template, message_problem, template_of
+from trainloop.data.formats.chat import message_problem
 from trainloop.data.formats.preference import OneItemPerRow, common_prefix_length
 from trainloop.data.formats.prompt_completion import PromptConfig
 from trainloop.data.formats.rows import json_kind, read_rows
@@ -98,7 +99,8 @@ class Unpaired(OneItemPerRow):
         mismatched sequence; whole rows held out for validation (data.validation_fraction, drawn from the seed)."""
         import torch
 
-        from trainloop.data.packing import UnpairedRows, split_documents
+        from trainloop.data.packing import split_documents
+        from trainloop.data.sets import UnpairedRows
         from trainloop.data.tokenizer import pad_id
 
         rows = self.load(cfg, tokenizer)
