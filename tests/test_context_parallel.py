@@ -169,7 +169,8 @@ def test_the_planner_gives_each_rank_its_slice_and_counts_the_all_to_alls():
     """A stream of tokens (no mask): the activations and the logits' gradients of a rank at cp=2 are
     those of half the sequence at cp=1; the model states are the strategy's (DDP: whole); the
     all-to-alls are four tensors of the slice forward and back, per block (measured: bench_parallel)."""
-    from trainloop.tools.plan import model_shape, plan_memory
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
 
     long = ["+preset=smoke", "data.packing=stream", "data.seq_len=2048", "model.max_position_embeddings=2048"]
     whole = compose(*long)
@@ -183,3 +184,24 @@ def test_the_planner_gives_each_rank_its_slice_and_counts_the_all_to_alls():
     shape, tokens = model_shape(split), split.data.batch_size * 1024
     assert plans["split"].sent("cp") == shape.num_layers * 2 * (tokens * 4 * shape.hidden * 4) // 2
     assert plans["whole"].sent("cp") == 0
+
+
+def test_a_model_splits_its_sequences_only_where_its_group_is_installed_and_active():
+    """The loss asks the model it runs for its group (trainloop.parallel.context.of): the policy and a frozen copy the
+    strategy placed answer it, through a wrapper's .module too (DDP, DeepSpeed's engine), inside the group's active
+    block alone (nested blocks stay split until the outer ends); a model it was not installed on answers None."""
+    import torch
+
+    from trainloop.parallel.context import ContextParallel, of
+
+    cp, policy, other = ContextParallel(None, 2, 0), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    wrapped = torch.nn.Module()
+    wrapped.module = policy
+    assert cp.install(wrapped) is wrapped
+    assert of(wrapped) is None and of(policy) is None
+    with cp.active():
+        assert of(wrapped) is cp and of(policy) is cp and of(other) is None
+        with cp.active():
+            assert of(policy) is cp
+        assert of(policy) is cp
+    assert of(policy) is None

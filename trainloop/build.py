@@ -165,8 +165,9 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The loaders are already this rank's share (trainloop.data.order): accelerate must not shard them again.
     model, optimizer = strategy.prepare(model, optimizer)
+    model = strategy.install(model)
     accelerator.register_for_checkpointing(scheduler)
-    objective.start(strategy, model, None if frozen is None else strategy.prepare_frozen(frozen),
+    objective.start(strategy, model, None if frozen is None else strategy.install(strategy.prepare_frozen(frozen)),
                     train_set, valid_set, run_dir)
     return Built(strategy, objective, tokenizer, model_config, samples, harness, train_set, valid_set, model, optimizer,
                  scheduler, train_loader, valid_loader, flops, batch_size, accumulation, batch_search)

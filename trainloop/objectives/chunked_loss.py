@@ -61,14 +61,14 @@ def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _this_rank(model, inputs: dict, labels: torch.Tensor):
-    """(the model's inputs, each position's target) of what this rank computes: the whole rows, or,
-    under context parallelism (trainloop.parallel.context), its slice of them, whose targets were
-    shifted on the whole row; and that context, or None. The inputs carry the mask `model` attends by."""
+    """(the model's inputs, each position's target) of what this rank computes: the whole rows, or, under
+    context parallelism (the group installed on `model`, trainloop.parallel.context), its slice of them, whose
+    targets were shifted on the whole row; and that group, or None. The inputs carry the mask `model` attends by."""
     from trainloop.model.attention import with_document_mask
     from trainloop.parallel import context
 
     inputs, targets = with_document_mask(model, inputs), next_targets(labels)
-    cp = context.current()
+    cp = context.of(model)
     if cp is not None:
         inputs, targets = cp.local(inputs), cp.split(targets, IGNORE)
     return inputs, targets, cp

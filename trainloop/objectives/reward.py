@@ -77,7 +77,7 @@ class Reward(PairObjective):
         from trainloop.parallel import context
 
         ids = self.forward_inputs(batch)["input_ids"]
-        cp = context.current()
+        cp = context.of(model)
         if cp is None:
             return model(input_ids=ids, use_cache=False).logits.squeeze(-1).float()
         from trainloop.model.attention import with_document_mask

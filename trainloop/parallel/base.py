@@ -64,7 +64,7 @@ class Strategy:
     sequence, trainloop.parallel.context), which every strategy here reads. The build calls, in this order:
     `builds_on_meta` (before the model is built), `shard` (after compile, before the optimizer),
     `prepare` (the optimizer, and the model unless sharded here), then
-    `prepare_frozen` for a frozen copy an objective keeps (DPO's reference).
+    `prepare_frozen` for a frozen copy an objective keeps (DPO's reference), and `install` on each.
     """
 
     name = ""
@@ -78,26 +78,32 @@ class Strategy:
     interleaved = False  # a step's forwards and backwards interleave (a pipeline schedule): no one forward to measure
 
     def __init__(self, cfg, accelerator):
+        from trainloop.errors import ConfigError
+
         self.cfg, self.accelerator = cfg, accelerator
         self.cp_size = cfg.parallel.cp_size
-        self.cp, self.dp_group = (None, None) if self.cp_size == 1 else self._context_parallel()
+        if self.world_size % self.cp_size:
+            raise ConfigError(f"parallel.cp_size={self.cp_size} does not divide the {self.world_size} process(es): "
+                              "launch a multiple of cp_size processes, or change parallel.cp_size")
+        self._mesh = None
+        self.cp = self.dp_group = None
+        if self.cp_size > 1:
+            from trainloop.parallel.context import ContextParallel
 
-    def _context_parallel(self):
-        """(this rank's context-parallel group, the group of the ranks that hold the same slice:
-        one rank of each data-parallel rank) on a dp x cp mesh, cp innermost (consecutive ranks, the
-        fastest links, as torchtitan lays it out)."""
-        from torch.distributed.device_mesh import init_device_mesh
+            self.cp = ContextParallel(self.mesh.group("cp"), self.cp_size, self.mesh.local_rank("cp"))
+        if self.model_parallel(cfg) > 1:  # the ranks that hold one replica together count once (reduce_sum)
+            self.dp_group = self.mesh.dp.get_group()
 
-        from trainloop.errors import ConfigError
-        from trainloop.parallel.context import ContextParallel
+    @property
+    def mesh(self):
+        """The run's one device mesh (trainloop.parallel.mesh.Mesh), built by every rank at its first use: the
+        strategy's construction where its degrees split a replica, FSDP2's shard otherwise. DeepSpeed's engine
+        keeps its own groups."""
+        if self._mesh is None:
+            from trainloop.parallel.mesh import Mesh
 
-        processes = self.world_size
-        if processes % self.cp_size:
-            raise ConfigError(f"parallel.cp_size={self.cp_size} does not divide the {processes} process(es): launch a "
-                              "multiple of cp_size processes, or change parallel.cp_size")
-        mesh = init_device_mesh(self.device.type, (processes // self.cp_size, self.cp_size),
-                                mesh_dim_names=("dp", "cp"))
-        return ContextParallel(mesh.get_group("cp"), self.cp_size, mesh.get_local_rank("cp")), mesh.get_group("dp")
+            self._mesh = Mesh(self.cfg, self.device.type, self.world_size)
+        return self._mesh
 
     # -- who is who ------------------------------------------------------------------------------
     @property
@@ -182,6 +188,11 @@ class Strategy:
         self.accelerator._models.remove(model)  # noqa: SLF001 - prepare_model registers it for save_state
         keep_output_dtype(model)
         return model.eval()
+
+    def install(self, model):
+        """`model`, as prepare or prepare_frozen placed it, with what its forwards read from the layout: context
+        parallelism's group, which splits its sequences inside sequences_split (trainloop.parallel.context.of)."""
+        return model if self.cp is None else self.cp.install(model)
 
     def holds_frozen(self, frozen) -> str:
         """How the ranks hold a frozen copy prepare_frozen placed, read back from it (FSDP2's DTensors, DeepSpeed's
@@ -354,7 +365,7 @@ class Strategy:
     def memory_lines(plan, cfg, shape, world_size: int, dev: str, half: bool) -> None:
         """The planner's model-state lines for one process (trainloop.tools.plan): parameters,
         gradients, optimizer states and this strategy's own buffers, as trainloop.parallel.memory
-        Lines appended to `plan`. `shape`: trainloop.tools.plan.ModelShape; `dev`: gpu or cpu."""
+        Lines appended to `plan`. `shape`: trainloop.tools.shape.ModelShape; `dev`: gpu or cpu."""
         raise NotImplementedError
 
     @staticmethod

@@ -18,8 +18,10 @@ What it changes, and where:
   of `gather` and `total` takes only this rank's part (every rank's loss above them is the same),
   and the strategy sums the gradients over the group (trainloop.parallel.base.Strategy.forward_backward).
 
-A forward outside `active` (generation, a reference's log-probabilities before a step) runs the
-whole sequence on each rank, with the same masks.
+The strategy installs its group on each model it places (`install`: the policy, a frozen reference or
+teacher), and the loss asks the model it runs for it (`of`). A forward outside the group's `active`
+(generation, a reference's log-probabilities before a step, the batch-size search's one-rank steps)
+runs the whole sequence on each rank, with the same masks.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-_ACTIVE: list = []  # the ContextParallel of the forwards being run, innermost last
+_INSTALLED = "trainloop_context_parallel"  # the attribute `install` sets on a model
 
 
-def current() -> ContextParallel | None:
-    """The context-parallel group the forward being run splits its sequences over, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
+def of(model) -> ContextParallel | None:
+    """The context-parallel group `model`'s forward splits its sequences over now, or None: the one installed on
+    it (inside DDP's or DeepSpeed's wrapper too), while that group is active."""
+    cp = getattr(getattr(model, "module", model), _INSTALLED, None)
+    return cp if cp is not None and cp.splitting else None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -96,15 +100,25 @@ class ContextParallel:
 
     def __init__(self, group, size: int, rank: int):
         self.group, self.size, self.rank = group, size, rank
+        self._depth = 0  # how many `active` blocks are open
+
+    def install(self, model):
+        """`model`, whose forwards inside `active` split their sequences over this group (`of`)."""
+        setattr(getattr(model, "module", model), _INSTALLED, self)
+        return model
+
+    @property
+    def splitting(self) -> bool:
+        return self._depth > 0
 
     @contextmanager
     def active(self):
-        """The forwards in the block split their sequences over the group."""
-        _ACTIVE.append(self)
+        """The forwards in the block, of the models this group is installed on, split their sequences over it."""
+        self._depth += 1
         try:
             yield
         finally:
-            _ACTIVE.pop()
+            self._depth -= 1
 
     # -- the sequence ------------------------------------------------------------------------------
     def padding(self, length: int) -> int:

@@ -29,7 +29,6 @@ class FSDP2(Strategy):
     saves_async = True
     autocast = False  # MixedPrecisionPolicy: blocks compute on bf16 copies of the fp32 shards
     off = {"fsdp": "none", "fsdp.offload": "none", "parallel.cp_size": 1}
-    mesh = None  # the DeviceMesh shard_model shards over: None, every process (1-D); FSDP2 x TP's and HSDP's their own
 
     @staticmethod
     def chooses(cfg) -> bool:
@@ -68,17 +67,21 @@ class FSDP2(Strategy):
         copy in host memory, not N."""
         return self.world_size > 1 and not self.accelerator.is_main_process
 
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: every process (dp_shard, the cp slices folded in)."""
+        return self.mesh.sharding()
+
     def shard(self, model):
         from trainloop.parallel.sharding import shard_model
 
-        return shard_model(self.cfg, model, self.device, self.mesh)
+        return shard_model(self.cfg, model, self.device, self.fsdp_mesh())
 
     def prepare_frozen(self, model):
         """Sharded as the policy is (every block, then the root; shards from the main process),
         gathered block by block in its forward: no process holds a whole second copy."""
         from trainloop.parallel.sharding import shard_model
 
-        return shard_model(self.cfg, model, self.device, self.mesh).eval()
+        return shard_model(self.cfg, model, self.device, self.fsdp_mesh()).eval()
 
     def prepare(self, model, optimizer):
         # sharded by trainloop: accelerate must not wrap the model in DDP too

@@ -43,15 +43,14 @@ class HybridShard(FSDP2):
         return "hybrid sharding (parallel.dp_replicate > 1)"
 
     def __init__(self, cfg, accelerator):
-        super().__init__(cfg, accelerator)
-        from torch.distributed.device_mesh import init_device_mesh
-
         replicas, processes = cfg.parallel.dp_replicate, accelerator.num_processes
         if processes % replicas or processes == replicas:
             raise ConfigError(f"parallel.dp_replicate={replicas} must divide the {processes} process(es) into groups "
                               "of 2 or more that shard the model: launch a multiple of it, or change it")
-        self.mesh = init_device_mesh(self.device.type, (replicas, processes // replicas),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+        super().__init__(cfg, accelerator)
+
+    def fsdp_mesh(self):
+        return self.mesh.sharding(replicate=True)
 
     @staticmethod
     def shard_group(cfg, world_size: int) -> int:

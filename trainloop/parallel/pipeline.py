@@ -163,9 +163,6 @@ class Pipeline(Strategy):
         return (p.pp_size - 1) / (cfg.trainer.gradient_accumulation_steps * p.pp_stages_per_rank)
 
     def __init__(self, cfg, accelerator):
-        super().__init__(cfg, accelerator)
-        from torch.distributed.device_mesh import init_device_mesh
-
         p = cfg.parallel
         self.pp, self.per_rank = p.pp_size, p.pp_stages_per_rank
         self.num_stages = self.pp * self.per_rank
@@ -176,11 +173,8 @@ class Pipeline(Strategy):
                               f"{'pp_size x tp_size' if self.tp > 1 else 'parallel.pp_size'} processes (the rest "
                               "form the data-parallel dimension)")
         self.dp = processes // (self.pp * self.tp)
-        # pp outermost, tp innermost, as torchtitan lays it out: a tp group's ranks are neighbours (a node's
-        # fastest links), then a stage's data-parallel ranks
-        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp, self.tp),
-                                     mesh_dim_names=("pp", "dp_shard", "tp"))
-        self.pp_rank = self.mesh.get_local_rank("pp")
+        super().__init__(cfg, accelerator)  # the mesh: pp outermost, tp innermost (trainloop.parallel.mesh)
+        self.pp_rank = self.mesh.local_rank("pp")
         self.sharded = cfg.fsdp.name != "none"  # FSDP2 over dp_shard; else each stage replicated over it
         self.stage_ids = [self.pp_rank + k * self.pp for k in range(self.per_rank)]  # round robin: interleaved
         self.last_rank = self.rank_of((self.num_stages - 1) % self.pp)  # the last stage's, in this dp position
@@ -197,7 +191,7 @@ class Pipeline(Strategy):
 
     def rank_of(self, pp_rank: int) -> int:
         """The global rank holding pipeline position `pp_rank` in this process's data-parallel position."""
-        return (pp_rank * self.dp + self.dp_rank) * self.tp + self.mesh.get_local_rank("tp")
+        return (pp_rank * self.dp + self.dp_rank) * self.tp + self.mesh.local_rank("tp")
 
     @property
     def dp_size(self) -> int:
@@ -205,7 +199,7 @@ class Pipeline(Strategy):
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp_shard")
+        return self.mesh.local_rank("dp_shard")
 
     def reduce_sum(self, tensor):
         """Summed over dp_shard: every stage of a pipeline reads the same batches."""
@@ -214,7 +208,7 @@ class Pipeline(Strategy):
         if self.dp == 1:
             return tensor
         summed = tensor.clone()
-        dist.all_reduce(summed, group=self.mesh.get_group("dp_shard"))
+        dist.all_reduce(summed, group=self.mesh.group("dp_shard"))
         return summed
 
     # -- the build -------------------------------------------------------------------------------
@@ -242,7 +236,7 @@ class Pipeline(Strategy):
 
         if self.schedule is None or self.width != width:
             modules = self.forwards[self.policy]
-            stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device, group=self.mesh.get_group("pp"))
+            stages = [pipelining.PipelineStage(module, s, self.num_stages, self.device, group=self.mesh.group("pp"))
                       for module, s in zip(modules, self.stage_ids)]
             schedule = getattr(pipelining, SCHEDULES[self.cfg.parallel.pp_schedule])
             self.schedule = schedule(stages if self.per_rank > 1 else stages[0],
@@ -362,7 +356,7 @@ class Pipeline(Strategy):
         if self.dp > 1 and not self.sharded:
             self._sum_replicas(model)
         step_loss = torch.stack(losses).sum().detach() / factor if losses else torch.zeros((), device=self.device)
-        dist.broadcast(step_loss, src=self.last_rank, group=self.mesh.get_group("pp"))
+        dist.broadcast(step_loss, src=self.last_rank, group=self.mesh.group("pp"))
         return step_loss  # this data-parallel rank's share, on each of its stages
 
     def _sum_replicas(self, model) -> None:
@@ -372,7 +366,7 @@ class Pipeline(Strategy):
 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.get_group("dp_shard"))
+        dist.all_reduce(flat, group=self.mesh.group("dp_shard"))
         for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(summed.view_as(grad))
 
@@ -421,7 +415,7 @@ class Pipeline(Strategy):
                 hidden = stages[self.stage_ids.index(s)](hidden, **inputs)
                 if s < self.num_stages - 1 and after != rank:
                     send(hidden, after)
-        pp = self.mesh.get_group("pp")
+        pp = self.mesh.group("pp")
         last = self.num_stages - 1 in self.stage_ids
         with torch.no_grad():
             values = compute(hidden, forward) if last else None
@@ -475,7 +469,7 @@ class Pipeline(Strategy):
         import torch.distributed as dist
 
         held = tensor.clone()
-        dist.broadcast(held, src=self.last_rank, group=self.mesh.get_group("pp"))
+        dist.broadcast(held, src=self.last_rank, group=self.mesh.group("pp"))
         return self.reduce_sum(held)
 
     def clip_grad_norm(self, model, max_norm: float):
@@ -493,7 +487,7 @@ class Pipeline(Strategy):
         for params in by_mesh.values():  # the stage's norm: DTensor placements count a replicated shard once
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
             squared += (norm.to(self.device).full_tensor() if is_dtensor(norm) else norm.to(self.device)).float() ** 2
-        dist.all_reduce(squared, group=self.mesh.get_group("pp"))  # the stages' together
+        dist.all_reduce(squared, group=self.mesh.group("pp"))  # the stages' together
         norm = squared.sqrt()
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -527,7 +521,7 @@ class Pipeline(Strategy):
 
         mine = {name: (tensor.full_tensor() if is_dtensor(tensor) else tensor).detach().cpu()  # over dp_shard
                 for name, tensor in model.state_dict().items()}
-        mine = mine if self.dp_rank == 0 and self.mesh.get_local_rank("tp") == 0 else {}  # one copy of each stage
+        mine = mine if self.dp_rank == 0 and self.mesh.local_rank("tp") == 0 else {}  # one copy of each stage
         gathered = [None] * self.world_size if self.accelerator.is_main_process else None
         dist.gather_object(mine, gathered, dst=0)
         return {k: v for part in gathered for k, v in part.items()} if gathered else {}
@@ -538,7 +532,7 @@ class Pipeline(Strategy):
         import torch.distributed as dist
 
         counts = torch.tensor(super().count_parameters(model), device=self.device)
-        dist.all_reduce(counts, group=self.mesh.get_group("pp"))
+        dist.all_reduce(counts, group=self.mesh.group("pp"))
         return tuple(counts.tolist())
 
     def whole_model(self, model):
@@ -560,7 +554,7 @@ class Pipeline(Strategy):
         how = "FSDP2 on dp_shard" if self.sharded else "replicated"
         tp = f" x {self.tp} tp" if self.tp > 1 else ""
         dp = "" if self.dp == 1 and self.tp == 1 else (f", x {self.dp} data-parallel ({how}{tp and ', tensor parallel'}"
-                                                     f", mesh {self.mesh.device_type} {self.pp} pp x {self.dp} dp_shard"
+                                                     f", mesh {self.device.type} {self.pp} pp x {self.dp} dp_shard"
                                                      f"{tp})")
         return (f"pipeline: {self.num_stages} stages over {self.pp} processes ({self.cfg.parallel.pp_schedule}){dp}, "
                 f"blocks per stage {counts}, this rank's stages {self.stage_ids} ({self.where()})")
@@ -706,7 +700,7 @@ def in_flight(cfg, rank: int, num_layers: int) -> tuple[float, int]:
 
 
 def rank_part(cfg, shape, rank: int):
-    """The planner's shape (trainloop.tools.plan.ModelShape) of what `rank` holds: its blocks, the
+    """The planner's shape (trainloop.tools.shape.ModelShape) of what `rank` holds: its blocks, the
     embeddings on the first stage's rank, the final norm and the output layer on the last's."""
     from dataclasses import replace
 

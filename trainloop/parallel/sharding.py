@@ -52,8 +52,9 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
     """Shard `model` in place with fully_shard over every process (a process group must exist:
     a launcher's, or accelerator.single_process_group_env's for one process); returns it.
     A model built on the meta device (trainloop.parallel.fsdp2's builds_on_meta) gets its shards from
-    the main process. `mesh`: a 2-D ("dp_shard", "tp") mesh (parallel.tp_size): the blocks' matrices
-    are first split over "tp" (trainloop.parallel.tensor_parallel), then FSDP2 shards over "dp_shard"; a mesh
+    the main process. `mesh` (trainloop.parallel.mesh.Mesh.sharding's): a 2-D (dp_shard, "tp") mesh
+    (parallel.tp_size): the blocks' matrices are first split over "tp" (trainloop.parallel.tensor_parallel), then
+    FSDP2 shards over the first dimension (dp_shard, or dp_shard_cp with the cp slices folded in); a mesh
     of data-parallel dimensions alone (HSDP's ("dp_replicate", "dp_shard")): FSDP2 over it, sharding over the
     last, replicating over the first; None: a 1-D mesh of every process.
 
@@ -68,7 +69,7 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) ->
 
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
-    options = fsdp_options(cfg, mesh["dp_shard"] if tensor_parallel else mesh, device)
+    options = fsdp_options(cfg, mesh[mesh.mesh_dim_names[0]] if tensor_parallel else mesh, device)
     # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
     # it shards them, so a GPU holds one whole block at a time, never the whole model.
     # the main process's whole weights, taken before sharding, when the others hold none

@@ -108,28 +108,12 @@ class FSDP2xTP(FSDP2):
             raise ConfigError(layout_problem(self.tp_size, processes) or
                               f"parallel.tp_size={self.tp_size} x parallel.cp_size={cfg.parallel.cp_size} does not "
                               f"divide the {processes} process(es): launch a multiple of their product")
-        super().__init__(cfg, accelerator)  # a context-parallel group: its mesh is ours (_context_parallel)
-        if self.cp is None:
-            from torch.distributed.device_mesh import init_device_mesh
+        super().__init__(cfg, accelerator)
 
-            # row-major: ranks 0..tp-1 are one tp group (the fastest links on a node), as torchtitan lays it out
-            self.mesh = init_device_mesh(self.device.type, (processes // self.tp_size, self.tp_size),
-                                         mesh_dim_names=("dp_shard", "tp"))
-            self.dp_group = self.mesh.get_group("dp_shard")  # a tp group's ranks hold the same loss and units
-
-    def _context_parallel(self):
-        """A dp x cp x tp mesh (tp innermost, then cp), FSDP2 sharding over dp and cp flattened into
-        dp_shard, as torchtitan folds cp into its sharding: the tp split stays within a group."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from trainloop.parallel.context import ContextParallel
-
-        cp, tp = self.cp_size, self.tp_size
-        mesh = init_device_mesh(self.device.type, (self.world_size // (cp * tp), cp, tp),
-                                mesh_dim_names=("dp", "cp", "tp"))
-        mesh["dp", "cp"]._flatten("dp_shard")
-        self.mesh = mesh["dp_shard", "tp"]
-        return ContextParallel(mesh.get_group("cp"), cp, mesh.get_local_rank("cp")), mesh.get_group("dp")
+    def fsdp_mesh(self):
+        """(dp_shard, tp), with the cp slices folded into dp_shard as torchtitan folds them: the tp split stays
+        within a group of consecutive ranks."""
+        return self.mesh.sharding(tp=True)
 
     def clip_grad_norm(self, model, max_norm: float):
         """The global L2 norm over both meshes' gradients: one norm per mesh (DTensor placements make
@@ -161,14 +145,14 @@ class FSDP2xTP(FSDP2):
         experts = planned_styles(model.config)[1]
         whole = (f" (attention only: the routed experts {', '.join(experts)} and the router whole on each tp rank)"
                  if experts else "")
-        dp, tp = self.mesh.shape
+        dp, tp = self.fsdp_mesh().shape
         norms = sequence_parallel_norms(model)
         if self.cfg.parallel.sequence_parallel and not norms:
             raise RuntimeError("parallel.sequence_parallel=true but no norm computes on a sequence shard")
         if norms:
             whole += f"; sequence parallelism: {norms} norms and the residual stream on 1/{tp} of the sequence"
         folded = f" ({dp // self.cp_size} dp x {self.cp_size} cp)" if self.cp is not None else ""
-        return (f"FSDP2 x TP: mesh {self.mesh.device_type} {dp} dp_shard{folded} x {tp} tp, {split} linear layers "
+        return (f"FSDP2 x TP: mesh {self.device.type} {dp} dp_shard{folded} x {tp} tp, {split} linear layers "
                 f"split column-/row-wise over tp{whole}; {describe_sharding(model)} ({self.world_size} process(es), "
                 f"{self.device}, backend {dist.get_backend()})")
 
