@@ -113,8 +113,8 @@ def local_tokenizer(tmp_path: Path) -> Path:
 # of compiler time on a fresh 2-core machine, most of it async_io; about 10 s where ccache holds them
 # from another venv (trainloop.deepspeed compiles through it: compiler_cache). So the build starts in the
 # background, at the lowest CPU priority, as soon as the collected tests include one that needs
-# it, and those tests run last: the rest of the suite runs meanwhile, and the compiler takes the
-# core that single-threaded test subprocesses leave idle. The build is left to finish if the
+# it, and those tests run after the modules of slow tests (pytest_collection_modifyitems): the rest runs
+# meanwhile, and the compiler takes the core that single-threaded test subprocesses leave idle. The build is left to finish if the
 # session ends first (`-x`): killing it would leave a stale lock that blocks the next build.
 OPS_FIXTURE = "deepspeed_ops"
 OPS_LOG = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "trainloop-build.log"
@@ -130,9 +130,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def pytest_collection_modifyitems(session, config, items):
     global _ops_build
     position = {id(item): i for i, item in enumerate(items)}
-    # Under xdist each worker collects the same sorted list and the load scheduler hands tests
-    # out in that order, so the DeepSpeed tests still come last.
-    items.sort(key=lambda item: (OPS_FIXTURE in item.fixturenames, position[id(item)]))
+    # Under xdist each worker collects the same sorted list and the load scheduler hands tests out in that
+    # order: the modules that hold slow tests first, whole (a module's fixtures are made once per worker), then
+    # the tests that use DeepSpeed's ops (the build started below has had the others' time to finish), then the
+    # modules of quick tests alone, which even out the workers' ends: a long test handed out last would leave
+    # the other worker's core idle until it ended.
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (1 if OPS_FIXTURE in item.fixturenames else 0 if item.module in slow else 2,
+                                 position[id(item)]))
     timeouts = config.pluginmanager.hasplugin("timeout")  # absent under `-p no:timeout`
     for item in items:  # the first of them may wait for the build: pytest-timeout's limit counts it
         if timeouts and OPS_FIXTURE in item.fixturenames:
