@@ -1,6 +1,6 @@
 """Every objective on every layout, run: 10 steps of each cell against one process, within 1e-5.
 
-    python scripts/matrix.py                                  # the whole table (about 35 minutes on 2 cores)
+    python scripts/matrix.py                                  # the whole table (14 minutes on 2 idle cores)
     python scripts/matrix.py --objectives dpo grpo --layouts "FSDP2 x TP" pipeline
 
 A cell is trainloop's command line under torchrun on the layout's processes (2; HSDP's 2 x 2: 4), at the same
