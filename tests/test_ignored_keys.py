@@ -407,6 +407,7 @@ def generated_loss(cfg):
 def sharded_settings(cfg):
     """Shard the model as a run would, on a 1-process gloo group of this test's own."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from types import SimpleNamespace
 
@@ -423,7 +424,7 @@ def sharded_settings(cfg):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert dist.get_world_size() == 1
     try:
-        shard_model(cfg, model, torch.device("cpu"))
+        shard_model(cfg, model, torch.device("cpu"), init_device_mesh("cpu", (1,)))
         first_micro_batch = cfg.trainer.gradient_accumulation_steps == 1  # the last of its step only then
         with FSDP2.gradient_sync(SimpleNamespace(cfg=cfg), model, enabled=first_micro_batch):  # as the loop runs it
             return sharding_settings(model)

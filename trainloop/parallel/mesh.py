@@ -23,7 +23,7 @@ def degrees(cfg, world_size: int) -> dict[str, int]:
     """Each dimension's size for `world_size` processes: dp_shard takes what the others leave. The strategy has
     refused a layout whose degrees do not divide the processes before this is asked."""
     p = cfg.parallel
-    fixed = {"pp": p.pp_size, "dp_replicate": getattr(p, "dp_replicate", 1), "cp": p.cp_size, "tp": p.tp_size}
+    fixed = {"pp": p.pp_size, "dp_replicate": p.dp_replicate, "cp": p.cp_size, "tp": p.tp_size}
     return {**fixed, "dp_shard": world_size // math.prod(fixed.values())}
 
 
@@ -55,10 +55,12 @@ class Mesh:
     def sharding(self, tp: bool = False, replicate: bool = False):
         """The mesh FSDP2 shards over: dp_shard, with the cp slices folded in; (dp_replicate, dp_shard) for hybrid
         sharding; (that, tp) under tensor parallelism, whose matrices are split over tp first."""
-        if (tp, replicate) not in self._sharding:
-            shard = "dp_shard_cp" if self.dp_shard_cp is not None else "dp_shard"
-            self._sharding[tp, replicate] = (self.root["dp_replicate", "dp_shard"] if replicate
-                                             else self.root[shard, "tp"] if tp
-                                             else self.dp_shard_cp if self.dp_shard_cp is not None
-                                             else self.root["dp_shard"])
-        return self._sharding[tp, replicate]
+        key = (tp, replicate)
+        if key not in self._sharding:
+            if replicate:
+                self._sharding[key] = self.root["dp_replicate", "dp_shard"]
+            elif tp:
+                self._sharding[key] = self.root["dp_shard_cp" if self.dp_shard_cp is not None else "dp_shard", "tp"]
+            else:
+                self._sharding[key] = self.dp_shard_cp if self.dp_shard_cp is not None else self.root["dp_shard"]
+        return self._sharding[key]

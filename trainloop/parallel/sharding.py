@@ -48,26 +48,24 @@ def fsdp_options(cfg, mesh, device: torch.device) -> dict:
     }
 
 
-def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh=None) -> torch.nn.Module:
-    """Shard `model` in place with fully_shard over every process (a process group must exist:
-    a launcher's, or accelerator.single_process_group_env's for one process); returns it.
+def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh) -> torch.nn.Module:
+    """Shard `model` in place with fully_shard over `mesh` (a process group must exist: a launcher's, or
+    accelerator.single_process_group_env's for one process); returns it.
     A model built on the meta device (trainloop.parallel.fsdp2's builds_on_meta) gets its shards from
     the main process. `mesh` (trainloop.parallel.mesh.Mesh.sharding's): a 2-D (dp_shard, "tp") mesh
     (parallel.tp_size): the blocks' matrices are first split over "tp" (trainloop.parallel.tensor_parallel), then
     FSDP2 shards over the first dimension (dp_shard, or dp_shard_cp with the cp slices folded in); a mesh
     of data-parallel dimensions alone (HSDP's ("dp_replicate", "dp_shard")): FSDP2 over it, sharding over the
-    last, replicating over the first; None: a 1-D mesh of every process.
+    last, replicating over the first; else a 1-D mesh FSDP2 shards over.
 
     An adapter is applied and torch.compile (regional: each block) set up before this, as
     torchtitan does: the blocks are compiled, then sharded.
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     from trainloop.model.compile import transformer_blocks
 
-    mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
     options = fsdp_options(cfg, mesh[mesh.mesh_dim_names[0]] if tensor_parallel else mesh, device)
     # Not model.to(device): fully_shard moves each module's own parameters to the mesh's device as
