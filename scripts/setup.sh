@@ -6,36 +6,47 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # -qq: pip's errors only. Its warnings include one line for every package a configured index
 # or find-links folder does not hold, which says nothing about this install.
-"$VENV/bin/python" -m pip install -qq --upgrade pip
-"$VENV/bin/python" -m pip install -qq -c constraints.txt -e ".[test]"
-# pip compiles the bytecode of what it installs, but an editable install leaves trainloop's own source as
-# it is; where PYTHONDONTWRITEBYTECODE is set (CI hosts often set it) every process would compile it again,
-# 0.13 s of each run and of each of the suite's few hundred processes. Compiled once here; an edit later
-# makes its module's file stale, which Python sees and reads the source instead.
-"$VENV/bin/python" -m compileall -q trainloop tests scripts
+PIP=("$VENV/bin/python" -m pip install -qq)
+# pip compiles the bytecode of each file it installs, one at a time: 45 of a new venv's 80 s here. In a new
+# venv it compiles nothing and compileall does it all at the end, on every core (the same files); where the
+# venv was there, pip compiles the few it adds.
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+  PIP+=(--no-compile)
+  compile_venv=1
+fi
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" -c constraints.txt -e ".[test]"
 # Two of the test tools are installed so that the suite's hundreds of processes do not import them
 # (pyproject.toml's test extra says more; `pip install -e '.[eval,mlflow]'` installs both as a user gets them):
 # - lm-evaluation-harness (tests/test_harness.py) without scikit-learn, which brings scipy, and with scipy
 #   installed every import of transformers' model classes imports scipy.optimize (0.5 s).
-"$VENV/bin/python" -m pip install -qq -c constraints.txt --no-deps lm-eval
+"${PIP[@]}" -c constraints.txt --no-deps lm-eval
 # - MLflow's client (tests/test_trackers.py) in $VENV/mlflow, off the venv's import path, its requirements in
 #   the venv: DeepSpeed imports mlflow whenever it can (its autotuner, at `import deepspeed`, which accelerate
 #   does in every run's export), 1.8 s a process. tests/helpers.py puts it on the pytest workers' path.
 MLFLOW_PIN=$(grep '^mlflow-skinny==' constraints.txt)
 if [ ! -d "$VENV/mlflow/mlflow_skinny-${MLFLOW_PIN#*==}.dist-info" ]; then  # absent, or another version
   rm -rf "$VENV/mlflow"
-  "$VENV/bin/python" -m pip install -qq --no-deps --target "$VENV/mlflow" "$MLFLOW_PIN"
+  "${PIP[@]}" --no-deps --target "$VENV/mlflow" "$MLFLOW_PIN"
 fi
-"$VENV/bin/python" - "$VENV/mlflow" <<'PY' | "$VENV/bin/python" -m pip install -qq -c constraints.txt -r /dev/stdin
+"$VENV/bin/python" - "$VENV/mlflow" <<'PY' | "${PIP[@]}" -c constraints.txt -r /dev/stdin
 import importlib.metadata
 import sys
 
 [dist] = [d for d in importlib.metadata.distributions(path=[sys.argv[1]]) if d.metadata["Name"] == "mlflow-skinny"]
 print("\n".join(r for r in dist.requires if "extra ==" not in r))
 PY
+
+if [ "${compile_venv:-0}" = 1 ]; then  # as pip would have: a file that does not compile (a test of a newer Python's syntax) is left as it is
+  "$VENV/bin/python" -m compileall -qq -j 0 "$VENV" || true
+fi
+# An editable install leaves trainloop's own source uncompiled; where PYTHONDONTWRITEBYTECODE is set (CI hosts
+# often set it) every process would compile it again, 0.13 s of each run and of each of the suite's few hundred
+# processes. Compiled here; an edit later makes its module's file stale, which Python sees and reads the source.
+"$VENV/bin/python" -m compileall -q -j 0 trainloop tests scripts
 
 # System packages, installed where this runs as root with apt (elsewhere a note says what to install):
 # - libaio-dev: DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against it;
