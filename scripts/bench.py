@@ -29,6 +29,8 @@ Peak memory: CPU, the process's peak RSS; GPU, torch.cuda.max_memory_allocated. 
 stopped process's queued kernels still run; the boundary steps that are left out cover that.
 
     python scripts/bench.py                          # CPU size, eager: 3 rounds x 80 steps, about 5 minutes on 2 cores
+    python scripts/bench.py --size tiny              # 1 layer, 32 wide, 16 tokens a step: the loop's own cost, eager
+                                                     # and compiled, 2000 steps a run
     python scripts/bench.py --size gpt2 --rounds 5   # +preset=gpt2_124m on a GPU (bf16), eager and compiled
 """
 
@@ -50,6 +52,9 @@ SIZES = {
     # model/data/optimizer overrides shared by all three variants (trainloop syntax)
     "cpu": ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "data.seq_len=128",
             "data.batch_size=8"],
+    # where the host bounds the step (small models on any GPU): what the loop itself costs per step
+    "tiny": ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "data.seq_len=16",
+             "data.batch_size=1"],
     # +preset=gpt2_124m at its largest micro-batch, the same for all: no batch search, compile per variant
     "gpt2": ["+preset=gpt2_124m", "trainer.auto_batch_size=false", "compile=none"],
 }
@@ -225,6 +230,8 @@ class Run:
                    f"compile={'inductor' if compiled else 'none'}",
                    "trainer.log_every=1", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
                    f"logging.telemetry_every={steps}", "checkpoint.save_final_model=false",
+                   # the others write no tracker (the HF Trainer's report_to=[]): metrics.jsonl and the log line
+                   "logging.trackers=[]",
                    "logging.progress_bar=false", f"hydra.run.dir={self.steps_path.parent}"]
         else:
             cmd = [sys.executable, __file__, "--worker", loop, "--size", size, "--steps", str(steps),
@@ -359,14 +366,14 @@ def exit_on_signal(signum, frame):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: 2000 for --size tiny, else 80)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of tokens/s")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the variants of a round take turns")
     parser.add_argument("--turn", type=float, default=2.5, help="seconds a process runs before the next one's turn")
     parser.add_argument("--variants", default="raw,trainloop,hf", help="the loops, each run as --compile says")
     parser.add_argument("--compile", choices=["off", "on", "both"],
                         help="eager (off), compiled (on), or each both ways; default: off for --size cpu "
-                             "(inductor's compile takes minutes on 2 cores), both for --size gpt2")
+                             "(inductor's compile takes minutes on 2 cores), both for --size tiny and gpt2")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", choices=["raw", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -379,6 +386,7 @@ def main() -> None:
     if args.worker:
         {"raw": worker_raw, "hf": worker_hf}[args.worker](cfg, args.steps, args.out, args.compiled)
         return
+    args.steps = args.steps or (2000 if args.size == "tiny" else 80)  # tiny: milliseconds a step, turns of seconds
     if args.steps <= args.warmup + 1:
         parser.error("--steps must be larger than --warmup + 1")
     if args.turn <= 0:
@@ -409,6 +417,7 @@ def main() -> None:
     results = {v: summarize([r[v] for r in rounds]) for v in variants}
     for r in results.values():  # the same model and tokens for all: one FLOPs count
         r["mfu"] = model_flops_utilisation(cfg, r["tokens_per_s"])
+        r["ms_per_step"] = 1000 * tokens_per_step / r["tokens_per_s"]
     # first, what the script is for: what trainloop costs beside the raw loop, then beside the HF Trainer
     paired = {}
     for base in ("raw", "hf"):
@@ -420,15 +429,16 @@ def main() -> None:
             print(f"{ours} / {theirs}: tokens/s x{results[ours]['tokens_per_s'] / results[theirs]['tokens_per_s']:.3f}, "
                   f"peak memory x{results[ours]['peak_memory_gib'] / results[theirs]['peak_memory_gib']:.3f}; "
                   f"paired per round {', '.join(f'x{x:.3f}' for x in paired[f'{ours}/{theirs}'])}, "
-                  f"median x{statistics.median(paired[f'{ours}/{theirs}']):.3f}")
+                  f"median x{statistics.median(paired[f'{ours}/{theirs}']):.3f}; "
+                  f"{results[ours]['ms_per_step']:.2f} ms/step against {results[theirs]['ms_per_step']:.2f}")
     print(f"\n{args.size} size, {args.steps} steps x {args.rounds} rounds, turns of {args.turn:g} s, "
           f"{tokens_per_step} tokens/step; tokens/s over the steps that ran whole inside one turn, "
           f"after {args.warmup} warm-up steps and the first step of each turn (median over rounds)\n")
-    print("| variant | tokens/s | MFU | runs | peak memory (GiB) | start to 1st step (s) |")
-    print("|---|---:|---:|---|---:|---:|")
+    print("| variant | ms/step | tokens/s | MFU | runs | peak memory (GiB) | start to 1st step (s) |")
+    print("|---|---:|---:|---:|---|---:|---:|")
     for v, r in results.items():
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        print(f"| {v} | {r['tokens_per_s']:,.0f} | {mfu} | {r['all_tokens_per_s']} | {r['peak_memory_gib']:.2f} | "
+        print(f"| {v} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | {r['all_tokens_per_s']} | {r['peak_memory_gib']:.2f} | "
               f"{r['first_step_s']:.1f} |")
     # the running variant itself counts for about as many as its compute threads
     print(f"\n{time.time() - began:.0f} s in all; 1-minute load average at the end of each round: "
