@@ -21,6 +21,7 @@ read it at once, one sync per optimizer step.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -72,28 +73,30 @@ class StepGuard:
         # DeepSpeed engine's optimizer never says it skips on the device: it steps inside backward)
         self.late = optimizer is not None and skips_on_device(optimizer) and not self.scaler_owns_grads
         self.requested = torch.zeros((), device=device)  # the preemption flag, set on the device without a copy
+        self.requested_set = False  # what it holds, so that it is written only when that changes
+        # each rank's share of the step's mean loss: once per data-parallel rank (tp ranks hold the same)
+        self.loss_share = strategy.dp_size / strategy.world_size
         on_cuda = torch.device(device).type == "cuda"
         # the flags of the step not yet read: copied toward the host as soon as they are computed
-        self.staged = torch.zeros(5, pin_memory=on_cuda)
+        self.staged = torch.zeros(3, pin_memory=on_cuda)
         self.copied = torch.cuda.Event() if on_cuda else None
         self.pending: int | None = None  # the step whose flags are staged and unread
 
     def flags(self, step_loss: torch.Tensor, grad_norm) -> torch.Tensor:
-        """[non-finite loss, non-finite gradient norm, stop requested, the step's mean loss] summed over
-        every rank, and the gradient norm (already the same on every rank): one all-reduce, on the device."""
+        """[the step's mean loss, the gradient norm x the processes, stop requested], each summed over every rank:
+        one all-reduce, on the device (none on one process). A sum is non-finite where any rank's term is, so
+        the two sums say whether some rank's loss or norm was; the norm is already the same on every rank."""
         device = self.strategy.device
         # DeepSpeed reports no norm before its first step; unknown is not non-finite.
         grad_norm = torch.zeros((), device=device) if grad_norm is None else torch.as_tensor(grad_norm, device=device)
-        self.requested.fill_(float(self.preemption.requested is not None))
-        flags = torch.stack([
-            (~torch.isfinite(step_loss)).float(),
-            (~torch.isfinite(grad_norm)).float() * (not self.scaler_owns_grads),
-            self.requested,
-            # each rank's share of the step's mean loss, once per data-parallel rank (tp ranks hold the same)
-            step_loss.detach().float() * (self.strategy.dp_size / self.strategy.world_size),
-        ])
-        flags = self.strategy.sum_over_all(flags)  # every process agrees, whatever group it is in
-        return torch.cat([flags, grad_norm.detach().float().view(1)])
+        requested = self.preemption.requested is not None
+        if requested != self.requested_set:
+            self.requested.fill_(float(requested))
+            self.requested_set = requested
+        loss = step_loss.detach().float()
+        flags = torch.stack([loss if self.loss_share == 1 else loss * self.loss_share, grad_norm.detach().float(),
+                             self.requested])
+        return self.strategy.sum_over_all(flags)  # every process agrees, whatever group it is in
 
     def check(self, state, step_loss: torch.Tensor, grad_norm) -> Verdict:
         """Decide for the optimizer step that is about to be taken (state.step + 1)."""
@@ -105,7 +108,7 @@ class StepGuard:
         if self.copied is not None:
             self.copied.record()
         self.pending = state.step + 1
-        return Verdict(update=True, stop=stop, skip=(flags[0] + flags[1] > 0).float())
+        return Verdict(update=True, stop=stop, skip=torch.isfinite(flags[0] + flags[1]).logical_not().float())
 
     def stepped(self, updated: bool | None) -> None:
         """After the optimizer's step: the scheduler steps if the update was applied. None: the device
@@ -129,13 +132,13 @@ class StepGuard:
 
     def decide(self, state, step: int, flags: list[float]) -> Verdict:
         """The verdict for optimizer step `step` from its reduced flags (on the host)."""
-        bad_loss, bad_grad, stop = (v > 0 for v in flags[:3])
+        mean_loss, grad_norm, stop = flags[0], flags[1] / self.strategy.world_size, flags[2] > 0
+        bad_loss, bad_grad = not math.isfinite(mean_loss), not (math.isfinite(grad_norm) or self.scaler_owns_grads)
         if stop and self.preempted_by is None:
             self.preempted_by = self.preemption.requested or "a signal to another rank"
         if not (bad_loss or bad_grad):
             return Verdict(update=True, stop=stop)
         what = "loss" if bad_loss else "gradient norm"
-        mean_loss, grad_norm = flags[3:5]
         message = (f"non-finite {what} at optimizer step {step} (mean loss {mean_loss:.4g}, "
                    f"gradient norm {grad_norm:.4g})")
         if self.policy == "stop":

@@ -70,6 +70,9 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     from eval.prompts) generates at every evaluation; `harness` (trainloop.observe.harness, from
     eval.harness) scores the model on its tasks at the steps it names."""
     tc, accelerator = cfg.trainer, strategy.accelerator
+    # read once: a config lookup costs as much as a small op, and the loop reads these every step
+    max_steps, stop_at_step, max_grad_norm = tc.max_steps, tc.stop_at_step, tc.max_grad_norm
+    log_every, eval_every = tc.log_every, tc.eval_every
     order = train_loader.batch_sampler  # trainloop.data.order.GlobalOrder: the batch and accumulation the run takes
     tokens_per_batch = order.batch_size * objective.sequences * cfg.data.seq_len * strategy.dp_size
     batches = batches_forever(accelerator, train_loader, state)
@@ -84,14 +87,15 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
     # None unless logging.profile_steps
     profiler = StepProfiler.build(cfg.logging, accelerator, metrics.run_dir, state.step)
     try:
-        while state.step < tc.max_steps:
+        while state.step < max_steps:
             t_data = time.perf_counter()
             group = step_batches(batches, order.accumulation) if objective.draws(state.step) else None
             wait += time.perf_counter() - t_data
             group = objective.step_batches(strategy, model, group, state.step)  # objective=grpo: its completions
-            result = train_step(strategy, objective, model, optimizer, group, max_grad_norm=tc.max_grad_norm,
+            result = train_step(strategy, objective, model, optimizer, group, max_grad_norm=max_grad_norm,
                                 forward_context=offload, check=guard.check, state=state, sources=len(names))
-            source_tokens += result.source_tokens
+            if names:
+                source_tokens += result.source_tokens
             steps += 1
             tokens += tokens_per_batch * len(group)
             state.tokens_seen += tokens_per_batch * len(group)
@@ -104,14 +108,14 @@ def train(cfg, strategy, objective, model, optimizer, scheduler, train_loader, v
                 metrics.write(record)
             if telemetry.due(state.step):  # before the log line below resets the data-wait window
                 telemetry.record(metrics, state.step, data_wait_frac=wait / (time.perf_counter() - t_log))
-            last = state.step == tc.max_steps
-            stop = result.verdict.stop or state.step == tc.stop_at_step
-            evaluating, save_due = state.step % tc.eval_every == 0 or last, checkpointer.due(state.step)
-            if stop or evaluating or save_due or state.step % tc.log_every == 0:
+            last = state.step == max_steps
+            stop = result.verdict.stop or state.step == stop_at_step
+            evaluating, save_due = state.step % eval_every == 0 or last, checkpointer.due(state.step)
+            if stop or evaluating or save_due or state.step % log_every == 0:
                 stop = guard.settle(state) or stop  # this step's verdict, read now: the schedule needs it
             saving = save_due or last or stop
             # a stop (a signal, trainer.stop_at_step) writes the window so far: the resumed run logs the steps after it
-            log_due = state.step % tc.log_every == 0 or last or stop
+            log_due = state.step % log_every == 0 or last or stop
             if names and (saving or log_due):  # on the host only when written: no sync per step
                 state.tokens_per_source = dict(zip(names, source_tokens.tolist()))
             if log_due:

@@ -31,22 +31,37 @@ class StepResult:
     # device decided (the guard's verdict.skip), and the guard reads which later
     updated: bool | None
     units: torch.Tensor  # the step's units over every rank (objective.count), what the loss is divided by
-    source_tokens: torch.Tensor  # data.sources: the tokens each source gave over every rank (empty without)
+    source_tokens: torch.Tensor | None  # data.sources: the tokens each source gave over every rank (None without)
 
 
 def step_units(strategy, objective, group: list[dict], sources: int = 0,
-               alone: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               alone: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's units over every rank (the objective's count: target tokens for causal_lm) and,
-    for a mixture, the tokens each source gave (whole blocks, as tokens_seen counts): one reduce
-    (none when this process steps `alone`)."""
-    count = sum(objective.count(b) for b in group).view(1)
-    if sources:
-        blocks = sum(torch.bincount(b["source"], minlength=sources) for b in group)
-        count = torch.cat([count, blocks * group[0]["input_ids"].shape[1]])
-    count = count.to(strategy.device)
+    for a mixture, the tokens each source gave (whole blocks, as tokens_seen counts; None without):
+    one reduce (none when this process steps `alone`, or is the only one)."""
+    counts = [objective.count(b) for b in group]
+    count = counts[0] if len(counts) == 1 else torch.stack(counts).sum()
+    if not sources:
+        count = count.to(strategy.device)
+        if not (alone or strategy.world_size == 1):
+            count = strategy.reduce_sum(count.view(1))[0]
+        return count.clamp(min=1), None
+    blocks = sum(torch.bincount(b["source"], minlength=sources) for b in group)
+    count = torch.cat([count.view(1), blocks * group[0]["input_ids"].shape[1]]).to(strategy.device)
     if not alone:
         count = strategy.reduce_sum(count)
     return count[0].clamp(min=1), count[1:]
+
+
+def stepped_optimizer(optimizer):
+    """What train_step steps and zeroes: accelerate's wrapper where it acts (fp16's grad scaler, DeepSpeed's
+    engine, which steps inside backward), else the optimizer inside it, which the wrapper's step and zero_grad
+    only call, after looking up a package and inspecting a signature each time (a tenth of a millisecond)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    if type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None:
+        return optimizer.optimizer
+    return optimizer
 
 
 def every_update(state, step_loss, grad_norm) -> Verdict:
@@ -76,9 +91,10 @@ def train_step(strategy, objective, model, optimizer, group: list[dict], *, max_
     step_loss = strategy.forward_backward(objective, model, group, units, forward_context, alone)
     grad_norm = strategy.clip_grad_norm(model, max_norm)
     verdict = check(state, step_loss, grad_norm)  # a run's guard: ranks agree, update? stop? (1 sync)
+    stepped = stepped_optimizer(optimizer)
     if verdict.update:
-        with skipped_when(optimizer, verdict.skip):
-            optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        with skipped_when(stepped, verdict.skip):
+            stepped.step()
+    stepped.zero_grad(set_to_none=True)
     updated = None if verdict.skip is not None else verdict.update and not accelerator.optimizer_step_was_skipped
     return StepResult(step_loss, grad_norm, verdict, updated, units, source_tokens)

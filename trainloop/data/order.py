@@ -10,8 +10,8 @@ incomplete global batch of an epoch is dropped: every optimizer step has the sam
 The validation split is read in the same layout, unshuffled and to its last item, each item by
 one rank (`ValidationOrder`): evaluations count every item once at any world size.
 
-The permutation is computed sample by sample (`Permutation`), never held: its memory does not
-grow with the corpus, which at pre-training scale has billions of blocks.
+The permutation is computed sample by sample (`Permutation`), a few thousand at a time, never held whole: its
+memory does not grow with the corpus, which at pre-training scale has billions of blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+CHUNK = 4096  # samples whose place in the epoch GlobalOrder computes at a time
 
 
 class Permutation:
@@ -101,10 +102,15 @@ class GlobalOrder:
     def __iter__(self):
         permutation = Permutation(self.num_samples, self.seed, self.epoch) if self.shuffle else None
         micro = self.batch_size * self.world_size  # one micro-step of every rank
-        first = self.start + self.rank * self.batch_size
-        for at in range(first, self.samples_per_epoch, micro):
-            samples = np.arange(at, at + self.batch_size)
-            yield (samples if permutation is None else permutation[samples]).tolist()
+        starts = range(self.start + self.rank * self.batch_size, self.samples_per_epoch, micro)
+        # the permutation evaluated for about CHUNK samples at once (a few dozen numpy calls on small arrays:
+        # once per micro-batch they cost as much as a tiny model's step), its images the same one by one
+        per_chunk = max(1, CHUNK // self.batch_size)
+        for c in range(0, len(starts), per_chunk):
+            chunk = starts[c:c + per_chunk]
+            samples = (np.asarray(chunk)[:, None] + np.arange(self.batch_size)).ravel()
+            images = samples if permutation is None else permutation[samples]
+            yield from images.reshape(len(chunk), self.batch_size).tolist()
 
 
 @dataclass

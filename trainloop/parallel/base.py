@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from dataclasses import dataclass
 
 
@@ -110,11 +111,11 @@ class Strategy:
     def world_size(self) -> int:
         return self.accelerator.num_processes
 
-    @property
+    @cached_property  # read every step: the config's lookups cost more than the step's small ops
     def dp_size(self) -> int:
         return self.accelerator.num_processes // self.model_parallel(self.cfg)
 
-    @property
+    @cached_property
     def dp_rank(self) -> int:
         """The mesh is row-major: the ranks that hold one replica together are consecutive."""
         return self.accelerator.process_index // self.model_parallel(self.cfg)
@@ -217,23 +218,30 @@ class Strategy:
         `units`. A context-parallel group's ranks each hold their slices' share of its batch's
         gradient, which the average must sum: it is over dp_size x cp_size ranks.
         forward_context: the context each forward runs in (trainloop.step.train_step)."""
-        import torch
-
-        accelerator = self.accelerator
-        scale = accelerator.gradient_accumulation_steps * (1 if alone else self.dp_size * self.cp_size)
-        step_loss = torch.zeros((), device=accelerator.device)
+        scale = self.accelerator.gradient_accumulation_steps * (1 if alone else self.dp_size * self.cp_size)
+        factor, step_loss = scale / units, None
         for i, batch in enumerate(group):
             # split over a context-parallel group through the backward too: a checkpointed block recomputes there
             with self.micro_step(model, last=i == len(group) - 1), self.sequences_split(alone):
                 with forward_context():
                     out = objective.batch_loss(model, batch)
-                loss = out.summed * (scale / units)
+                loss = out.summed * factor
                 # divided by `scale` too: the step adds the mean penalty of its forwards
                 if out.penalty is not None:
                     loss = loss + out.penalty
-                accelerator.backward(loss)  # under DeepSpeed this also steps at the end
-            step_loss += out.summed.detach() / units  # this rank's share of the step's loss
+                self.backward(loss)
+            share = out.summed.detach() / units  # this rank's share of the step's loss
+            step_loss = share if step_loss is None else step_loss + share
         return step_loss
+
+    def backward(self, loss) -> None:
+        """accelerate's backward: divided by the accumulation steps, scaled by fp16's grad scaler. A step of one
+        micro-batch without a scaler skips its division by 1 (an op and its backward, as much as a tiny layer's)."""
+        accelerator = self.accelerator
+        if accelerator.gradient_accumulation_steps == 1 and accelerator.scaler is None:
+            loss.backward()
+        else:
+            accelerator.backward(loss)
 
     def eval_sums(self, objective, model, batch: dict):
         """What an evaluation forward of `batch` adds up (the objective's eval_sums), on every rank."""
@@ -267,8 +275,13 @@ class Strategy:
             yield
 
     def clip_grad_norm(self, model, max_norm: float):
-        """Clip the gradients to `max_norm` (inf: only measure) and return their global L2 norm."""
-        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        """Clip the gradients to `max_norm` (inf: only measure) and return their global L2 norm. Here each rank
+        holds whole gradients, reduced already: torch's clip, which accelerate's calls after unscaling fp16's."""
+        import torch
+
+        if self.accelerator.scaler is not None:
+            return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     @contextmanager
     def gradient_sync(self, model, enabled: bool):

@@ -104,6 +104,14 @@ class DeepSpeedZeRO(Strategy):
             self.accelerator.load_state(str(path))
         restore_cpu_adam_step_count(self.accelerator._optimizers[0])  # bitwise resume under optimizer offload
 
+    def backward(self, loss) -> None:
+        self.accelerator.backward(loss)  # the engine's, which also steps after a step's last micro-batch
+
+    def clip_grad_norm(self, model, max_norm: float):
+        """The engine clips inside its step (gradient_clipping, trainloop.parallel.deepspeed_config); accelerate
+        reads back its norm."""
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
     def full_state_dict(self, model) -> dict:
         """Under ZeRO-3 each rank holds a shard of every parameter, and accelerate's get_state_dict
         can return an empty dict on the main process (seen with accelerate 1.15 and DeepSpeed
