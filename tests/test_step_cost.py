@@ -5,13 +5,15 @@ costs about as much as one of the model's own: a launch on a GPU, a dispatch her
 counts, with a TorchDispatchMode, the ops of each iteration of the loop that run outside any module's
 forward, outside the backward (trainloop.parallel.base.Strategy.backward) and outside the optimizer's step:
 the loss, the step's units, the guard, clipping, the loop's own sums. The counts are held to what issue 60
-left; a new op in the step fails here with the list of what runs.
+left; a new op in the step fails here with the list of what runs. And the model and the loss compile without a
+graph break, which would split the step into more graphs and run Python between them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -89,3 +91,21 @@ def test_the_loop_dispatches_few_ops_around_the_model(tmp_path, monkeypatch):
     assert sum(ops[3].values()) <= LOGGED_OPS, ops[3]
     # the count sees ops: the loss's cross-entropy runs outside the model's forward
     assert any("cross_entropy" in op or "nll_loss" in op for op in quiet[0]), listing
+
+
+@pytest.mark.parametrize("overrides", [["data.packing=stream"], ["data.packing=documents"],
+                                       ["data.packing=documents", "compile.regional=true", "trainer.loss_chunk_tokens=32"]],
+                         ids=["stream", "documents", "blocks, chunked loss"])
+def test_the_model_and_the_loss_compile_without_a_graph_break(tmp_path, overrides):
+    """compile=eager (TorchDynamo's capture, run eagerly: the graphs inductor would compile, without its code
+    generation) with compile.fullgraph=true, which fails at any break: the model's forward with trainloop's
+    attention functions, and the loss (with the chunked loss, whose output layer changes per call, the blocks
+    compile alone: compile.regional, as the config requires). Dynamo's own counter says the same."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    run = train(tmp_path / "run", "compile=eager", "compile.fullgraph=true", "trainer.max_steps=2",
+                "trainer.eval_every=2", "checkpoint.save_final_model=false", "model.num_layers=1", *overrides)
+    assert "step" in (run / "metrics.jsonl").read_text()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0  # the count sees what was captured
