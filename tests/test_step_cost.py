@@ -24,8 +24,8 @@ from trainloop.parallel.base import Strategy
 
 # ops per iteration outside forward, backward and the optimizer's step (one micro-batch, causal_lm, a for-loop
 # AdamW, clipping at 1.0): a quiet step, and one that writes a log line
-QUIET_OPS = 52
-LOGGED_OPS = 55
+QUIET_OPS = 37
+LOGGED_OPS = 40
 
 
 class LoopOps(TorchDispatchMode):

@@ -125,11 +125,14 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
     return train_loader, valid_loader
 
 
-def collate(items: list[dict]) -> dict:
+def collate(items: list[dict] | dict) -> dict:
     """torch's default collate, less the position ids of a batch whose every row counts 0..seq-1 (one
     sequence a row, which the model counts itself): position ids reach the model only where a row
     restarts them, as this CPU check decides, so the training attention builds the documents' mask
-    (trainloop.model.attention) only for batches that hold packed documents."""
+    (trainloop.model.attention) only for batches that hold packed documents. A batch PackedBlocks
+    gathered whole (its __getitems__, which decides the same from each block's positions) passes as it is."""
+    if isinstance(items, dict):
+        return items
     batch = default_collate(items)
     positions = batch.get("position_ids") if isinstance(batch, dict) else None
     if positions is not None and torch.equal(positions, torch.arange(positions.shape[-1]).expand_as(positions)):

@@ -4,6 +4,8 @@ prompt formats (trainloop.data.formats)."""
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch.utils.data import Dataset
 
@@ -55,6 +57,21 @@ class PackedBlocks(TrainingSet):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {key: tensor[i] for key, tensor in self.tensors.items()}
 
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The DataLoader's read of a batch: each column gathered by one op, where collating the items would
+        take one a row and a column, then a stack a column (trainloop.data.loaders.collate passes it on).
+        position_ids only where a row restarts them (one sequence a row: the model counts them itself)."""
+        index = torch.tensor(indices)
+        restarts = "position_ids" in self.tensors and any(self.restarts[i] for i in indices)
+        return {key: tensor.index_select(0, index) for key, tensor in self.tensors.items()
+                if restarts or key != "position_ids"}
+
+    @cached_property
+    def restarts(self) -> list[bool]:
+        """Whether each block's position ids restart (packed documents) rather than count 0..seq-1."""
+        positions = self.tensors["position_ids"]
+        return (positions != torch.arange(positions.shape[1])).any(dim=1).tolist()
+
 
 class PairBlocks(PackedBlocks):
     """data=preference's pairs (trainloop.data.formats.preference) as [pairs, seq_len] tensors: chosen_input_ids, chosen_labels,
@@ -93,6 +110,9 @@ class PromptRows(PackedBlocks):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
         return {"prompt_ids": self.tensors["prompt_ids"][i], "prompt_mask": self.tensors["prompt_mask"][i],
                 "row": self.rows[i], "index": torch.tensor(i)}
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        return [self[i] for i in indices]  # rows carry strings: torch's collate makes the batch
 
 
 def materialize(blocks) -> PackedBlocks:
