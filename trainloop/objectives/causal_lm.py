@@ -33,13 +33,15 @@ class CausalLM(Objective):
     next_token_loss = True
 
     def __init__(self, cfg, device):
-        from trainloop.model.compile import compile_loss
+        from trainloop.model.compile import compile_forward_loss, compile_loss
         from trainloop.model.router import RouterLoad
         from trainloop.objectives.chunked_loss import targets_nll
 
         self.router = RouterLoad.for_model(cfg.model, device)
         self.chunk = cfg.trainer.loss_chunk_tokens
         self.nll = compile_loss(cfg.compile, targets_nll)
+        # the forward and the loss as one graph where nothing reads the output (a router reads its logits)
+        self.forward_nll = compile_forward_loss(cfg.compile, targets_nll)
 
     def count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE).sum()
@@ -47,9 +49,10 @@ class CausalLM(Objective):
     def batch_loss(self, model, batch: dict) -> BatchLoss:
         from trainloop.objectives.chunked_loss import next_token_nll
 
-        summed, output = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll)
         if self.router is None:
-            return BatchLoss(summed)
+            return BatchLoss(next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk,
+                                            forward_nll=self.forward_nll)[0])
+        summed, output = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll)
         self.router.record(output, batch)
         return BatchLoss(summed, self.router.coef * self.router.aux)
 
@@ -57,7 +60,8 @@ class CausalLM(Objective):
         from trainloop.objectives.chunked_loss import next_token_nll
 
         # no routing recorded: the train line's window is training's
-        summed, _ = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll)
+        summed, _ = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll,
+                                   self.forward_nll)
         return loss_sums(summed, self.count(batch))
 
     def window(self, strategy) -> dict:

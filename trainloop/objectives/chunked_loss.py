@@ -74,13 +74,17 @@ def _this_rank(model, inputs: dict, labels: torch.Tensor):
     return inputs, targets, cp
 
 
-def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int, nll: Callable = targets_nll):
+def next_token_nll(model, inputs: dict, labels: torch.Tensor, chunk: int, nll: Callable = targets_nll,
+                   forward_nll: Callable | None = None):
     """(cross-entropy summed over the target tokens, fp32; the model's output) for one forward of
     `model(**inputs)`: position t predicts labels[:, t + 1]. chunk 0: through the full logits, and
-    `nll` (targets_nll, or it compiled with the model: trainloop.model.compile.compile_loss).
+    `nll` (targets_nll, or it compiled with the model: trainloop.model.compile.compile_loss), or
+    `forward_nll`, the forward and the loss compiled as one (compile_forward_loss), whose output is None.
     Under context parallelism the output is this rank's slice's and the sum the whole rows'."""
     inputs, targets, cp = _this_rank(model, inputs, labels)
-    if not chunk:
+    if not chunk and forward_nll is not None:
+        summed, output = forward_nll(model, inputs, targets), None
+    elif not chunk:
         output = model(**inputs)
         summed = nll(output.logits, targets)
     else:
