@@ -110,7 +110,7 @@ def test_per_token_log_probabilities_and_their_gradients_equal_the_full_logits(c
     results = []
     for chunk in (0, CHUNK):
         model.zero_grad(set_to_none=True)
-        logps = token_logps(model, model_inputs(model, batch), batch["labels"], chunk)
+        logps = token_logps(model, model_inputs(batch), batch["labels"], chunk)
         (logps * weights).sum().backward()  # a different upstream gradient for every token
         results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (want, want_grads), (got, got_grads) = results
@@ -210,7 +210,7 @@ def fsdp_worker(out: str, *overrides: str) -> None:
     logps = []  # DPO's per-token log-probabilities: their backward recomputes from the gathered weight
     for chunk in (0, CHUNK):
         model.zero_grad(set_to_none=True)
-        per_token = token_logps(model, model_inputs(model, batch), batch["labels"], chunk)
+        per_token = token_logps(model, model_inputs(batch), batch["labels"], chunk)
         (per_token * weights).sum().backward()
         logps.append((per_token.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
     (want_logps, want_grads), (got_logps, got_grads) = logps

@@ -148,7 +148,7 @@ def test_a_row_packed_after_others_has_the_logits_it_has_alone(chat_jsonl, attn,
     model.config.use_cache = True
     for mode in (model.train, model.eval):
         mode()
-        packed = model(**model_inputs(model, {k: v[None] for k, v in block.items()})).logits[0]
+        packed = model(**model_inputs({k: v[None] for k, v in block.items()})).logits[0]
         for row in rows_of(block):
             alone = model(input_ids=block["input_ids"][row][None], use_cache=False).logits[0]
             assert torch.allclose(packed[row], alone, atol=1e-5), (mode.__name__, (packed[row] - alone).abs().max())

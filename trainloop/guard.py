@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -45,18 +45,19 @@ def skips_on_device(optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
 
 
-@contextmanager
 def skipped_when(optimizer, skip: torch.Tensor | None):
-    """The optimizer's step skips its update where `skip` is set, on the device (as the AMP grad scaler
-    has it do): no host sync."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if skip is not None:
-        inner.found_inf = skip
+    """The context of the optimizer's step: it skips its update where `skip` is set, on the device (as the AMP
+    grad scaler has it do), with no host sync; none without `skip`."""
+    return nullcontext() if skip is None else _found_inf(getattr(optimizer, "optimizer", optimizer), skip)
+
+
+@contextmanager
+def _found_inf(inner, skip: torch.Tensor):
+    inner.found_inf = skip
     try:
         yield
     finally:
-        if skip is not None:
-            del inner.found_inf
+        del inner.found_inf
 
 
 class StepGuard:

@@ -14,13 +14,11 @@ if TYPE_CHECKING:  # imported where used: config checks read the table without l
     import torch
 
 
-def model_inputs(model, batch: dict) -> dict:
+def model_inputs(batch: dict) -> dict:
     """What the model reads. No attention mask with packed rows: the block-diagonal one comes from
-    the restarting position ids (trainloop.model.attention builds it once per forward)."""
-    from trainloop.model.attention import with_document_mask
-
+    the restarting position ids (trainloop.model.attention builds it once per forward, in next_token_nll)."""
     keys = ("input_ids", "position_ids", "attention_mask")
-    return with_document_mask(model, {key: batch[key] for key in keys if key in batch} | {"use_cache": False})
+    return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
 
 
 class CausalLM(Objective):
@@ -50,9 +48,9 @@ class CausalLM(Objective):
         from trainloop.objectives.chunked_loss import next_token_nll
 
         if self.router is None:
-            return BatchLoss(next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk,
+            return BatchLoss(next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk,
                                             forward_nll=self.forward_nll)[0])
-        summed, output = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll)
+        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll)
         self.router.record(output, batch)
         return BatchLoss(summed, self.router.coef * self.router.aux)
 
@@ -60,7 +58,7 @@ class CausalLM(Objective):
         from trainloop.objectives.chunked_loss import next_token_nll
 
         # no routing recorded: the train line's window is training's
-        summed, _ = next_token_nll(model, model_inputs(model, batch), batch["labels"], self.chunk, self.nll,
+        summed, _ = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll,
                                    self.forward_nll)
         return loss_sums(summed, self.count(batch))
 

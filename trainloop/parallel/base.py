@@ -265,14 +265,12 @@ class Strategy:
         with generating(module):
             yield module
 
-    @contextmanager
     def micro_step(self, model, last: bool):
         """accelerate's `accumulate`, with the step's last micro-batch named by the step: the loop reads
         a step's batches before running them, so accelerate's own end-of-epoch test would fire early.
-        Gradients are reduced over the ranks only on the last (`gradient_sync`)."""
+        Gradients are reduced over the ranks only on the last (the context `gradient_sync` returns)."""
         self.accelerator.sync_gradients = last
-        with self.gradient_sync(model, enabled=last):
-            yield
+        return self.gradient_sync(model, enabled=last)
 
     def clip_grad_norm(self, model, max_norm: float):
         """Clip the gradients to `max_norm` (inf: only measure) and return their global L2 norm. Here each rank
