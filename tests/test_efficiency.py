@@ -318,11 +318,52 @@ def test_inductor_compile_trains_and_saves_plain_names(tmp_path, fresh_dynamo):
     assert final["num_hidden_layers"] == 1
 
 
+@pytest.mark.slow
+def test_the_compiled_optimizer_steps_as_the_eager_one_does(tmp_path, baseline, fresh_dynamo, caplog):
+    """compile.optimizer=true under aot_eager (traced into graphs, run eagerly: no code generation): the
+    same losses as the eager run, through graphs of the optimizer's own (the model's are counted apart)."""
+    from torch._dynamo.utils import counters
+
+    with caplog.at_level(logging.INFO, logger="trainloop"):
+        run_dir = train(tmp_path / "run", *STEPS, "compile=aot_eager", "compile.optimizer=true")
+    assert "torch.compile: the optimizer's step too (AdamW), backend aot_eager" in caplog.text
+    assert max(abs(a - b) for a, b in zip(losses(run_dir), baseline)) < 1e-5
+    graphs = counters["stats"]["unique_graphs"]
+    counters.clear()
+    torch._dynamo.reset()
+    train(tmp_path / "model_only", *STEPS, "compile=aot_eager", "compile.optimizer=false")
+    assert graphs > counters["stats"]["unique_graphs"] > 0
+
+
+@pytest.mark.parametrize("overrides,compiled", [
+    (["compile=inductor"], True),  # null: inductor, torch's AdamW in its for-loop, whole parameters
+    (["compile=inductor", "optimizer=sgd"], True),
+    (["compile=inductor", "optimizer.impl=fused"], False),  # one fused kernel already
+    (["compile=aot_eager"], True),  # traced as inductor would, to debug what it compiles
+    (["compile=aot_eager", "optimizer=adafactor"], False),  # not torch's: transformers'
+    (["compile=inductor", "compile.optimizer=false"], False),
+    ([], False),
+])
+def test_the_optimizer_compiles_where_it_pays(overrides, compiled):
+    from trainloop.model.compile import compile_optimizer
+    from trainloop.optim.optimizers import build_optimizer
+
+    cfg = compose(*overrides)
+    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2), on_cuda=False)
+    compile_optimizer(cfg, optimizer)
+    assert ("step" in vars(optimizer)) == compiled  # the instance's own step: the compiled one
+
+
 def test_compile_settings_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="compile.mode=max-autotune is an inductor setting"):
         validate(compose("compile=aot_eager", "compile.mode=max-autotune"))
     with pytest.raises(ConfigError, match="compile.regional=true needs a compile backend"):
         validate(compose("compile.regional=true"))
+    with pytest.raises(ConfigError, match="compile.optimizer=true compiles torch's own optimizers .*"
+                                          "optimizer=adafactor is not one: set compile.optimizer=false"):
+        validate(compose("compile=inductor", "compile.optimizer=true", "optimizer=adafactor"))
+    with pytest.raises(ConfigError, match="compile.optimizer=true needs a compile backend"):
+        validate(compose("compile.optimizer=true"))
     with pytest.raises(ConfigError, match="trainer.auto_batch_size with DeepSpeed"):
         validate(compose("deepspeed=zero2", "trainer.auto_batch_size=true"))
     with pytest.raises(ConfigError, match="compile=cudagraphs records CUDA graphs and needs a CUDA GPU"):

@@ -201,7 +201,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "deepspeed.gather_16bit_weights_on_model_save": False, "deepspeed.zero3_init": True,
         "deepspeed.config_file": files["ds.json"],
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
-        "compile.regional": True,
+        "compile.regional": True, "compile.optimizer": False,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu", "fsdp.sync_each_batch": False,
         "precision.fp8_skip_small": True,
         "objective.beta": 0.3, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
@@ -297,12 +297,15 @@ def built(group: str, cfg):
         ds = cfg.deepspeed
         return (deepspeed_config(cfg, world_size=1) if ds.stage else None), ds.stage == 3 and ds.zero3_init
     if group == "compile":
-        from trainloop.model.compile import compile_model, compile_options
+        from trainloop.model.compile import compile_model, compile_optimizer, compile_options
+        from trainloop.optim.optimizers import build_optimizer
 
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
         compile_model(cfg.compile, model)  # lazy: nothing is compiled before the first call
         compiled = [name for name, m in model.named_modules() if m._compiled_call_impl is not None]
-        return compiled, compile_options(cfg.compile) if compiled else None
+        optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False)
+        compile_optimizer(cfg, optimizer)  # its step replaced on the instance where compiled
+        return compiled, compile_options(cfg.compile) if compiled else None, "step" in vars(optimizer)
     if group == "fsdp":  # the settings FSDP2 applied, read back from a model it sharded
         return sharded_settings(cfg)
     if group == "objective":  # its loss on one batch, of a model whose adapters moved off the reference

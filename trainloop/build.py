@@ -85,7 +85,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.adapter import apply_adapter, check_targets
     from trainloop.model.attention import training_attention, use as use_attention
     from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
-    from trainloop.model.compile import compile_model
+    from trainloop.model.compile import compile_model, compile_optimizer
     from trainloop.objectives import build_objective, items, prompt_tools
     from trainloop.model.flops import flops_per_token, trained_matmul_params
     from trainloop.observe.harness import Harness
@@ -165,6 +165,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.trainer.max_steps)
     # The loaders are already this rank's share (trainloop.data.order): accelerate must not shard them again.
     model, optimizer = strategy.prepare(model, optimizer)
+    compile_optimizer(cfg, optimizer)  # compile.optimizer: where it pays, its step one generated loop
     model = strategy.install(model)
     accelerator.register_for_checkpointing(scheduler)
     objective.start(strategy, model, None if frozen is None else strategy.install(strategy.prepare_frozen(frozen)),

@@ -202,7 +202,7 @@ _READ_ONLY_BY = {
     "precision.fp8_emulate": _FP8,
     "precision.fp8_skip_small": _FP8,
     "checkpoint.async_save": _FSDP,  # DCP's async_save: the other strategies save through accelerate
-    **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional")},
+    **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional", "optimizer")},
     "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
     "eval.max_new_tokens": (lambda c: bool(c.eval.prompts), "eval.prompts=[...] (a list of prompts)"),
     **{f"eval.harness.{key}": (lambda c: bool(c.eval.harness.tasks), "eval.harness.tasks=[...] (the harness's tasks)")
@@ -349,6 +349,7 @@ def problems(cfg: Any) -> list[str]:
     from trainloop.model import adapter, builder as model, fp8
     from trainloop.observe import harness
     from trainloop.observe.trackers import tracker_problems
+    from trainloop.optim.optimizers import TORCH_OPTIMIZERS
 
     found = []
     for key, allowed in choices().items():
@@ -377,6 +378,11 @@ def problems(cfg: Any) -> list[str]:
                         f"(compile.backend is {c.backend})")
     if c.regional and c.backend == "none":
         found.append("compile.regional=true needs a compile backend: add compile=inductor")
+    if c.optimizer and c.backend == "none":
+        found.append("compile.optimizer=true needs a compile backend: add compile=inductor")
+    if c.optimizer and cfg.optimizer.name not in TORCH_OPTIMIZERS:
+        found.append(f"compile.optimizer=true compiles torch's own optimizers ({', '.join(TORCH_OPTIMIZERS)}); "
+                     f"optimizer={cfg.optimizer.name} is not one: set compile.optimizer=false")
     found += profile_problems(cfg)
     found += tracker_problems(cfg.logging.trackers)
     found += harness.problems(cfg)

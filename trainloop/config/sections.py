@@ -180,3 +180,6 @@ class CompileConfig:
     fullgraph: bool = False  # fail at a graph break instead of splitting the graph there
     dynamic: Optional[bool] = None  # None: torch decides; true/false: compile for dynamic/static shapes
     regional: bool = False  # compile each transformer block instead of the whole model
+    # the optimizer's step compiled too: null where it pays (torch's optimizer, not already one fused kernel, on
+    # whole parameters: one generated loop instead of a dozen ops a parameter); true; false (the model only)
+    optimizer: Optional[bool] = None

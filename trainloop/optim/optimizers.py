@@ -259,6 +259,10 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 
+# torch.optim's own classes: what compile.optimizer compiles (trainloop.model.compile.compile_optimizer)
+TORCH_OPTIMIZERS = ("adamw", "sgd")
+
+
 def optimizer_named(name: str) -> Optimizer:
     if name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name={name!r} is not one of: {', '.join(OPTIMIZERS)}")
