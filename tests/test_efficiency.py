@@ -345,8 +345,7 @@ def test_the_compiled_optimizer_steps_as_the_eager_one_does(tmp_path, baseline, 
     ([], False),
 ])
 def test_the_optimizer_compiles_where_it_pays(overrides, compiled):
-    from trainloop.model.compile import compile_optimizer
-    from trainloop.optim.optimizers import build_optimizer
+    from trainloop.optim.optimizers import build_optimizer, compile_optimizer
 
     cfg = compose(*overrides)
     optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2), on_cuda=False)

@@ -297,8 +297,8 @@ def built(group: str, cfg):
         ds = cfg.deepspeed
         return (deepspeed_config(cfg, world_size=1) if ds.stage else None), ds.stage == 3 and ds.zero3_init
     if group == "compile":
-        from trainloop.model.compile import compile_model, compile_optimizer, compile_options
-        from trainloop.optim.optimizers import build_optimizer
+        from trainloop.model.compile import compile_model, compile_options
+        from trainloop.optim.optimizers import build_optimizer, compile_optimizer
 
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
         compile_model(cfg.compile, model)  # lazy: nothing is compiled before the first call

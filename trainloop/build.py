@@ -85,12 +85,12 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.adapter import apply_adapter, check_targets
     from trainloop.model.attention import training_attention, use as use_attention
     from trainloop.model.builder import build_model, build_model_config, context_length, special_token_ids
-    from trainloop.model.compile import compile_model, compile_optimizer
+    from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective, items, prompt_tools
     from trainloop.model.flops import flops_per_token, trained_matmul_params
     from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
-    from trainloop.optim.optimizers import build_optimizer, build_scheduler
+    from trainloop.optim.optimizers import build_optimizer, build_scheduler, compile_optimizer
     from trainloop.parallel import check_context_model, own_attention
 
     settle_learning_rate(cfg)  # a run settled it already; the planner's measurement and the benchmarks here

@@ -9,6 +9,7 @@ table (config checks, --help) stays fast.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import cache, partial
@@ -16,6 +17,8 @@ from typing import Callable
 
 from trainloop.config.sections import OptimizerConfig, SchedulerConfig
 from trainloop.errors import ConfigError
+
+log = logging.getLogger("trainloop")
 
 Shape = tuple[int, ...]
 
@@ -259,7 +262,7 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 
-# torch.optim's own classes: what compile.optimizer compiles (trainloop.model.compile.compile_optimizer)
+# torch.optim's own classes: what compile.optimizer compiles (compile_optimizer)
 TORCH_OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -333,6 +336,36 @@ class StateBytes:
     @property
     def per_quantized_param(self) -> float:
         return self.quantized / self.quantized_params if self.quantized_params else 0.0
+
+
+def compile_optimizer(cfg, optimizer) -> None:
+    """compile.optimizer: the optimizer's step compiled, in place (its `step` replaced on the instance: its
+    state, state_dict and schedule are the optimizer's own). null compiles it where it pays: torch's AdamW or
+    SGD not already one fused kernel (their CPU and default loops run a dozen small ops a parameter, which
+    inductor generates as one loop; on the 2-core CPU, a 1-layer 32-wide model's compiled step went from x0.81
+    to x0.96 of a raw loop's that compiles the model only), on whole parameters: FSDP2's and tensor
+    parallelism's DTensor shards keep the eager step. The debugging backends (aot_eager, eager) trace it as
+    inductor would. The learning rate the schedule sets each step is a float Dynamo does not specialise on
+    (torch._dynamo.config.specialize_float): one graph for the whole run. compile.fullgraph is the model's:
+    torch's step breaks its graph on purpose. `optimizer`: the run's, prepared (accelerate's wrapper steps
+    the torch optimizer inside it)."""
+    import torch
+
+    from trainloop.model.compile import compile_options
+    from trainloop.model.tensors import is_dtensor
+
+    setting, c = cfg.compile.optimizer, cfg.compile
+    if c.backend == "none" or setting is False:
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)
+    whole = not any(is_dtensor(p) for group in inner.param_groups for p in group["params"])
+    if setting is None and not (cfg.optimizer.name in TORCH_OPTIMIZERS and not inner.defaults.get("fused") and whole):
+        return
+    if not whole:
+        raise ConfigError("compile.optimizer=true compiles the step of whole parameters; this layout shards them "
+                          "(FSDP2 or tensor parallelism: DTensor shards): set compile.optimizer=false")
+    inner.step = torch.compile(inner.step, **{**compile_options(c), "fullgraph": False})
+    log.info("torch.compile: the optimizer's step too (%s), backend %s", type(inner).__name__, c.backend)
 
 
 def optimizer_state_bytes(optimizer) -> StateBytes:
