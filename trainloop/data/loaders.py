@@ -7,14 +7,13 @@ import hashlib
 import os
 from functools import partial
 
-import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from trainloop.config.sections import DataConfig
 from trainloop.data.formats import data_format
 from trainloop.data.formats.prepared import prepared_fingerprint
 from trainloop.data.order import ValidationOrder
-from trainloop.data.sets import PackedBlocks
+from trainloop.data.sets import PackedBlocks, restarting
 from trainloop.data.tokenizer import build_tokenizer, byte_level_tokenizer, vocabulary_fingerprint
 from trainloop.errors import ConfigError
 from trainloop.lifetime import start_loader_worker
@@ -135,7 +134,7 @@ def collate(items: list[dict] | dict) -> dict:
         return items
     batch = default_collate(items)
     positions = batch.get("position_ids") if isinstance(batch, dict) else None
-    if positions is not None and torch.equal(positions, torch.arange(positions.shape[-1]).expand_as(positions)):
+    if positions is not None and not restarting(positions).any():
         del batch["position_ids"]
     return batch
 

@@ -62,15 +62,19 @@ class PackedBlocks(TrainingSet):
         take one a row and a column, then a stack a column (trainloop.data.loaders.collate passes it on).
         position_ids only where a row restarts them (one sequence a row: the model counts them itself)."""
         index = torch.tensor(indices)
-        restarts = "position_ids" in self.tensors and any(self.restarts[i] for i in indices)
+        keep_positions = "position_ids" in self.tensors and any(self.restarts[i] for i in indices)
         return {key: tensor.index_select(0, index) for key, tensor in self.tensors.items()
-                if restarts or key != "position_ids"}
+                if keep_positions or key != "position_ids"}
 
     @cached_property
     def restarts(self) -> list[bool]:
-        """Whether each block's position ids restart (packed documents) rather than count 0..seq-1."""
-        positions = self.tensors["position_ids"]
-        return (positions != torch.arange(positions.shape[1])).any(dim=1).tolist()
+        """Whether each block's position ids restart (packed documents), made once for every read."""
+        return restarting(self.tensors["position_ids"]).tolist()
+
+
+def restarting(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per row, whether its position ids restart (packed documents) rather than count 0..seq-1 (one sequence)."""
+    return (position_ids != torch.arange(position_ids.shape[-1])).any(dim=-1)
 
 
 class PairBlocks(PackedBlocks):

@@ -57,6 +57,11 @@ def compile_model(cfg: CompileConfig, model: torch.nn.Module) -> torch.nn.Module
     return model
 
 
+def _loss_compiles(cfg: CompileConfig) -> bool:
+    """The loss compiles where the whole model does (compile.regional compiles the blocks alone)."""
+    return cfg.backend != "none" and not cfg.regional
+
+
 def compile_loss(cfg: CompileConfig, loss: Callable) -> Callable:
     """`loss` (logits in, a loss out) compiled as the whole model is, else itself: its fp32 upcast,
     log-softmax and gather fuse, and no log-softmax of the logits' size is kept for the backward
@@ -64,9 +69,7 @@ def compile_loss(cfg: CompileConfig, loss: Callable) -> Callable:
     245 MB less peak memory, forward and backward). With the loss left eager, GPT-2 124M compiled
     whole ran at 0.73x a raw loop's tokens/s and 1.6x its peak memory on one H200 (BENCHMARKS.md).
     compile.regional compiles the blocks alone, and leaves the loss eager too."""
-    if cfg.backend == "none" or cfg.regional:
-        return loss
-    return torch.compile(loss, **compile_options(cfg))
+    return torch.compile(loss, **compile_options(cfg)) if _loss_compiles(cfg) else loss
 
 
 def compile_forward_loss(cfg: CompileConfig, loss: Callable) -> Callable | None:
@@ -76,11 +79,10 @@ def compile_forward_loss(cfg: CompileConfig, loss: Callable) -> Callable | None:
     guard check, one autograd node and its backward, and the logits are never an output (on the 2-core CPU,
     a 1-layer 32-wide model: about 0.09 ms of a 2.1 ms compiled step). The model keeps its own compiled
     forward for the calls that want its output (generation, a router's logits)."""
-    if cfg.backend == "none" or cfg.regional:
+    if not _loss_compiles(cfg):
         return None
 
     def forward_loss(model, inputs: dict, targets):
         return loss(model(**inputs).logits, targets)
 
     return torch.compile(forward_loss, **compile_options(cfg))
-

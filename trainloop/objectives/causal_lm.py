@@ -38,7 +38,7 @@ class CausalLM(Objective):
         self.router = RouterLoad.for_model(cfg.model, device)
         self.chunk = cfg.trainer.loss_chunk_tokens
         self.nll = compile_loss(cfg.compile, targets_nll)
-        # the forward and the loss as one graph where nothing reads the output (a router reads its logits)
+        # the forward and the loss as one graph, for the forwards whose output nothing reads
         self.forward_nll = compile_forward_loss(cfg.compile, targets_nll)
 
     def count(self, batch: dict) -> torch.Tensor:
@@ -47,10 +47,11 @@ class CausalLM(Objective):
     def batch_loss(self, model, batch: dict) -> BatchLoss:
         from trainloop.objectives.chunked_loss import next_token_nll
 
+        # a router reads the output's router logits: its model keeps the forward and the loss apart
+        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll,
+                                        self.forward_nll if self.router is None else None)
         if self.router is None:
-            return BatchLoss(next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk,
-                                            forward_nll=self.forward_nll)[0])
-        summed, output = next_token_nll(model, model_inputs(batch), batch["labels"], self.chunk, self.nll)
+            return BatchLoss(summed)
         self.router.record(output, batch)
         return BatchLoss(summed, self.router.coef * self.router.aux)
 
