@@ -1,6 +1,7 @@
 """causal_lm's training attention builds no mask in transformers: sdpa's is_causal for streamed rows,
-the documents' block-causal mask for packed ones (trainloop/model/attention.py); and the loss compiles
-with a whole compiled model (trainloop/model/compile.py). Issue 35, items 1 and 4."""
+each document causal for packed ones, with no (sequence x sequence) mask (trainloop/model/attention.py);
+and the loss compiles with a whole compiled model (trainloop/model/compile.py). Issues 35 (items 1 and 4)
+and 61."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_each_is_transformers_sdpa_on_the_rows_it_is_given_and_generation_is_sdp
         torch.testing.assert_close(causal(input_ids=ids).logits, whole, rtol=1e-5, atol=1e-5)
         packed = sdpa(input_ids=ids, position_ids=positions).logits  # transformers' packed-rows mask
         inputs = with_document_mask(documents, {"input_ids": ids, "position_ids": positions})
-        assert inputs["document_mask"].shape == (2, 1, 24, 24)  # built once, for every layer
+        assert inputs["documents"].tolist() == [[0] * 5 + [1] * 12 + [2] * 7, [0] * 24]  # made once, on the host
         torch.testing.assert_close(documents(**inputs).logits, packed, rtol=1e-5, atol=1e-5)
         # a batch without position ids (no row restarts them: trainloop.data.loaders.collate) is causal
         torch.testing.assert_close(documents(input_ids=ids).logits, whole, rtol=1e-5, atol=1e-5)
@@ -60,13 +61,61 @@ def test_each_is_transformers_sdpa_on_the_rows_it_is_given_and_generation_is_sdp
                 model.generate(**kwargs, use_cache=True)
 
 
-def test_block_causal_starts_a_document_where_positions_do_not_count_on():
-    from trainloop.model.attention import block_causal
+def test_a_document_starts_where_positions_do_not_count_on_and_spans_never_cross_rows():
+    from trainloop.model.attention import documents_of, spans
 
-    mask = block_causal(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0]
-    assert mask.shape == (6, 6)
-    assert mask[2, :3].all() and not mask[3, :3].any() and mask[4, 3:5].all() and not mask[5, :5].any()
-    assert not mask.triu(1).any()
+    documents = documents_of(torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 5, 6, 0, 1]]))
+    assert documents.dtype == torch.int32 and documents.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
+    assert spans(documents) == [(0, 0, 3), (0, 3, 5), (0, 5, 6), (1, 0, 4), (1, 4, 6)]
+    assert spans(torch.zeros(2, 3, dtype=torch.int32)) == [(0, 0, 3), (1, 0, 3)]  # the same number, two rows
+
+
+def dense_reference(query, key, value, documents):
+    """What the documents' kernel must equal: sdpa with the whole (seq x seq) block-causal mask."""
+    same = documents[:, :, None] == documents[:, None, :]
+    mask = (same & torch.ones_like(same).tril())[:, None]
+    grouped = query.shape[1] // key.shape[1]
+    return F.scaled_dot_product_attention(query, key.repeat_interleave(grouped, 1), value.repeat_interleave(grouped, 1),
+                                          attn_mask=mask).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_document_attention_equals_the_dense_masks_forward_and_backward_and_compiles_to_one_node(dtype):
+    """Grouped heads (4 query, 2 key/value), three rows: documents of 5, 9 and 2 tokens, one of 16, and 16
+    of one token each. Forward and gradients equal sdpa with the dense mask; compiled whole (fullgraph),
+    the op is one node that takes the documents as a tensor: new documents, no recompile."""
+    from trainloop.model.attention import _documents_loop, document_attention, documents_of
+
+    torch.manual_seed(0)
+    positions = torch.stack([torch.cat([torch.arange(5), torch.arange(9), torch.arange(2)]), torch.arange(16),
+                             torch.zeros(16, dtype=torch.long)])
+    documents = documents_of(positions)
+    query = torch.randn(3, 4, 16, 8, dtype=dtype, requires_grad=True)
+    key, value = (torch.randn(3, 2, 16, 8, dtype=dtype, requires_grad=True) for _ in range(2))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    grad = torch.randn(3, 16, 4, 8, dtype=dtype)
+
+    def run(attend, docs):
+        out = attend(query, key, value, docs)
+        return (out, *torch.autograd.grad(out, (query, key, value), grad))
+
+    want = run(dense_reference, documents)
+    for got, expected in zip(run(lambda q, k, v, d: document_attention(q, k, v, d, 8 ** -0.5), documents), want):
+        torch.testing.assert_close(got, expected, **tolerance)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda q, k, v, d: document_attention(q, k, v, d, 8 ** -0.5), backend="aot_eager",
+                             fullgraph=True)
+    for got, expected in zip(run(compiled, documents), want):
+        torch.testing.assert_close(got, expected, **tolerance)
+    other = documents_of(positions.roll(3, dims=1))  # other documents, the same shapes
+    for got, expected in zip(run(compiled, other), run(dense_reference, other)):
+        torch.testing.assert_close(got, expected, **tolerance)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # the loop a device without the CPU kernel takes (sdpa a document, under autograd), run here on the CPU
+    for got, expected in zip(run(lambda q, k, v, d: _documents_loop(q, k, v, d, 8 ** -0.5).transpose(1, 2), documents),
+                             want):
+        torch.testing.assert_close(got, expected, **tolerance)
 
 
 def test_a_batch_carries_position_ids_only_where_a_row_restarts_them():

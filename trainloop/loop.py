@@ -10,6 +10,7 @@ import torch
 
 from trainloop.data.mixture import source_names
 from trainloop.memory.offload import ActivationOffload
+from trainloop.model.attention import ON_HOST
 from trainloop.observe.profiler import StepProfiler
 from trainloop.observe.telemetry import Telemetry
 from trainloop.step import train_step
@@ -52,7 +53,7 @@ def batches_forever(accelerator, loader, state: TrainState):
         torch.set_rng_state(rng)
         for batch in itertools.chain([] if first is None else [first], batches):
             state.samples_in_epoch += consumed
-            yield send_to_device(batch, accelerator.device, non_blocking=accelerator.non_blocking)
+            yield send_to_device(batch, accelerator.device, non_blocking=accelerator.non_blocking, skip_keys=ON_HOST)
         state.epoch += 1
         state.samples_in_epoch = 0
 

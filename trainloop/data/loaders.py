@@ -17,6 +17,7 @@ from trainloop.data.sets import PackedBlocks, restarting
 from trainloop.data.tokenizer import build_tokenizer, byte_level_tokenizer, vocabulary_fingerprint
 from trainloop.errors import ConfigError
 from trainloop.lifetime import start_loader_worker
+from trainloop.model.attention import documents_of
 
 __all__ = ["PackedBlocks", "build_dataloaders", "build_datasets", "build_tokenizer", "byte_level_tokenizer",
            "carry_chat_template", "check_batch_fits", "data_fingerprint", "load_examples", "tokenize_examples",
@@ -127,14 +128,18 @@ def build_dataloaders(cfg: DataConfig, train: Dataset, valid: Dataset, pin_memor
 def collate(items: list[dict] | dict) -> dict:
     """torch's default collate, less the position ids of a batch whose every row counts 0..seq-1 (one
     sequence a row, which the model counts itself): position ids reach the model only where a row
-    restarts them, as this CPU check decides, so the training attention builds the documents' mask
-    (trainloop.model.attention) only for batches that hold packed documents. A batch PackedBlocks
-    gathered whole (its __getitems__, which decides the same from each block's positions) passes as it is."""
+    restarts them, as this CPU check decides, and with them each token's document (`documents`, made here
+    on the host, where it stays: trainloop.model.attention attends by it). A batch PackedBlocks gathered
+    whole (its __getitems__, which decides the same from each block's positions) passes as it is."""
     if isinstance(items, dict):
         return items
     batch = default_collate(items)
     positions = batch.get("position_ids") if isinstance(batch, dict) else None
-    if positions is not None and not restarting(positions).any():
+    if positions is None:
+        return batch
+    if restarting(positions).any():
+        batch["documents"] = documents_of(positions)
+    else:
         del batch["position_ids"]
     return batch
 

@@ -9,6 +9,8 @@ from functools import cached_property
 import torch
 from torch.utils.data import Dataset
 
+from trainloop.model.attention import documents_of
+
 
 class TrainingSet(Dataset):
     """What a run asks of a training set, answered here as a plain one answers: a set of blocks the
@@ -60,11 +62,15 @@ class PackedBlocks(TrainingSet):
     def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The DataLoader's read of a batch: each column gathered by one op, where collating the items would
         take one a row and a column, then a stack a column (trainloop.data.loaders.collate passes it on).
-        position_ids only where a row restarts them (one sequence a row: the model counts them itself)."""
+        position_ids only where a row restarts them (one sequence a row: the model counts them itself), and
+        with them each token's document (`documents`, which stays on the host: trainloop.model.attention)."""
         index = torch.tensor(indices)
         keep_positions = "position_ids" in self.tensors and any(self.restarts[i] for i in indices)
-        return {key: tensor.index_select(0, index) for key, tensor in self.tensors.items()
-                if keep_positions or key != "position_ids"}
+        batch = {key: tensor.index_select(0, index) for key, tensor in self.tensors.items()
+                 if keep_positions or key != "position_ids"}
+        if keep_positions:
+            batch["documents"] = documents_of(batch["position_ids"])
+        return batch
 
     @cached_property
     def restarts(self) -> list[bool]:

@@ -8,11 +8,14 @@ sdpa's is_causal; BENCHMARKS.md). trainloop knows what its causal_lm rows are:
 - a stream of tokens (data.packing=stream) is one unpadded sequence a row: "sdpa_causal", sdpa's
   is_causal with no mask;
 - packed documents (data.packing=documents) restart their position ids at each document:
-  "sdpa_documents", sdpa with the block-causal mask the caller builds on the device from the
-  position ids once per forward (`with_document_mask`; a document starts where a position is not
-  the previous one plus one, as transformers reads them), no host read. A batch whose every row is
-  one document carries no position ids (trainloop.data.loaders.collate decides on the CPU), and
-  sdpa runs is_causal, as transformers' eager sdpa does after its host read.
+  "sdpa_documents", sdpa's causal kernel once a document (`document_attention`), with no
+  (seq x seq) mask: memory linear in the sequence (a dense block-causal mask was 2 GiB a row at
+  16,384 tokens as sdpa's float mask, and ruled out the flash kernels). Where documents end comes
+  from the packer: the loader makes each token's document number on the host (`documents_of`, a
+  document starts where a position is not the previous one plus one, as transformers reads them),
+  and the loop leaves it there (ON_HOST), so attention reads it with no wait for the device. A
+  batch whose every row is one document carries neither (trainloop.data.loaders.collate decides
+  on the CPU), and sdpa runs is_causal, as transformers' eager sdpa does after its host read.
 Both are registered as attention functions only, so transformers builds no mask for them at all.
 Generation needs sdpa's own masks (left padding, a cache): `generating` hands the model back to
 sdpa for its length. model.attn_implementation=eager or flash_attention_2, padded rows
@@ -26,22 +29,126 @@ import logging
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("trainloop")
 
 SDPA_CAUSAL, SDPA_DOCUMENTS = "sdpa_causal", "sdpa_documents"
+ON_HOST = ("documents",)  # the batch keys that stay in host memory (the loop sends the rest to the device)
 FOR_PACKING = {"stream": SDPA_CAUSAL, "documents": SDPA_DOCUMENTS}
 
 
-def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, seq, seq) bool, True where a query may attend: an earlier or the same position of
-    its own document."""
-    first = position_ids[:, :1] - 1
-    document = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    same = document[:, :, None] == document[:, None, :]
-    seq = position_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
-    return (same & causal)[:, None]
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) int32 on the host: each token's document, counted from 0 in its row. A document starts
+    where a position is not the previous one plus one, as transformers reads them; a row's first token always
+    starts one. The loader makes them from its host copy of the positions (trainloop.data.sets): made from
+    positions on a GPU, they would be a host read."""
+    starts = torch.diff(position_ids.cpu(), dim=-1) != 1
+    return F.pad(starts.cumsum(-1, dtype=torch.int32), (1, 0))
+
+
+def spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document in `documents` (the host tensor documents_of makes): read on
+    the host, where it lives, so no wait for the device."""
+    batch, seq = documents.shape
+    # a document number unique over the batch: rows never share one
+    keys = (documents.long() + torch.arange(batch).unsqueeze(1) * (seq + 1)).flatten()
+    ends = torch.unique_consecutive(keys, return_counts=True)[1].cumsum(0).tolist()
+    out, start = [], 0
+    for end in ends:
+        row = start // seq
+        out.append((row, start - row * seq, end - row * seq))
+        start = end
+    return out
+
+
+# One op a forward and one a backward, each a loop of sdpa's own CPU flash kernel (forward, backward) over the
+# documents: the numbers sdpa gives each document alone, nothing (seq x seq) made, so memory is linear in the
+# sequence. Ops of their own, so that compile traces each as one node taking the documents as a tensor (no
+# recompile per batch, no graph break). In: (batch, heads, seq, dim) each (key and value with the query's heads
+# or a divisor of them: the kernel groups them itself); `documents`, (batch, seq) on the host (documents_of).
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@torch.library.custom_op("trainloop::document_attention", mutates_args=(), device_types="cpu")
+def _documents_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, documents: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (batch, heads, seq, dim), logsumexp (batch, heads, seq)) of causal attention inside each document.
+    out is laid out (batch, seq, heads, dim), as sdpa's kernel lays it: transformers' transpose back to that
+    is then no copy."""
+    out = _laid_out(query)
+    logsumexp = query.new_empty(query.shape[:3], dtype=torch.float32)
+    for row, start, end in spans(documents):
+        part = (slice(row, row + 1), slice(None), slice(start, end))
+        out[part], logsumexp[part] = _FLASH_CPU(query[part], key[part], value[part], 0.0, True, scale=scale)
+    return out, logsumexp
+
+
+@_documents_forward.register_fake
+def _(query, key, value, documents, scale):
+    return _laid_out(query), query.new_empty(query.shape[:3], dtype=torch.float32)
+
+
+def _laid_out(query: torch.Tensor) -> torch.Tensor:
+    batch, heads, seq, dim = query.shape
+    return query.new_empty(batch, seq, heads, dim).transpose(1, 2)
+
+
+@torch.library.custom_op("trainloop::document_attention_backward", mutates_args=(), device_types="cpu")
+def _documents_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        out: torch.Tensor, logsumexp: torch.Tensor, documents: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = [torch.empty_like(t) for t in (query, key, value)]
+    for row, start, end in spans(documents):
+        part = (slice(row, row + 1), slice(None), slice(start, end))
+        for whole, got in zip(grads, _FLASH_CPU_BACKWARD(grad[part], query[part], key[part], value[part], out[part],
+                                                         logsumexp[part], 0.0, True, scale=scale)):
+            whole[part] = got
+    return tuple(grads)
+
+
+@_documents_backward.register_fake
+def _(grad, query, key, value, out, logsumexp, documents, scale):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _keep(ctx, inputs, output):
+    query, key, value, documents, scale = inputs
+    ctx.save_for_backward(query, key, value, *output, documents)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad, _):
+    return (*_documents_backward(grad.contiguous(), *ctx.saved_tensors, ctx.scale), None, None)
+
+
+_documents_forward.register_autograd(_backward, setup_context=_keep)
+
+
+@torch.compiler.disable
+def _documents_loop(query, key, value, documents, scale):
+    """Off the CPU: sdpa's causal kernel (flash, where the device has one) once a document, under autograd.
+    Its loop depends on the documents, so compile leaves it out of the graph."""
+    rows = []
+    for row, start, end in spans(documents):
+        if row == len(rows):
+            rows.append([])
+        part = slice(start, end)
+        rows[row].append(F.scaled_dot_product_attention(query[row, :, part], key[row, :, part], value[row, :, part],
+                                                        is_causal=True, scale=scale,
+                                                        enable_gqa=key.shape[1] != query.shape[1]))
+    return torch.stack([torch.cat(parts, dim=1) for parts in rows])
+
+
+def document_attention(query, key, value, documents: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention inside each document, none across. Out: (batch, seq, heads, dim), as transformers'
+    attention functions return it."""
+    if query.device.type == "cpu":
+        out = _documents_forward(query, key, value, documents, scale)[0]
+    else:
+        out = _documents_loop(query, key, value, documents, scale)
+    return out.transpose(1, 2).contiguous()
 
 
 def padded_causal(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -54,39 +161,54 @@ def padded_causal(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask | torch.eye(seq, dtype=torch.bool, device=mask.device))[:, None]
 
 
-def _sdpa(module, query, key, value, attention_mask, document_mask=None, context_parallel=None, **kwargs):
-    """sdpa over whole rows: with the documents' (or padded rows') mask where the caller gives one,
-    else is_causal. transformers built no mask (`attention_mask` is None): a cached step is
-    generation, whose rows may be padded, and is refused. `context_parallel`: the group a forward's
-    inputs were split over, handed in with them (trainloop.parallel.context.ContextParallel.local): the
-    rows are this rank's slices, and attention runs on the whole sequence over a share of the heads."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _sdpa(module, query, key, value, attention_mask, document_mask=None, documents=None, context_parallel=None,
+          **kwargs):
+    """sdpa over whole rows: each document causal where the caller gives the documents, with padded
+    rows' mask where it gives one, else is_causal. transformers built no mask (`attention_mask` is None): a
+    cached step is generation, whose rows may be padded, and is refused. `context_parallel`: the group a
+    forward's inputs were split over, handed in with them (trainloop.parallel.context.ContextParallel.local):
+    the rows are this rank's slices, and attention runs on the whole sequence over a share of the heads."""
     if query.shape[2] != key.shape[2]:
         raise RuntimeError(f"attention {module.config._attn_implementation} attends whole rows in training; "
                            "generation runs under trainloop.model.attention.generating, with sdpa's own masks")
     if context_parallel is not None:
-        return context_parallel.attend(sdpa_attention_forward, module, query, key, value, document_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
+        return context_parallel.attend(_attend, module, query, key, value, document_mask, documents=documents,
+                                       **kwargs)
+    return _attend(module, query, key, value, document_mask, documents=documents, **kwargs)
+
+
+def _attend(module, query, key, value, mask, documents=None, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa (`mask`: padded rows'), or over `documents` document_attention."""
+    if documents is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout:
+        raise RuntimeError("attention dropout over packed documents: document attention runs none; set "
+                           "model.dropout=0, or data.packing=stream")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return document_attention(query, key, value, documents, scale), None
 
 
 def with_document_mask(model, inputs: dict) -> dict:
-    """`inputs` with the mask `model` attends by, where it attends through one of these functions
-    (transformers builds it none), built once for every layer (the model hands its keyword arguments
-    to each layer's attention): padded rows' (an `attention_mask`, which goes), or, under
-    sdpa_documents, the documents' block-causal mask from the position ids. A batch carries position
-    ids only where a row restarts them (trainloop.data.loaders.collate); without them every row is
-    one sequence, and sdpa runs is_causal."""
+    """`inputs` as `model` attends by them, where it attends through one of these functions (transformers
+    builds it no mask; the model hands its keyword arguments to each layer's attention): padded rows' mask
+    (from their `attention_mask`, which goes), or, under sdpa_documents, the documents (`documents`: the
+    loader's host tensor, else made from the position ids). A batch carries position ids only where a row
+    restarts them (trainloop.data.loaders.collate); without them every row is one sequence, and sdpa runs
+    is_causal. Other attentions get no `documents`: transformers' masks read the position ids."""
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
     name = getattr(config, "_attn_implementation", None)
     if name not in (SDPA_CAUSAL, SDPA_DOCUMENTS) or "document_mask" in inputs:
-        return inputs
+        return {key: value for key, value in inputs.items() if key != "documents"}
     if inputs.get("attention_mask") is not None:
-        rest = {key: value for key, value in inputs.items() if key != "attention_mask"}
+        rest = {key: value for key, value in inputs.items() if key not in ("attention_mask", "documents")}
         return {**rest, "document_mask": padded_causal(inputs["attention_mask"])}
     if name != SDPA_DOCUMENTS or "position_ids" not in inputs:
+        return {key: value for key, value in inputs.items() if key != "documents"}
+    if inputs.get("documents") is not None:
         return inputs
-    return {**inputs, "document_mask": block_causal(inputs["position_ids"])}
+    return {**inputs, "documents": documents_of(inputs["position_ids"])}
 
 
 def register() -> None:
@@ -120,7 +242,7 @@ def use(model, name: str, why: str) -> None:
     register()
     model.set_attn_implementation(name)
     how = ("no mask but padded rows'" if name == SDPA_CAUSAL
-           else "the documents' block-causal mask built from the position ids")
+           else "each packed document causal, no (sequence x sequence) mask")
     log.info("attention: sdpa with %s, none from transformers (%s)", how, why)
 
 

@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the table is read by config checks, which must not load torch: it is imported where used
     import torch
 
+# what a model's training forward reads of a batch, where the batch has it: the token rows, the position ids of
+# packed documents and the documents themselves (trainloop.model.attention), the mask of padded rows
+FORWARD_KEYS = ("input_ids", "position_ids", "documents", "attention_mask")
+
 
 @dataclass
 class BatchLoss:
@@ -149,7 +153,7 @@ class Objective:
     def forward_inputs(self, batch: dict) -> dict:
         """The inputs of the one forward of the model that batch_loss and eval_sums read: the token rows (and the
         position ids of packed documents, the mask of padded rows)."""
-        return {key: batch[key] for key in ("input_ids", "position_ids", "attention_mask") if key in batch}
+        return {key: batch[key] for key in FORWARD_KEYS if key in batch}
 
     def beside(self, strategy, model, batch: dict) -> dict:
         """The batch with what its loss reads from forwards without gradients other than forward_inputs' (a frozen
@@ -185,13 +189,16 @@ class Objective:
         import torch
         from accelerate.utils import send_to_device
 
+        from trainloop.model.attention import ON_HOST
+
         order, device = loader.batch_sampler, strategy.device
         order.max_batches = max_batches  # read when the loader starts, in this process
         model.eval()
         try:
             with torch.no_grad():
                 non_blocking = strategy.accelerator.non_blocking
-                sums = torch.stack([strategy.eval_sums(self, model, send_to_device(b, device, non_blocking))
+                sums = torch.stack([strategy.eval_sums(self, model, send_to_device(b, device, non_blocking,
+                                                                                  skip_keys=ON_HOST))
                                     for b in loader])
         finally:
             model.train()

@@ -8,17 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainloop.data.tokenizer import IGNORE
-from trainloop.objectives.base import BatchLoss, Objective, loss_sums
+from trainloop.objectives.base import FORWARD_KEYS, BatchLoss, Objective, loss_sums
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
     import torch
 
 
 def model_inputs(batch: dict) -> dict:
-    """What the model reads. No attention mask with packed rows: the block-diagonal one comes from
-    the restarting position ids (trainloop.model.attention builds it once per forward, in next_token_nll)."""
-    keys = ("input_ids", "position_ids", "attention_mask")
-    return {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
+    """What the model reads (FORWARD_KEYS): no attention mask with packed rows, whose documents the attention
+    reads (trainloop.model.attention)."""
+    return {key: batch[key] for key in FORWARD_KEYS if key in batch} | {"use_cache": False}
 
 
 class CausalLM(Objective):

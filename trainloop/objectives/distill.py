@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 
 from trainloop.data.tokenizer import IGNORE
 from trainloop.errors import ConfigError
-from trainloop.objectives.base import BatchLoss, Objective, not_yet
+from trainloop.objectives.base import FORWARD_KEYS, BatchLoss, Objective, not_yet
 from trainloop.parallel.degrees import FROZEN, GENERATION
 
 if TYPE_CHECKING:  # imported where used: config checks read the table without loading torch
@@ -280,8 +280,7 @@ class Distill(Objective):
         from trainloop.model.forwarded import Forwarded
         from trainloop.objectives.divergence import divergence_sums
 
-        keys = ("input_ids", "position_ids", "attention_mask")
-        inputs = {key: batch[key] for key in keys if key in batch} | {"use_cache": False}
+        inputs = {key: batch[key] for key in FORWARD_KEYS if key in batch} | {"use_cache": False}
         teacher = Forwarded(batch[TEACHER_LOGITS], batch["input_ids"]) if TEACHER_LOGITS in batch else self.teacher
         return divergence_sums(model, teacher, inputs, batch["labels"], self.beta, self.temperature, self.chunk,
                                self.copy_head)

@@ -136,8 +136,9 @@ class ContextParallel:
 
     def local(self, inputs: dict) -> dict:
         """The model's inputs for this rank: its slice of the input ids and of the global position
-        ids; the whole sequence's mask (`document_mask`, trainloop.model.attention), padded, as is; and
-        this group, which the model's attention swaps the slices over (`context_parallel`)."""
+        ids; the whole sequence's documents or padded rows' mask (`documents`, `document_mask`:
+        trainloop.model.attention), padded, as is; and this group, which the model's attention swaps the
+        slices over (`context_parallel`)."""
         ids = inputs["input_ids"]
         batch, length = ids.shape
         positions = inputs.get("position_ids")
@@ -148,6 +149,9 @@ class ContextParallel:
         # the padding's positions run on, so a document's mask holds them inside the last document
         out["position_ids"] = self.split(torch.cat([positions, positions[:, -1:] + 1 + torch.arange(
             pad, device=ids.device)], dim=1) if pad else positions, 0)
+        documents = inputs.get("documents")
+        if documents is not None and pad:  # the padding: a document of its own
+            out["documents"] = torch.cat([documents, (documents[:, -1:] + 1).expand(-1, pad)], dim=1)
         mask = inputs.get("document_mask")
         if mask is not None and pad:
             mask = F.pad(mask, (0, pad, 0, pad), value=False)

@@ -77,8 +77,7 @@ class MemoryPlan:
 
 
 def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
-                     checkpointing: bool, attention: str, chunked: bool = False,
-                     packed: bool = False, fp8: bool = False, tp: int = 1,
+                     checkpointing: bool, attention: str, chunked: bool = False, fp8: bool = False, tp: int = 1,
                      sequence_parallel: bool = False, blocks: float | None = None,
                      outputs: int = 1, cp: int = 1) -> tuple[int, int]:
     """(saved for backward at the end of the forward, extra while a checkpointed layer is recomputed).
@@ -92,10 +91,9 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
     16-bit input where autocast casts one for each. Under autocast, every layer also keeps the 16-bit
     copy of its weights that the matmuls used. `chunked` (trainer.loss_chunk_tokens): the full
     logits' log-softmax (4 B x vocabulary per token) and the output layer's 16-bit copy are not
-    kept: loss_lines counts what the chunked loss holds instead. `packed` (data.packing=documents:
-    position ids restart inside a block): the model builds a block-diagonal mask, seq x seq in
-    the compute dtype, and SDPA keeps a copy per layer (16 MiB a layer at 2,048 tokens in fp32,
-    measured on CPU with transformers 5.23). `fp8` (precision=fp8): the blocks' linear weights are
+    kept: loss_lines counts what the chunked loss holds instead. Packed documents (data.packing=documents)
+    keep what one sequence a row keeps: their attention (trainloop.model.attention.document_attention) makes
+    no (seq x seq) mask and keeps the same tensors sdpa does. `fp8` (precision=fp8): the blocks' linear weights are
     cast to float8 for the matmuls, 1 B/param kept for the backward instead of the 16-bit copy;
     the float8 inputs torchao keeps are counted at 16 bits (an overestimate: half that). `tp`
     (parallel.tp_size, Llama and Mixtral only): what lies between a column-wise projection and its
@@ -110,12 +108,11 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
     blocks times its micro-batches in flight; default every block, once); `outputs`: the micro-batches
     whose output layer and logits it keeps (0 on a pipeline stage without them). `cp`
     (parallel.cp_size): each rank holds 1/cp of every sequence's tokens through the blocks and the
-    loss; attention's own tensors are the whole sequence on 1/cp of the heads, as many bytes; the
-    packed documents' mask is the whole sequence's.
+    loss; attention's own tensors are the whole sequence on 1/cp of the heads, as many bytes.
     """
     h, i, heads, V = shape.hidden, shape.intermediate, shape.heads, shape.vocab
     kv = shape.kv_heads * h // heads  # the width of the key and value projections
-    whole_seq, seq = seq, seq // cp  # this rank's slice of each sequence
+    seq = seq // cp  # this rank's slice of each sequence
     tokens = batch * seq
     logits = 0 if chunked else 4 * V  # the fp32 log-softmax cross-entropy keeps
     cast = half and autocast  # 16-bit copies made for each matmul; norms and residual stream in fp32
@@ -153,9 +150,8 @@ def activation_bytes(shape, batch: int, seq: int, half: bool, autocast: bool,
     weight_copies = (1 if fp8 else 2) * (shape.layer_linear_params - shape.expert_params // shape.num_layers) \
         // tp if autocast else 0
     rest += 2 * V * h if autocast and not chunked else 0  # the output projection's 16-bit copy
-    mask = batch * whole_seq * whole_seq * (2 if half else 4) if packed and attention == "sdpa" else 0
     sp = tp if sequence_parallel else 1  # the sequence's share of a tp rank, between the split matrices
-    layer = tokens * norms // sp + tokens * whole + tokens * (split + mlp) // tp + weight_copies + mask
+    layer = tokens * norms // sp + tokens * whole + tokens * (split + mlp) // tp + weight_copies
     blocks = shape.num_layers if blocks is None else blocks
     if not checkpointing:
         return round(blocks * layer) + outputs * rest, 0

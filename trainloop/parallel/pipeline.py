@@ -87,7 +87,7 @@ def _stage_module(causal, head: str, first: bool, last: bool, blocks: list[str],
             self.rotary = inner.rotary_emb
             self.norm, self.head = (inner.norm, getattr(causal, head)) if last else (None, None)
 
-        def forward(self, hidden, position_ids, document_mask=None, labels=None):
+        def forward(self, hidden, position_ids, document_mask=None, documents=None, labels=None):
             """labels: with trainer.loss_chunk_tokens, the last stage returns the summed loss of its targets,
             `head_loss(final hidden states, output weight, bias, labels)` (the objective's, chunk by chunk),
             never the full logits."""
@@ -96,7 +96,8 @@ def _stage_module(causal, head: str, first: bool, last: bool, blocks: list[str],
             position_embeddings = self.rotary(hidden, position_ids=position_ids)
             for block in self.blocks.values():
                 hidden = block(hidden, attention_mask=None, position_ids=position_ids,
-                               position_embeddings=position_embeddings, use_cache=False, document_mask=document_mask)
+                               position_embeddings=position_embeddings, use_cache=False, document_mask=document_mask,
+                               documents=documents)
             if self.head is None:
                 return hidden
             if head_loss is not None:  # inside the forward: the weight FSDP2 gathered for it
@@ -735,7 +736,7 @@ def planned_rank(cfg, shape) -> int:
         blocks, outputs = in_flight(cfg, rank, shape.num_layers)
         held = activation_bytes(shape, cfg.data.batch_size, cfg.data.seq_len, half, autocast=half,
                                 checkpointing=cfg.model.gradient_checkpointing, attention=cfg.model.attn_implementation,
-                                packed=cfg.data.packing == "documents", blocks=blocks, outputs=outputs)
+                                blocks=blocks, outputs=outputs)
         return 16 * part.num_trainable + 4 * (part.num_params - part.num_trainable) + sum(held)
 
     return max(range(cfg.parallel.pp_size), key=total)
@@ -792,12 +793,12 @@ def load_whole(path, model, optimizer, whole_groups: list[list[str]], adapter_on
 def stage_inputs(model, group: list[dict]) -> dict:
     """What every stage gets of the micro-batches (concatenated; the schedule splits them again):
     their position ids, the plain count where a batch carries none (trainloop.data.loaders.collate),
-    and the mask attention reads (trainloop.model.attention): padded rows' where a batch carries an
+    and what attention reads (trainloop.model.attention): padded rows' mask where a batch carries an
     attention_mask (grpo's left-padded prompts), else, where some row restarts the position ids, the
-    documents'."""
+    documents (one a row where a batch carries none)."""
     import torch
 
-    from trainloop.model.attention import with_document_mask
+    from trainloop.model.attention import documents_of, with_document_mask
 
     positions = [b["position_ids"] if "position_ids" in b else
                  torch.arange(b["input_ids"].shape[1], device=b["input_ids"].device).expand_as(b["input_ids"])
@@ -806,7 +807,11 @@ def stage_inputs(model, group: list[dict]) -> dict:
     padded = any("attention_mask" in b for b in group)
     if padded:
         inputs["attention_mask"] = torch.cat([b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in group])
-    return with_document_mask(model, inputs) if padded or any("position_ids" in b for b in group) else inputs
+    elif any("position_ids" in b for b in group):
+        inputs["documents"] = torch.cat([
+            b["documents"] if "documents" in b else documents_of(b["position_ids"]) if "position_ids" in b else
+            torch.zeros(b["input_ids"].shape, dtype=torch.int32) for b in group])
+    return with_document_mask(model, inputs) if padded or "documents" in inputs else inputs
 
 
 def same_width(forwards: list[dict]) -> list[dict]:

@@ -118,7 +118,7 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
     def activations(checkpointing: bool) -> tuple[int, int]:  # this run's, with or without checkpointing
         return activation_bytes(shape, batch, cfg.data.seq_len, half, autocast=autocast, checkpointing=checkpointing,
                                 attention=cfg.model.attn_implementation, chunked=cfg.trainer.loss_chunk_tokens > 0,
-                                packed=cfg.data.packing == "documents", fp8=fp8, tp=tp, sequence_parallel=sp,
+                                fp8=fp8, tp=tp, sequence_parallel=sp,
                                 blocks=blocks, outputs=outputs, cp=cp)
 
     saved, recompute = activations(cfg.model.gradient_checkpointing)
