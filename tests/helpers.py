@@ -524,6 +524,15 @@ def conversation(i: int) -> list[dict]:
     return messages
 
 
+def short_texts(path: Path) -> Path:
+    """400 texts of 20 to 119 characters (Python's own help topics): several documents in every block."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    return write_rows(path, [{"text": topics[names[i % len(names)]][i // len(names) * 120:][:20 + i * 37 % 100]}
+                             for i in range(400)])
+
+
 def prepare(out: Path, *overrides: str, shard_documents: int = 10) -> dict:
     """trainloop.prepare's shards of the smoke preset's data (+ overrides) in `out`."""
     from trainloop.data.shards import prepare as write

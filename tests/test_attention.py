@@ -118,6 +118,22 @@ def test_document_attention_equals_the_dense_masks_forward_and_backward_and_comp
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+def test_under_autocast_document_attention_computes_in_its_dtype_as_sdpa_does():
+    """precision=bf16 on fp32 weights: rotary embeddings leave the query and key in fp32 and the value in
+    bf16; sdpa is one of autocast's bf16 ops, and the document attention casts as autocast does."""
+    from trainloop.model.attention import document_attention, documents_of
+
+    torch.manual_seed(0)
+    documents = documents_of(torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0))
+    query, key = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    value = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = document_attention(query, key, value, documents, 8 ** -0.5)
+        want = dense_reference(query, key, value, documents)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_a_batch_carries_position_ids_only_where_a_row_restarts_them():
     from trainloop.data.loaders import collate
 

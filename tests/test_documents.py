@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import DATA, TEACHER, conversation, read_metrics, run_log, train, warm, write_rows
+from helpers import DATA, TEACHER, conversation, read_metrics, run_log, short_texts, train, warm, write_rows
 
 TOLERANCE = 1e-5
 DENSE = "model.attn_implementation=eager"  # transformers' eager attention, with its packed-rows mask
@@ -31,15 +31,6 @@ def assert_same(got: Path, want: Path) -> None:
     for (step, key, x), (_, _, y) in zip(a, b):
         assert x == pytest.approx(y, rel=TOLERANCE, abs=TOLERANCE), (step, key, x, y)
     assert len({x for _, key, x in a if key == "loss"}) > 1  # the model moved
-
-
-def short_texts(path: Path) -> Path:
-    """400 texts of 20 to 119 characters (Python's own help topics): several documents in every block."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    return write_rows(path, [{"text": topics[names[i % len(names)]][i // len(names) * 120:][:20 + i * 37 % 100]}
-                             for i in range(400)])
 
 
 def assert_packs_documents(*overrides: str) -> None:

@@ -19,11 +19,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import compose, read_metrics, safetensors_of, train
+from helpers import compose, read_metrics, safetensors_of, short_texts, train
 from trainloop import guard as guard_module, loop
 
 MASK_INFERENCE = "transformers/masking_utils.py"
 LOADER_COLLATE = ("trainloop/data/loaders.py", "collate")
+DOCUMENT_SPANS = ("trainloop/model/attention.py", "spans")
 MASKS = " in transformers' mask inference"
 READ_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
 READ_METHODS = {"tolist", "numpy", "item", "__bool__", "__float__", "__int__", "__index__"}
@@ -35,15 +36,18 @@ class HostReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.iteration = 0
+        self.ops: Counter = Counter()  # trainloop's own ops (trainloop.model.attention) run
         self.reads: Counter = Counter()
         self.what: dict[int, list[str]] = {}
 
     def note(self, what: str) -> None:
         """A read, said with where it comes from: transformers' mask inference, or elsewhere. The data
         loader's collate reads the batch it makes in host memory (on a GPU, before its copy to the
-        device): no wait for the device, so not counted."""
+        device), and the document attention's spans read the documents the loader made there, which
+        the loop leaves there (tests/test_documents.py): no wait for the device, so not counted."""
         frames = traceback.extract_stack()
-        if any(f.filename.endswith(LOADER_COLLATE[0]) and f.name == LOADER_COLLATE[1] for f in frames):
+        if any(f.filename.endswith(where) and f.name == name for f in frames
+               for where, name in (LOADER_COLLATE, DOCUMENT_SPANS)):
             return
         if any(f.filename.endswith(MASK_INFERENCE) for f in frames):
             what += MASKS
@@ -53,6 +57,8 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
+        if name.startswith("trainloop."):  # what runs inside is not seen here: test_the_document_attention_...
+            self.ops[name] += 1
         if name in READ_OPS:
             self.note(name)
         elif name in ("aten._to_copy.default", "aten.copy_.default"):
@@ -116,12 +122,34 @@ QUIET = [1, 2, 3, 5, 6, 7]  # the iterations that neither log, evaluate nor save
 def test_the_steps_between_two_log_lines_read_nothing_on_the_host(tmp_path, monkeypatch, packing):
     """optimizer=adamw (fused: torch's kernel takes the guard's found_inf), accumulation 2, the guard
     on. transformers would read the position ids once per forward, looking for packed rows; the
-    training attention (trainloop/model/attention.py) leaves it no mask to build."""
-    counter, records, guards = counted_run(tmp_path, monkeypatch, *FUSED, f"data.packing={packing}")
+    training attention (trainloop/model/attention.py) leaves it no mask to build. Packed documents:
+    short texts, several in every block, through the document attention's ops (what they run inside
+    is counted by the test below)."""
+    data = ["data=files", f"data.path={short_texts(tmp_path / 'texts.jsonl')}"] if packing == "documents" else []
+    counter, records, guards = counted_run(tmp_path, monkeypatch, *FUSED, f"data.packing={packing}", *data)
+    assert (counter.ops["trainloop.document_attention.default"] > 0) == (packing == "documents")
     assert guards[0].late, "fused AdamW skips a non-finite update on the device: the guard reads one step late"
     assert [r["step"] for r in records if "loss" in r] == [4, 8]
     assert {n: counter.what.get(n, []) for n in QUIET} == {n: [] for n in QUIET}
     assert len(counter.what[4]) > 0  # a log line reads: the count sees reads
+
+
+def test_the_document_attention_reads_only_the_documents_in_host_memory():
+    """Inside its ops (which a dispatch mode sees as one call each), the document attention reads the host
+    tensor of documents the loader made, which the loop leaves there (tests/test_documents.py), and nothing
+    else: its forward and backward run here as plain Python under the count."""
+    from trainloop.model.attention import _documents_backward, _documents_forward, documents_of
+
+    counter = HostReads()
+    documents = documents_of(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]]))
+    query, key, value, grad = (torch.randn(1, 2, 8, 4) for _ in range(4))
+    with counter, MethodReads(counter, []):
+        out, logsumexp = _documents_forward._init_fn(query, key, value, documents, 0.5)
+        _documents_backward._init_fn(grad, query, key, value, out, logsumexp, documents, 0.5)
+    assert counter.what == {}
+    with counter, MethodReads(counter, []):
+        documents.tolist()  # the count sees a read of them outside the spans
+    assert counter.what == {0: ["Tensor.tolist"]}
 
 
 def test_transformers_own_masks_read_the_position_ids_once_a_forward(tmp_path, monkeypatch):

@@ -127,27 +127,32 @@ _documents_forward.register_autograd(_backward, setup_context=_keep)
 
 
 @torch.compiler.disable
-def _documents_loop(query, key, value, documents, scale):
-    """Off the CPU: sdpa's causal kernel (flash, where the device has one) once a document, under autograd.
-    Its loop depends on the documents, so compile leaves it out of the graph."""
+def _documents_loop(query, key, value, documents, scale, dropout=0.0):
+    """Off the CPU, or with attention dropout (which the CPU flash kernel has not): sdpa's causal kernel
+    (flash, where the device has one) once a document, under autograd. Its loop depends on the documents, so
+    compile leaves it out of the graph."""
     rows = []
     for row, start, end in spans(documents):
         if row == len(rows):
             rows.append([])
         part = slice(start, end)
         rows[row].append(F.scaled_dot_product_attention(query[row, :, part], key[row, :, part], value[row, :, part],
-                                                        is_causal=True, scale=scale,
+                                                        is_causal=True, scale=scale, dropout_p=dropout,
                                                         enable_gqa=key.shape[1] != query.shape[1]))
     return torch.stack([torch.cat(parts, dim=1) for parts in rows])
 
 
-def document_attention(query, key, value, documents: torch.Tensor, scale: float) -> torch.Tensor:
+def document_attention(query, key, value, documents: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each document, none across. Out: (batch, seq, heads, dim), as transformers'
-    attention functions return it."""
-    if query.device.type == "cpu":
+    attention functions return it. Under autocast it computes in autocast's dtype, as sdpa does."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # a custom op is not autocast's: cast as autocast casts sdpa
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    if device == "cpu" and not dropout:
         out = _documents_forward(query, key, value, documents, scale)[0]
     else:
-        out = _documents_loop(query, key, value, documents, scale)
+        out = _documents_loop(query, key, value, documents, scale, dropout)
     return out.transpose(1, 2).contiguous()
 
 
@@ -183,11 +188,8 @@ def _attend(module, query, key, value, mask, documents=None, dropout=0.0, scalin
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-    if dropout:
-        raise RuntimeError("attention dropout over packed documents: document attention runs none; set "
-                           "model.dropout=0, or data.packing=stream")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return document_attention(query, key, value, documents, scale), None
+    return document_attention(query, key, value, documents, scale, dropout), None
 
 
 def with_document_mask(model, inputs: dict) -> dict:

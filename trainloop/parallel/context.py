@@ -5,8 +5,8 @@ trades that, by one all-to-all, for the whole sequence on 1/cp of the heads, and
 
 What it changes, and where:
 - the model's inputs (`local`): each rank's slice of the input ids and of the global position ids
-  (so RoPE and learned positions are exact), and the mask of the whole sequence (packed documents'
-  block-causal one, or a padded row's), which attention applies after the swap;
+  (so RoPE and learned positions are exact), and the whole sequence's documents (packed documents,
+  trainloop.model.attention) or mask (a padded row's), which attention applies after the swap;
 - attention (`attend`, called by trainloop.model.attention's functions, which `local` hands this
   group with the inputs: transformers passes a forward's keyword arguments to every layer's
   attention): the swap to heads, transformers' sdpa over the whole sequence, the swap back;

@@ -7,8 +7,8 @@ The model is cut in place: a rank keeps the blocks of its stages under their own
 and the output layer on the last's, and drops the rest, so checkpoints and the export hold the
 model's own names. A stage's forward is the model's own layers called in turn; every stage gets
 the micro-batch's position ids (the schedules pass keyword arguments to every stage), and the
-layers attend through trainloop's training attention (trainloop.model.attention), which builds
-the packed documents' mask from them, so no stage needs transformers' mask. A step's micro-batches
+layers attend through trainloop's training attention (trainloop.model.attention), which takes
+the micro-batch's packed documents as another input, so no stage needs transformers' mask. A step's micro-batches
 (trainer.gradient_accumulation_steps) are the schedule's: the last stage takes each one's summed
 loss over the step's units, the same sum one process takes.
 
