@@ -1,23 +1,23 @@
 """Attention over packed documents: the dense block-causal mask against trainloop's document attention
 (trainloop/model/attention.py, issue 61), measured in one invocation on this machine.
 
-    python scripts/bench_attention.py [--lengths 2048 8192 32768] [--steps 3] [--cp] [--json OUT]
+    python scripts/bench_attention.py [--parts kernel run cp] [--lengths 2048 8192 32768] [--steps 3] [--json OUT]
 
-Three parts, each case in a fresh process, so that each has its own peak memory:
+Three parts (kernel and run by default), each case in a fresh process, so that each has its own peak memory,
+and with glibc told to give every allocation of 64 KiB or more its own mapping, so that freed tensors leave
+the resident set (without it, glibc's heap makes a run's peak wander by 0.1 GB from one run to the next):
   - the kernel: the smoke preset's model (2 blocks, 64 wide, fp32) on one block of the default corpus's
     packed documents, a training step (forward and backward) at each length, through transformers' sdpa
     with its dense mask (it reads the packed rows from the position ids and builds a (seq x seq) mask) and
     through the document attention. Tokens/s over the median of the timed steps; peak memory over the
-    steps: the peak resident set (VmHWM, reset just before the first step) minus the resident set then,
-    with glibc told to give every allocation of 64 KiB or more its own mapping, so that freed tensors
-    leave the resident set. A dense case whose mask would not fit in half the memory the system has left
-    gets a row that says so;
+    steps: the peak resident set (VmHWM, reset just before the first step) minus the resident set then.
+    A dense case whose mask would not fit in half the memory the system has left gets a row that says so;
   - the run (issue 61's first acceptance check): `python -m trainloop +preset=smoke`, 2 blocks a step, at
     4,096, 8,192 and 16,384 tokens, its peak resident set measured from outside (wait4's ru_maxrss): the
     growth from 8k to 16k over the growth from 4k to 8k, 2 where memory is linear in the sequence, 4
     where a (seq x seq) term leads;
-  - with --cp (the second check): the same run under FSDP2 on one process and with parallel.cp_size=2 on
-    two, at 512 and 8,192 tokens: each rank's growth over one process's.
+  - cp (the second check): the same run under FSDP2 on one process and with parallel.cp_size=2 on two, at
+    512 and 8,192 tokens: each rank's growth over one process's.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PATHS = ("dense", "documents")
+ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
 def one_case(path: str, length: int, steps: int) -> dict:
@@ -76,11 +77,11 @@ def one_case(path: str, length: int, steps: int) -> dict:
             "peak_bytes": status_bytes("VmHWM") - start_rss}
 
 
-def child(args: list[str], env: dict | None = None, timeout: float = 1800) -> tuple[int, str, int]:
+def child(args: list[str], timeout: float = 1800) -> tuple[int, str, int]:
     """Run `args`; (exit code, stdout, its peak resident set in bytes as the kernel counts it, of it and the
     processes it waited for)."""
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=ENV)
         deadline = time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -100,7 +101,6 @@ def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
     from trainloop.memory.proc import mem_available
 
     rows = []
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
     for length in lengths:
         for path in PATHS:
             mask = 4 * length * length  # sdpa's additive float mask, one row
@@ -109,7 +109,7 @@ def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
                              "skipped": f"its mask alone ({mask / 2**30:.1f} GiB, kept by each layer too) would not "
                                         "fit in half the memory this machine has left"})
                 continue
-            code, out, _ = child([sys.executable, __file__, "--one", path, str(length), "--steps", str(steps)], env)
+            code, out, _ = child([sys.executable, __file__, "--one", path, str(length), "--steps", str(steps)])
             line = [x for x in out.splitlines() if x.startswith("{")]
             rows.append(json.loads(line[-1]) if code == 0 and line else
                         {"path": path, "tokens": length, "skipped": f"exit {code}: {out.strip()[-300:]}"})
@@ -117,12 +117,12 @@ def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
     return rows
 
 
-def run_peak(length: int, *overrides: str, processes: int = 1) -> int:
+def run_peak(length: int, *overrides: str, presets: str = "smoke", processes: int = 1) -> int:
     """Peak resident set of a 2-step trainloop run at `length` tokens, 2 blocks a step, measured from outside."""
     with tempfile.TemporaryDirectory() as run_dir:
         launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                      "--master_port=29661", "-m", "trainloop"] if processes > 1 else [sys.executable, "-m", "trainloop"])
-        code, out, peak = child([*launcher, "+preset=smoke", f"data.seq_len={length}",
+        code, out, peak = child([*launcher, f"+preset={presets}", f"data.seq_len={length}",
                                  f"model.max_position_embeddings={length}", "data.batch_size=2", "trainer.max_steps=2",
                                  "trainer.eval_every=2", "trainer.eval_batches=1", "checkpoint.save_final_model=false",
                                  "logging.progress_bar=false", *overrides, f"hydra.run.dir={run_dir}"])
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cp", action="store_true", help="also the context-parallel growth (2 processes)")
+    parser.add_argument("--parts", nargs="+", choices=("kernel", "run", "cp"), default=["kernel", "run"])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -143,11 +143,34 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one_case(args.one[0], int(args.one[1]), args.steps)))
         return 0
 
-    report = {"kernel": kernel_rows(args.lengths, args.steps)}
+    report = {}
+    if "kernel" in args.parts:
+        report["kernel"] = kernel_rows(args.lengths, args.steps)
+        print_kernel(report["kernel"], args.lengths)
+    if "run" in args.parts:
+        peaks = {length: run_peak(length) for length in (4096, 8192, 16384)}
+        growth = (peaks[16384] - peaks[8192]) / (peaks[8192] - peaks[4096])
+        report["run"] = {"peak_bytes": peaks, "growth_ratio": growth}
+        print("\ntrainloop, one process, 2 blocks of the smoke model, peak RSS from outside: " +
+              ", ".join(f"{k:,} tokens {v / 2**30:.2f} GiB" for k, v in peaks.items()) +
+              f"; growth 8k->16k / 4k->8k = {growth:.2f} (linear: 2, quadratic: 4; the check: at most 2.3)")
+    if "cp" in args.parts:
+        one = {n: run_peak(n, presets="[smoke,fsdp]") for n in (512, 8192)}
+        split = {n: run_peak(n, "parallel.cp_size=2", presets="[smoke,fsdp]", processes=2) for n in (512, 8192)}
+        share = (split[8192] - split[512]) / (one[8192] - one[512])
+        report["cp"] = {"one_process": one, "cp2_rank": split, "share": share}
+        print(f"FSDP2, growth 512->8,192 tokens: one process {(one[8192] - one[512]) / 2**20:,.0f} MiB, each rank of "
+              f"cp=2 {(split[8192] - split[512]) / 2**20:,.0f} MiB: x{share:.2f} (the check: at most 0.6)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def print_kernel(rows: list[dict], lengths: list[int]) -> None:
     print("\n| tokens | documents | dense tokens/s | documents tokens/s | documents/dense | dense peak | documents peak |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for length in args.lengths:
-        dense, documents = (next(r for r in report["kernel"] if r["tokens"] == length and r["path"] == path)
+    for length in lengths:
+        dense, documents = (next(r for r in rows if r["tokens"] == length and r["path"] == path)
                             for path in PATHS)
         cells = [f"{length:,}", str(documents.get("documents", ""))]
         for row in (dense, documents):
@@ -156,24 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(f"x{documents['tokens_per_s'] / dense['tokens_per_s']:.2f}" if measured else "")
         cells += ["" if "skipped" in row else f"{row['peak_bytes'] / 2**20:,.0f} MiB" for row in (dense, documents)]
         print("| " + " | ".join(cells) + " |")
-
-    peaks = {length: run_peak(length) for length in (4096, 8192, 16384)}
-    growth = (peaks[16384] - peaks[8192]) / (peaks[8192] - peaks[4096])
-    report["run"] = {"peak_bytes": peaks, "growth_ratio": growth}
-    print("\ntrainloop, one process, 2 blocks of the smoke model, peak RSS from outside: " +
-          ", ".join(f"{k:,} tokens {v / 2**30:.2f} GiB" for k, v in peaks.items()) +
-          f"; growth 8k->16k / 4k->8k = {growth:.2f} (linear: 2, quadratic: 4; the check: at most 2.3)")
-
-    if args.cp:
-        one = {n: run_peak(n, "+preset=fsdp") for n in (512, 8192)}
-        split = {n: run_peak(n, "+preset=fsdp", "parallel.cp_size=2", processes=2) for n in (512, 8192)}
-        share = (split[8192] - split[512]) / (one[8192] - one[512])
-        report["cp"] = {"one_process": one, "cp2_rank": split, "share": share}
-        print(f"FSDP2, growth 512->8,192 tokens: one process {(one[8192] - one[512]) / 2**20:,.0f} MiB, each rank of "
-              f"cp=2 {(split[8192] - split[512]) / 2**20:,.0f} MiB: x{share:.2f} (the check: at most 0.6)")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -126,3 +126,20 @@ def test_the_documents_stay_in_host_memory_where_the_attention_reads_them():
     assert {key: t.device.type for key, t in batch.items()} == {
         "input_ids": "meta", "labels": "meta", "position_ids": "meta", "documents": "cpu"}
     assert batch["documents"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0] * 8]
+
+
+def test_the_benchmark_measures_both_paths_on_the_same_packed_block(tmp_path, capsys):
+    """scripts/bench_attention.py's kernel part, at 512 tokens: both paths run on a block of several documents
+    and report tokens/s and peak memory (the figures are BENCHMARKS.md's, from the full run)."""
+    import json
+
+    from helpers import script
+
+    out = tmp_path / "bench.json"
+    assert script("bench_attention").main(["--parts", "kernel", "--lengths", "512", "--steps", "1",
+                                           "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["kernel"]
+    assert [r["path"] for r in rows] == ["dense", "documents"]
+    assert all(r["tokens"] == 512 and r["documents"] > 1 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0
+               for r in rows), rows
+    assert "| 512 |" in capsys.readouterr().out
