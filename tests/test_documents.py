@@ -72,6 +72,22 @@ def test_packed_documents_train_as_transformers_dense_mask_does(tmp_path, caplog
     assert_same(documents, train(tmp_path / "dense", *run, DENSE))
 
 
+def test_a_compiled_model_takes_the_documents_whole_graph_and_trains_as_eager(tmp_path, caplog):
+    """compile.fullgraph=true (a graph break fails the run) with gradient checkpointing: the document
+    attention is one node of the model's graph, and the losses equal the eager run's within 1e-5."""
+    import torch._dynamo
+
+    caplog.set_level("INFO", logger="trainloop")
+    run = ["data=files", f"data.path={short_texts(tmp_path / 'texts.jsonl')}", "data.seq_len=128",
+           "model.gradient_checkpointing=true"]
+    eager = train(tmp_path / "eager", *run)
+    torch._dynamo.reset()
+    compiled = train(tmp_path / "compiled", *run, "compile=inductor", "compile.backend=aot_eager",
+                     "compile.fullgraph=true", "compile.optimizer=false")
+    assert "torch.compile: whole model" in caplog.text
+    assert_same(compiled, eager)
+
+
 RUN = ["+preset=smoke", "model.tie_embeddings=false", "data.seq_len=256", "data.batch_size=2",
        "trainer.gradient_accumulation_steps=2", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2",
        "trainer.eval_batches=2", "logging.progress_bar=false"]

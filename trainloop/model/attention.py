@@ -120,7 +120,7 @@ def _keep(ctx, inputs, output):
 
 
 def _backward(ctx, grad, _):
-    return (*_documents_backward(grad.contiguous(), *ctx.saved_tensors, ctx.scale), None, None)
+    return (*_documents_backward(grad, *ctx.saved_tensors, ctx.scale), None, None)
 
 
 _documents_forward.register_autograd(_backward, setup_context=_keep)
