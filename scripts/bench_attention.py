@@ -6,7 +6,8 @@
 Three parts (kernel and run by default), each case in a fresh process, so that each has its own peak memory,
 and with glibc told to give every allocation of 64 KiB or more its own mapping, so that freed tensors leave
 the resident set (without it, glibc's heap makes a run's peak wander by 0.1 GB from one run to the next):
-  - the kernel: the smoke preset's model (2 blocks, 64 wide, fp32) on one block of the default corpus's
+  - the kernel: the smoke preset's model (2 blocks, 64 wide, fp32; on a CUDA GPU where there is one, its
+    peak then torch's allocated memory) on one block of the default corpus's
     packed documents, a training step (forward and backward) at each length, through transformers' sdpa
     with its dense mask (it reads the packed rows from the position ids and builds a (seq x seq) mask) and
     through the document attention. Tokens/s over the median of the timed steps; peak memory over the
@@ -38,16 +39,19 @@ ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
 def one_case(path: str, length: int, steps: int) -> dict:
-    """A training step of the smoke model on one packed block of `length` tokens, through `path`."""
+    """A training step of the smoke model on one packed block of `length` tokens, through `path`: on a CUDA GPU
+    where there is one (peak: torch's allocated memory), else on one CPU thread (peak: the resident set)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from trainloop.config.compose import compose_config
     from trainloop.data.loaders import build_datasets, build_tokenizer
     from trainloop.memory.proc import reset_peak_rss, status_bytes
-    from trainloop.model.attention import SDPA_DOCUMENTS, documents_of, use, with_document_mask
+    from trainloop.model.attention import SDPA_DOCUMENTS, documents_of, use
     from trainloop.model.builder import build_model_config
 
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     torch.set_num_threads(1)
     cfg = compose_config(["+preset=smoke", f"data.seq_len={length}", f"model.max_position_embeddings={length}"])
     tokenizer = build_tokenizer(None, None)
@@ -55,26 +59,31 @@ def one_case(path: str, length: int, steps: int) -> dict:
     positions = blocks.tensors["position_ids"]
     block = int(documents_of(positions)[:, -1].argmax())  # the block of the most documents
     batch = blocks.__getitems__([block])
-    documents = int(batch["documents"].max()) + 1 if "documents" in batch else 1
+    if "documents" not in batch:
+        raise SystemExit(f"no block of the default corpus holds two documents at {length} tokens")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(build_model_config(cfg.model, len(tokenizer)), attn_implementation="sdpa")
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids",
-                                                                         torch.arange(length).unsqueeze(0))}
+    model.to(device)
+    inputs = {key: batch[key].to(device) for key in ("input_ids", "position_ids", "labels")}
     if path == "documents":
         use(model, SDPA_DOCUMENTS, "the benchmark")
-        inputs = with_document_mask(model, {**inputs, **({"documents": batch["documents"]} if "documents" in batch
-                                                        else {})})
-    labels = batch["labels"]
+        inputs["documents"] = batch["documents"]  # on the host, where the loop leaves it
     times = []
-    start_rss = status_bytes("VmRSS")
-    reset_peak_rss()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    else:
+        start = status_bytes("VmRSS")
+        reset_peak_rss()
     for _ in range(steps + 1):
         begin = time.perf_counter()
-        model(**inputs, labels=labels).loss.backward()
+        model(**inputs).loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
-    return {"path": path, "tokens": length, "documents": documents,
-            "tokens_per_s": length / statistics.median(times[1:]),
-            "peak_bytes": status_bytes("VmHWM") - start_rss}
+    peak = torch.cuda.max_memory_allocated() if cuda else status_bytes("VmHWM")
+    return {"path": path, "tokens": length, "documents": int(batch["documents"].max()) + 1, "device": str(device),
+            "tokens_per_s": length / statistics.median(times[1:]), "peak_bytes": peak - start}
 
 
 def child(args: list[str], timeout: float = 1800) -> tuple[int, str, int]:
@@ -98,13 +107,15 @@ def child(args: list[str], timeout: float = 1800) -> tuple[int, str, int]:
 
 
 def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
+    import torch
+
     from trainloop.memory.proc import mem_available
 
     rows = []
     for length in lengths:
         for path in PATHS:
             mask = 4 * length * length  # sdpa's additive float mask, one row
-            if path == "dense" and 2 * mask > (mem_available() or 0) / 2:
+            if path == "dense" and not torch.cuda.is_available() and 2 * mask > (mem_available() or 0) / 2:
                 rows.append({"path": path, "tokens": length,
                              "skipped": f"its mask alone ({mask / 2**30:.1f} GiB, kept by each layer too) would not "
                                         "fit in half the memory this machine has left"})

@@ -90,6 +90,13 @@ def _bench_figures(out: Path) -> dict:
             "MFU": ", ".join(f"{v} {r['mfu']:.1%}" for v, r in results.items() if r.get("mfu") is not None)}
 
 
+def _attention_figures(out: Path) -> dict:
+    rows = json.loads((out / "attention.json").read_text())["kernel"]
+    return {"note": "; ".join(f"{r['path']} {r['tokens']:,}: " + (f"not run ({r['skipped'][:60]})" if "skipped" in r else
+                                                                 f"{r['tokens_per_s']:,.0f} tok/s, "
+                                                                 f"{r['peak_bytes'] / 2**20:,.0f} MiB") for r in rows)}
+
+
 def _methods_figures(out: Path) -> dict:
     found = json.loads((out / "methods.json").read_text())
     rows = [f"{r['method']}: " + (f"not run ({r['skipped'][:60]})" if "skipped" in r else
@@ -146,6 +153,11 @@ CHECKS = [
     Check("zero3 offload", "DeepSpeed ZeRO-3, parameters and optimizer state offloaded to CPU",
           ["precision=bf16", "+preset=zero3_offload"], timeout=300,
           cpu_why="DeepSpeed's CPU Adam compiles on first use (minutes on 2 cores); tests/ cover ZeRO-3 on CPU"),
+    Check("document attention", "packed documents attended one document at a time (flash, no mask) against "
+          "transformers' dense block-causal mask, 2k/8k/32k tokens (scripts/bench_attention.py)",
+          ["scripts/bench_attention.py", "--parts", "kernel", "--json", "OUT/attention.json"], command=True,
+          figures=_attention_figures, timeout=300,
+          cpu_why="its CPU table is BENCHMARKS.md's (python scripts/bench_attention.py, minutes on 2 cores)"),
     Check("bench_methods.py", "the GPU rows of bench_methods.py the checks above do not run, against fp32 AdamW",
           ["scripts/bench_methods.py", "--steps", "6", "--warmup", "2", "--only", *GPU_METHODS,
            "--json", "OUT/methods.json"], command=True, figures=_methods_figures, timeout=300,

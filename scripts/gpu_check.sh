@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lent a GPU? One command runs every path only a GPU can show (bf16/fp16/tf32, fused and 8-bit
 # AdamW, QLoRA 4-bit, flash attention, compile, FSDP2 and ZeRO-3 offload on one device, fp8,
-# activation offload, the chunked loss's memory, bench.py --size gpt2's MFU, bench_methods.py) in
+# activation offload, the chunked loss's memory, bench.py --size gpt2's MFU, packed documents'
+# attention against the dense mask, bench_methods.py) in
 # 8 minutes, and writes one markdown report; its path is the last line printed. On a CPU
 # it runs the tiny forms and names what it skipped and why. Options: scripts/gpu_check.py --help.
 #   bash scripts/gpu_check.sh                 # report: gpu_check/gpu_check_report.md
