@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from helpers import compose, reset_accelerate, train
 from trainloop.data.tokenizer import IGNORE
+from trainloop.model.attention import padded_causal
 
 
 def tiny(arch: str, attn: str):
@@ -68,6 +69,28 @@ def test_a_document_starts_where_positions_do_not_count_on_and_spans_never_cross
     assert documents.dtype == torch.int32 and documents.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
     assert spans(documents) == [(0, 0, 3), (0, 3, 5), (0, 5, 6), (1, 0, 4), (1, 4, 6)]
     assert spans(torch.zeros(2, 3, dtype=torch.int32)) == [(0, 0, 3), (1, 0, 3)]  # the same number, two rows
+
+
+def test_padded_rows_attend_as_documents_and_their_tokens_as_the_dense_mask_gives_them():
+    """A left-padded prompt with a right-padded completion (grpo's rollouts, distill's on-policy rows) is
+    three documents: padding, tokens, padding. Every kept token's output equals sdpa's under padded_causal's
+    dense mask; a row whose kept tokens are not one run is not documents (the dense mask stays)."""
+    from trainloop.model.attention import SDPA_CAUSAL, documents_of_mask, with_document_mask
+
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1] * 8, [0] * 8])
+    assert documents_of_mask(mask).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0] * 7 + [1], [0] * 8, [0] * 8]
+    assert documents_of_mask(torch.tensor([[1, 1, 0, 1]])) is None
+    model = tiny("llama", SDPA_CAUSAL)
+    ids = torch.randint(3, 320, mask.shape)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    inputs = with_document_mask(model, {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+    assert "attention_mask" not in inputs and inputs["documents"].tolist() == documents_of_mask(mask).tolist()
+    dense = {"input_ids": ids, "position_ids": positions, "document_mask": padded_causal(mask)}
+    with torch.no_grad():
+        kept = mask.bool()
+        torch.testing.assert_close(model(**inputs).logits[kept], model(**dense).logits[kept], rtol=1e-5, atol=1e-5)
+    gapped = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])
+    assert "document_mask" in with_document_mask(model, {"input_ids": ids[:1], "attention_mask": gapped})
 
 
 def dense_reference(query, key, value, documents):

@@ -47,6 +47,17 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
     return F.pad(starts.cumsum(-1, dtype=torch.int32), (1, 0))
 
 
+def documents_of_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """Padded rows' documents, as documents_of numbers them: each run of kept tokens one document, each run of
+    padding another (its queries attend only padding, and nothing reads them). None where some row's kept
+    tokens are not one run: its mask is not a document's. Made from a mask in host memory (no wait)."""
+    starts = torch.diff(attention_mask, dim=-1, prepend=torch.zeros_like(attention_mask[:, :1])) > 0
+    if (starts.sum(-1) > 1).any():
+        return None
+    changes = torch.diff(attention_mask, dim=-1) != 0
+    return F.pad(changes.cumsum(-1, dtype=torch.int32), (1, 0))
+
+
 def spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, start, end) of every document in `documents` (the host tensor documents_of makes): read on
     the host, where it lives, so no wait for the device."""
@@ -194,9 +205,10 @@ def _attend(module, query, key, value, mask, documents=None, dropout=0.0, scalin
 
 def with_document_mask(model, inputs: dict) -> dict:
     """`inputs` as `model` attends by them, where it attends through one of these functions (transformers
-    builds it no mask; the model hands its keyword arguments to each layer's attention): padded rows' mask
-    (from their `attention_mask`, which goes), or, under sdpa_documents, the documents (`documents`: the
-    loader's host tensor, else made from the position ids). A batch carries position ids only where a row
+    builds it no mask; the model hands its keyword arguments to each layer's attention): padded rows (their
+    `attention_mask` goes) as documents where their mask is in host memory (documents_of_mask; a mask on a
+    device: padded_causal's dense mask), or, under sdpa_documents, the documents (`documents`: the loader's
+    host tensor, else made from the position ids). A batch carries position ids only where a row
     restarts them (trainloop.data.loaders.collate); without them every row is one sequence, and sdpa runs
     is_causal. Other attentions get no `documents`: transformers' masks read the position ids."""
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
@@ -205,7 +217,13 @@ def with_document_mask(model, inputs: dict) -> dict:
         return {key: value for key, value in inputs.items() if key != "documents"}
     if inputs.get("attention_mask") is not None:
         rest = {key: value for key, value in inputs.items() if key not in ("attention_mask", "documents")}
-        return {**rest, "document_mask": padded_causal(inputs["attention_mask"])}
+        mask = inputs["attention_mask"]
+        documents = inputs.get("documents")
+        if documents is None and mask.device.type == "cpu":  # on a device, reading it would wait for it
+            documents = documents_of_mask(mask)
+        if documents is not None:
+            return {**rest, "documents": documents}
+        return {**rest, "document_mask": padded_causal(mask)}
     if name != SDPA_DOCUMENTS or "position_ids" not in inputs:
         return {key: value for key, value in inputs.items() if key != "documents"}
     if inputs.get("documents") is not None:
