@@ -524,6 +524,13 @@ def conversation(i: int) -> list[dict]:
     return messages
 
 
+def completions(path: Path) -> Path:
+    """tests/data/preference.jsonl's prompts with their chosen completions (a sum written out), as
+    prompt/completion rows: 38 to train on, 10 held out."""
+    rows = [json.loads(line) for line in (DATA / "preference.jsonl").read_text().splitlines()]
+    return write_rows(path, [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
+
+
 def short_texts(path: Path) -> Path:
     """400 texts of 20 to 119 characters (Python's own help topics): several documents in every block."""
     from pydoc_data.topics import topics

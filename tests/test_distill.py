@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from helpers import (
-    DATA, SMALL, TEACHER, assert_same_logged, clean_env, compose, finish, logged, ranks_of, read_metrics,
-    start, torchrun, train, wait_for_step, warm, write_rows,
+    SMALL, TEACHER, assert_same_logged, clean_env, completions, compose, finish, logged, ranks_of, read_metrics,
+    start, torchrun, train, wait_for_step, warm,
 )
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -38,13 +38,6 @@ def gkd_trainer():
 
 
 CASES = [(beta, temperature) for beta in (0.0, 0.5, 1.0) for temperature in (1.0, 2.0)]
-
-
-def completions(path: Path) -> Path:
-    """tests/data/preference.jsonl's prompts with their chosen completions (a sum written out), as
-    prompt/completion rows: 38 to train on, 10 held out."""
-    rows = [json.loads(line) for line in (DATA / "preference.jsonl").read_text().splitlines()]
-    return write_rows(path, [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
 
 
 def distill(path: Path, teacher: Path = TEACHER) -> list[str]:

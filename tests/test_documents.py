@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import DATA, TEACHER, conversation, read_metrics, run_log, short_texts, train, warm, write_rows
+from helpers import TEACHER, completions, conversation, read_metrics, run_log, short_texts, train, warm, write_rows
 
 TOLERANCE = 1e-5
 DENSE = "model.attn_implementation=eager"  # transformers' eager attention, with its packed-rows mask
@@ -42,13 +42,6 @@ def assert_packs_documents(*overrides: str) -> None:
     cfg = compose(*overrides)
     train_set, _ = build_datasets(cfg.data, build_tokenizer(None, None), cfg.trainer.seed)
     assert all(train_set.restarts), sum(train_set.restarts) / len(train_set)
-
-
-def completions(path: Path) -> Path:
-    import json
-
-    rows = [json.loads(line) for line in (DATA / "preference.jsonl").read_text().splitlines()]
-    return write_rows(path, [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows])
 
 
 OBJECTIVES = {

@@ -43,19 +43,23 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
     where a position is not the previous one plus one, as transformers reads them; a row's first token always
     starts one. The loader makes them from its host copy of the positions (trainloop.data.sets): made from
     positions on a GPU, they would be a host read."""
-    starts = torch.diff(position_ids.cpu(), dim=-1) != 1
-    return F.pad(starts.cumsum(-1, dtype=torch.int32), (1, 0))
+    return _numbered(torch.diff(position_ids.cpu(), dim=-1) != 1)
 
 
 def documents_of_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
     """Padded rows' documents, as documents_of numbers them: each run of kept tokens one document, each run of
     padding another (its queries attend only padding, and nothing reads them). None where some row's kept
     tokens are not one run: its mask is not a document's. Made from a mask in host memory (no wait)."""
-    starts = torch.diff(attention_mask, dim=-1, prepend=torch.zeros_like(attention_mask[:, :1])) > 0
-    if (starts.sum(-1) > 1).any():
+    steps = torch.diff(attention_mask, dim=-1, prepend=torch.zeros_like(attention_mask[:, :1]))
+    if ((steps > 0).sum(-1) > 1).any():  # a row's kept tokens start more than once
         return None
-    changes = torch.diff(attention_mask, dim=-1) != 0
-    return F.pad(changes.cumsum(-1, dtype=torch.int32), (1, 0))
+    return _numbered(steps[:, 1:] != 0)
+
+
+def _numbered(starts: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) int32 document numbers from (batch, seq - 1) `starts`: whether each token after the first
+    starts a document (a row's first token always does)."""
+    return F.pad(starts.cumsum(-1, dtype=torch.int32), (1, 0))
 
 
 def spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
