@@ -1,7 +1,7 @@
 """Which parallelism runs, and every question that depends on it, answered by one Strategy.
 
-A row of STRATEGIES is chosen from the config (parallel.pp_size > 1, parallel.tp_size > 1, fsdp=full_shard, deepspeed=zero*,
-else data parallel, which is also the one-process case). Before anything is built its class answers
+A row of STRATEGIES is chosen from the config (parallel.pp_size > 1, parallel.ep_size > 1, parallel.tp_size > 1,
+fsdp=full_shard, deepspeed=zero*, else data parallel, which is also the one-process case). Before anything is built its class answers
 the Accelerator's arguments, the checks of its keys, whether its checkpoints reshard, the planner's
 and `plan --suggest`'s terms (memory, traffic, layouts) and the doctor's view; once built, how the
 model is wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from trainloop.parallel.base import Strategy, running
 from trainloop.parallel.ddp import DataParallel
+from trainloop.parallel.ep import ExpertParallel
 from trainloop.parallel.degrees import builds_partitioned, context_size, one_forward_only, own_attention, splits
 from trainloop.parallel.fsdp2 import FSDP2
 from trainloop.parallel.hsdp import HybridShard
@@ -30,6 +31,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fsdp2": FSDP2,  # fsdp=full_shard
     "hsdp": HybridShard,  # parallel.dp_replicate > 1 (with fsdp=full_shard): a dp_replicate x dp_shard mesh
     "fsdp2_tp": FSDP2xTP,  # parallel.tp_size > 1 (with fsdp=full_shard): a dp_shard x tp mesh
+    "fsdp2_ep": ExpertParallel,  # parallel.ep_size > 1 (with fsdp=full_shard): a mixture's experts over an ep mesh
     "pipeline": Pipeline,  # parallel.pp_size > 1: a slice of the blocks on each process
 }
 

@@ -48,7 +48,7 @@ def fsdp_options(cfg, mesh, device: torch.device) -> dict:
     }
 
 
-def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh) -> torch.nn.Module:
+def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh, experts=None) -> torch.nn.Module:
     """Shard `model` in place with fully_shard over `mesh` (a process group must exist: a launcher's, or
     accelerator.single_process_group_env's for one process); returns it.
     A model built on the meta device (trainloop.parallel.fsdp2's builds_on_meta) gets its shards from
@@ -60,6 +60,10 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh) -> torc
 
     An adapter is applied and torch.compile (regional: each block) set up before this, as
     torchtitan does: the blocks are compiled, then sharded.
+
+    `experts` (expert parallelism, trainloop.parallel.ep): called with the model once the main process's
+    whole weights are taken, before the blocks are sharded; it splits the mixture's experts and returns the
+    parameters FSDP2 leaves to it.
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -79,9 +83,10 @@ def shard_model(cfg, model: torch.nn.Module, device: torch.device, mesh) -> torc
 
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model.config, mesh["tp"].size()),
                               cfg.parallel.sequence_parallel)
+    ignored = experts(model) if experts is not None else None
     for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)  # the root: what no block holds (embeddings, final norm, output head)
+        fully_shard(block, **options, ignored_params=ignored)
+    fully_shard(model, **options, ignored_params=ignored)  # the root: what no block holds (embeddings, final norm, output head)
     # Generation (eval.prompts, objective=grpo) calls the root's generate: a PEFT model's reaches the
     # inner model's forward, past the root's hooks, so its embeddings would stay sharded. Marked as a
     # forward, generate gathers the root's parameters around it. A score head (objective=reward) has none.
