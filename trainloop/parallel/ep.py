@@ -130,10 +130,13 @@ class ExpertParallel(FSDP2):
                        for p in model.get_submodule(name).parameters(recurse=False))
         total = sum(p.numel() for name in self.shards for p in model.get_submodule(name).parameters(recurse=False))
         efsdp = self.expert_mesh["efsdp"].size()
+        module = model.get_submodule(next(iter(self.shards)))
+        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None) or "eager"
         return (f"FSDP2 x EP: mesh {self.device.type} {efsdp} efsdp x {self.ep_size} ep, {len(self.shards)} mixture "
                 f"layers, {first.local} of {first.total} experts on each process (experts {first.first}-"
                 f"{first.first + first.local - 1} here; {per_rank / 1e6:.2f}M of {total / 1e6:.2f}M expert "
-                f"parameters), tokens to their experts by all-to-all; " + super().describe(model))
+                f"parameters), tokens to their experts by all-to-all, the local experts by {implementation}"
+                f"{' (torch._grouped_mm)' if implementation == 'grouped_mm' else ''}; " + super().describe(model))
 
     @staticmethod
     def problems(cfg) -> list[str]:

@@ -63,6 +63,7 @@ class Routed:
     received: list[int]  # copies received from each
     weights: torch.Tensor  # (tokens, top_k) router weights
     tokens: int
+    copies: torch.Tensor  # what this rank received: the module's input
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -118,16 +119,19 @@ class ExpertShard:
         copies = all_to_all_single_autograd(hidden[order // k], received, sent, self.group)
         local_index = torch.arange(self.local, device=index.device).repeat(self.size).repeat_interleave(
             incoming, output_size=copies.shape[0]).unsqueeze(-1)
-        self.pending.append(Routed(order, sent, received, weights, hidden.shape[0]))
+        self.pending.append(Routed(order, sent, received, weights, hidden.shape[0], copies))
         return copies, local_index, torch.ones_like(local_index, dtype=weights.dtype)
 
     def combine(self, module, args, output):
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         routed = self.pending.pop()
-        if output.shape[0] == 0:  # no token came: keep the local weights in the graph (a gradient of zeros),
-            # as one process's module always gives its stacked weights one, and the reductions need them all
-            output = output + sum(module.__dict__[w].reshape(-1)[:1].sum() * 0 for w in self.weights)
+        if output.shape[0] == 0:  # no token came: the module's output of nothing may hang from nothing. Keep what
+            # came and the local weights in the graph: the backward's all-to-all of the dispatch runs on every rank
+            # (the others wait for it), and the weights get a gradient of zeros, as one process's stacked weights
+            # always get one (the reductions need them all)
+            kept = [routed.copies] + [module.__dict__[w] for w in self.weights]
+            output = output + sum(t.reshape(-1)[:1].sum() * 0 for t in kept)
         for w in self.weights:
             del module.__dict__[w]
         back = all_to_all_single_autograd(output, routed.sent, routed.received, self.group)
