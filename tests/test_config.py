@@ -11,7 +11,8 @@ from helpers import GROUPS, NEEDS, OPTIONS, clean_env, compose, launch, read_met
 from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
 
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
-PRESET_NEEDS = {"qlora": ["model.name_or_path=/some/model"]}  # quantizes a pretrained model
+PRESET_NEEDS = {"qlora": ["model.name_or_path=/some/model"],  # quantizes a pretrained model
+                "ep": ["model.arch=mixtral"]}  # splits a mixture's experts
 def test_groups_are_the_ones_documented():
     assert {"model", "data", "optimizer", "scheduler", "precision", "deepspeed", "compile"} <= set(GROUPS)
     assert "smoke" in PRESETS

@@ -13,11 +13,11 @@ from trainloop.parallel import STRATEGIES, build_strategy, chosen, problems
 
 # A config that chooses each row (a new row adds its own).
 CHOOSE = {"ddp": [], "zero": ["+preset=zero2"], "fsdp2": ["+preset=fsdp"], "hsdp": ["+preset=hsdp"],
-          "fsdp2_tp": ["+preset=tp"],
+          "fsdp2_tp": ["+preset=tp"], "fsdp2_ep": ["+preset=ep", "model.arch=mixtral"],
           "pipeline": ["parallel.pp_size=2", "model.tie_embeddings=false", "trainer.gradient_accumulation_steps=2"]}
-# tensor parallelism needs tp_size processes, a pipeline pp_size (tests/test_pipeline.py), hybrid sharding
-# dp_replicate groups of 2 or more (tests/test_hsdp.py)
-ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp", "pipeline", "hsdp"})
+# tensor parallelism needs tp_size processes, expert parallelism ep_size (tests/test_expert_parallel.py), a pipeline
+# pp_size (tests/test_pipeline.py), hybrid sharding dp_replicate groups of 2 or more (tests/test_hsdp.py)
+ONE_PROCESS = sorted(set(STRATEGIES) - {"fsdp2_tp", "fsdp2_ep", "pipeline", "hsdp"})
 
 
 def test_every_strategy_is_chosen_by_a_config():
@@ -53,8 +53,8 @@ def test_each_strategy_states_its_own_problems(overrides, says):
     assert problems(compose()) == []
 
 
-def test_tensor_parallel_on_one_process_is_refused_naming_the_key():
-    """tp_size must divide the processes: checked when the strategy is built, before any model."""
+def test_tensor_and_expert_parallel_on_one_process_are_refused_naming_the_key():
+    """tp_size and ep_size must divide the processes: checked when the strategy is built, before any model."""
     from accelerate import Accelerator
 
     from trainloop.errors import ConfigError
@@ -62,3 +62,6 @@ def test_tensor_parallel_on_one_process_is_refused_naming_the_key():
     reset_accelerate()
     with pytest.raises(ConfigError, match=r"parallel\.tp_size=2 does not divide the 1 process"):
         build_strategy(compose("+preset=tp"), Accelerator(cpu=True))
+    reset_accelerate()
+    with pytest.raises(ConfigError, match=r"parallel\.ep_size=2 does not divide the 1 process"):
+        build_strategy(compose(*CHOOSE["fsdp2_ep"]), Accelerator(cpu=True))
