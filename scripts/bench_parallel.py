@@ -22,7 +22,8 @@ trainloop.parallel.sharding, as run.py prepares them). Per process, the largest 
   - planned: `python -m trainloop.plan`'s prediction of the training peak for the same config;
   - tokens/s: the global batch's tokens over the median wall-clock time of the timed steps.
 Ratios are against DDP's figures of this same invocation; the context-parallel rows' (one sequence of
-8,192 tokens per data-parallel rank, 4 blocks) against cp 1's.
+8,192 tokens per data-parallel rank, 4 blocks) against cp 1's; the mixture's (MOE: 8 experts) at ep 2 against
+FSDP2 alone's on the same mixture.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ MODEL = ["model.num_layers=6", "model.hidden_size=768", "model.num_heads=12", "d
          "data.batch_size=2", "optimizer=adamw", "precision=fp32", "trainer.gradient_accumulation_steps=1"]
 LONG = ["model.num_layers=4", "data.seq_len=8192", "model.max_position_embeddings=8192", "data.batch_size=1",
         "data.packing=stream", "data.validation_fraction=0.1"]
+# a mixture whose experts are most of it: 2 blocks of 512, 8 experts of 1,024 each, top 2 (26M parameters, 25M
+# of them in the experts)
+MOE = ["model.arch=mixtral", "model.num_experts=8", "model.num_layers=2", "model.hidden_size=512",
+       "model.num_heads=8", "model.intermediate_size=2048"]
 PIPELINE = ["model.tie_embeddings=false", "parallel.pp_size={nproc}", "trainer.gradient_accumulation_steps={micro}"]
 # name -> (label, preset, the strategy's own overrides; {nproc}: the processes, {micro}: 2 per process)
 STRATEGIES = {
@@ -73,8 +78,13 @@ STRATEGIES = {
     "cp1": ("8,192 tokens: DDP (parallel.cp_size=1)", "ddp", LONG),
     "cp2": ("8,192 tokens: context parallel, cp_size=2", "ddp", [*LONG, "parallel.cp_size=2"]),
     "cp4": ("8,192 tokens: context parallel, cp_size=4", "ddp", [*LONG, "parallel.cp_size=4"]),
+    # expert parallelism on the mixture: FSDP2 alone gathers every block's 8 experts; at ep 2 each process
+    # holds 4 of them whole and the tokens come to them (all-to-all); against FSDP2 alone on the same processes
+    "moe_fsdp": ("mixture, 8 experts: FSDP2", "fsdp", MOE),
+    "moe_ep2": ("mixture, 8 experts: FSDP2 x EP (parallel.ep_size=2)", "ep", MOE),
 }
-BASELINE = {"cp1": "cp1", "cp2": "cp1", "cp4": "cp1"}  # the row each row's ratios are against; the others: ddp
+# the row each row's ratios are against; the others: ddp
+BASELINE = {"cp1": "cp1", "cp2": "cp1", "cp4": "cp1", "moe_fsdp": "moe_fsdp", "moe_ep2": "moe_fsdp"}
 
 
 def worker(name: str, warmup: int, steps: int, overrides: list[str]) -> dict:
@@ -134,7 +144,8 @@ def mib(n: float) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    """Each row's ratios against DDP's of the same invocation (the context-parallel rows': against cp 1's)."""
+    """Each row's ratios against DDP's of the same invocation (the context-parallel rows': against cp 1's, the
+    mixture's against FSDP2's on it)."""
     lines = ["| strategy | tokens/s | training peak per process | vs DDP | planned | peak RSS per process | vs DDP "
              "| RSS before the model |", "|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():

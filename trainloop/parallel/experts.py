@@ -66,19 +66,6 @@ class Routed:
     copies: torch.Tensor  # what this rank received: the module's input
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """The identity forward; the gradient times `scale` backward."""
-
-    @staticmethod
-    def forward(ctx, tensor, scale: float):
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class ExpertShard:
     """The dispatch and combine hooks of one experts module split over the ep mesh: this rank holds experts
     [first, first + local). Its weights are DTensors sharded on dimension 0 over the ep mesh (the whole
@@ -91,14 +78,11 @@ class ExpertShard:
         self.local = self.total // self.size
         self.first = mesh.get_local_rank() * self.local
         self.weights = weights
-        self.gradient_scale = 1.0  # where FSDP2 does not reduce them: 1 / the data-parallel size (gradient_scale)
         self.compute_dtype = None  # where FSDP2 does not cast them: its mixed-precision dtype
         self.pending: list[Routed] = []  # a forward's dispatch, until its combine
 
     def compute(self, weight):
         local = weight.to_local()
-        if self.gradient_scale != 1.0:
-            local = _ScaleGradient.apply(local, self.gradient_scale)
         return local if self.compute_dtype is None else local.to(self.compute_dtype)
 
     def dispatch(self, module, args):

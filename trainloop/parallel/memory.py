@@ -28,7 +28,7 @@ class Transfer:
     what: str
     bytes: int  # sent by one process per optimizer step (a ring collective's share: ring_bytes)
     # dp: among the data-parallel ranks; tp: within a tensor-parallel group; cp: within a context-parallel
-    # group; pp: between pipeline stages; pcie: host <-> device
+    # group; ep: within an expert-parallel group; pp: between pipeline stages; pcie: host <-> device
     link: str
     note: str = ""
 

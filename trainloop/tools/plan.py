@@ -318,7 +318,8 @@ def render(report: dict) -> str:
 
 
 LINKS = {"dp": "among the data-parallel ranks", "tp": "within each tensor-parallel group",
-         "cp": "within each context-parallel group", "pp": "between pipeline stages",
+         "cp": "within each context-parallel group", "ep": "within each expert-parallel group",
+         "pp": "between pipeline stages",
          "pcie": "between host and device (PCIe)"}
 
 

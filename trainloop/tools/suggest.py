@@ -131,10 +131,12 @@ class StepTime:
     pp: float = 0.0  # a pipeline's activations and their gradients, point to point
     bubble: float = 0.0  # a pipeline's stages idle while it fills and drains
     cp: float = 0.0  # context parallelism's all-to-alls around attention
+    ep: float = 0.0  # expert parallelism's all-to-alls around the experts
 
     @property
     def total(self) -> float:  # nothing overlapped
-        return self.compute + self.dp + self.tp + self.pcie + self.cpu_optimizer + self.pp + self.bubble + self.cp
+        return (self.compute + self.dp + self.tp + self.pcie + self.cpu_optimizer + self.pp + self.bubble + self.cp
+                + self.ep)
 
 
 @dataclass
@@ -263,7 +265,7 @@ def step_time(plan: MemoryPlan, checkpointing: bool, tp: int, s: Suggestion, mod
                     pcie=plan.sent("pcie") / (v["pcie_gbs"] * 1e9),
                     cpu_optimizer=plan.cpu_stepped_params / (v["cpu_optimizer_gparams"] * 1e9),
                     pp=plan.sent("pp") / (link * 1e9), bubble=compute * bubble,
-                    cp=plan.sent("cp") / (v["intra_node_gbs"] * 1e9))
+                    cp=plan.sent("cp") / (v["intra_node_gbs"] * 1e9), ep=plan.sent("ep") / (v["intra_node_gbs"] * 1e9))
 
 
 def suggest(overrides: list[str], cluster: Cluster, values: dict, global_batch: int | None = None) -> Suggestion:
