@@ -101,6 +101,41 @@ def test_checkpoints_reshard_between_ep_sizes(tmp_path, one_process):
         assert_final_logits_equal(run_dir, one_process)
 
 
+def pretrained_qwen2_moe(path: Path) -> Path:
+    """A local Qwen2-MoE directory as transformers 5 writes it: fused experts beside a shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from helpers import ids_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    Qwen2MoeForCausalLM(config).save_pretrained(path)
+    return ids_tokenizer(path)
+
+
+@pytest.mark.slow
+def test_a_pretrained_qwen2_moe_splits_its_fused_experts_and_keeps_the_shared_one(tmp_path):
+    """Item 2: model=hf with a Qwen2-MoE directory: its fused experts split over ep 2, its shared expert with
+    FSDP2's dense weights; 6 steps equal 1 process with 2 accumulation steps, and final/ holds every expert."""
+    from transformers import AutoModelForCausalLM
+
+    model = pretrained_qwen2_moe(tmp_path / "qwen2_moe")
+    run = ["model=hf", f"model.name_or_path={model}", "data.seq_len=64", "data.batch_size=4", "trainer.max_steps=6",
+           "trainer.log_every=1", "trainer.eval_every=6", "trainer.eval_batches=1", "logging.progress_bar=false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    warm(1, ["+preset=fsdp", *run, "trainer.gradient_accumulation_steps=2", f"hydra.run.dir={one}"], cwd=tmp_path)
+    warm(2, ["+preset=ep", *run, f"hydra.run.dir={two}"], cwd=tmp_path)
+    assert "2 mixture layers, 2 of 4 experts on each process" in run_log(two)
+    got, want = train_lines(two), train_lines(one)
+    for key in ("loss", "grad_norm"):
+        assert max(abs(g[key] - w[key]) / w[key] for g, w in zip(got, want)) < TOLERANCE, key
+    final = AutoModelForCausalLM.from_pretrained(two / "final")
+    assert final.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    assert hasattr(final.model.layers[0].mlp, "shared_expert")
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["model.num_experts=3"], "parallel.ep_size=2 does not divide model.num_experts=3"),
     (["model.arch=llama"], "parallel.ep_size=2 with model.arch=llama: a dense model has no experts"),
