@@ -136,6 +136,52 @@ def test_a_pretrained_qwen2_moe_splits_its_fused_experts_and_keeps_the_shared_on
     assert hasattr(final.model.layers[0].mlp, "shared_expert")
 
 
+# Qwen3-30B-A3B's shape without a hub: 48 blocks of 2048, 32 query and 4 key/value heads, 128 experts of 768, top 8
+QWEN3_30B_A3B = ["model.arch=mixtral", "model.num_layers=48", "model.hidden_size=2048", "model.num_heads=32",
+                 "model.num_kv_heads=4", "model.num_experts=128", "model.experts_per_token=8",
+                 "model.intermediate_size=768", "data.seq_len=4096", "data.batch_size=1", "precision=bf16"]
+
+
+def test_the_planner_counts_each_processs_experts_the_dense_gathers_and_the_all_to_all():
+    """Item 5: at ep 2 on 2 processes the plan gathers the dense weights only (each process's experts are whole
+    there), holds the expert gradients through the backward, and sends each mixture layer's token copies both ways
+    over the ep link; FSDP2 alone gathers the experts too."""
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
+
+    cfg = compose(*EP, "model.num_experts=8")
+    shape = model_shape(cfg)
+    ep, fsdp = (plan_memory(c, shape, 2, "cpu") for c in (cfg, compose(*EP, "model.num_experts=8", "parallel.ep_size=1")))
+    line = lambda plan, what: next(x for x in plan.lines if x.what == what).bytes  # noqa: E731
+    block, experts = shape.largest_layer_params, shape.expert_params // shape.num_layers
+    root = shape.num_params - shape.num_layers * block
+    assert line(ep, "gathered parameters") == 4 * (root + 2 * (block - experts))
+    assert line(fsdp, "gathered parameters") == 4 * (root + 2 * block)
+    assert line(ep, "expert gradients") == 4 * shape.expert_params // 2
+    assert line(ep, "parameters") == line(fsdp, "parameters")  # 1/2 of every weight either way
+    a2a = next(t for t in ep.traffic if t.what == "token all-to-all")
+    tokens = cfg.data.batch_size * cfg.data.seq_len * shape.experts_per_token
+    assert (a2a.link, a2a.bytes) == ("ep", shape.num_layers * 4 * tokens * shape.hidden * 4 // 2)
+    assert ep.peak("cpu") < fsdp.peak("cpu")
+
+
+def test_suggest_weighs_expert_parallelism_for_a_mixture_and_not_for_a_dense_model():
+    """Item 5: for a Qwen3-30B-A3B-like shape on 8 x 80 GiB, the FSDP2 x EP layouts are planned and timed (their
+    all-to-alls on the ep link) and one of them comes first, ahead of FSDP2 alone, which gathers 128 experts a
+    block; a dense model is not offered them (refused: nothing to split)."""
+    from test_suggest import NODE, args
+    from trainloop.tools import suggest as suggestion
+
+    found = suggestion.run(args(*NODE, *QWEN3_30B_A3B))
+    split = [o for o in found.fitting if o.layout.startswith("FSDP2 x EP")]
+    assert split and all(o.time.ep > 0 and f"parallel.ep_size={o.layout[-1]}" in o.overrides for o in split)
+    assert found.fitting[0].layout.startswith("FSDP2 x EP")
+    fsdp = [o for o in found.fitting if o.layout == "FSDP2"]
+    assert fsdp and fsdp[0].time.total > found.fitting[0].time.total
+    dense = suggestion.run(args(*NODE, "model.num_layers=2"))
+    assert not any(o.layout.startswith("FSDP2 x EP") for o in dense.fitting)
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["model.num_experts=3"], "parallel.ep_size=2 does not divide model.num_experts=3"),
     (["model.arch=llama"], "parallel.ep_size=2 with model.arch=llama: a dense model has no experts"),
