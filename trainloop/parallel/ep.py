@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainloop.errors import ConfigError
-from trainloop.parallel.fsdp2 import FSDP2
-from trainloop.model.tensors import is_dtensor
+from trainloop.parallel.fsdp2 import FSDP2, clip_over_meshes
 
 
 @dataclass
@@ -113,27 +112,12 @@ class ExpertParallel(FSDP2):
         return model
 
     def clip_grad_norm(self, model, max_norm: float):
-        """The experts' gradients divided by what FSDP2 did not divide them by (shard); then the global L2 norm over
-        every mesh's gradients (the dense weights' on FSDP2's, the experts' on the ep mesh, or on (efsdp, ep)): one
-        exact norm per mesh, combined; then every gradient clipped."""
-        import torch
-
+        """The experts' gradients divided by what FSDP2 did not divide them by (shard); then the norm over every
+        mesh's gradients (the dense weights' on FSDP2's, the experts' on the ep mesh, or on (efsdp, ep))."""
         for weight in self.expert_weights:
             if weight.grad is not None:
                 weight.grad.mul_(self.gradient_scale)
-
-        by_mesh: dict = {}
-        for p in model.parameters():
-            if p.grad is not None:
-                by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
-        norms = []
-        for params in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-            norms.append(norm.to(self.device).full_tensor() if is_dtensor(norm) else norm.to(self.device))
-        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.device)
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return clip_over_meshes(model, max_norm, self.device)
 
     def describe(self, model) -> str:
         first = next(iter(self.shards.values()))

@@ -5,7 +5,8 @@ A transformers 5 mixture keeps its experts fused: one module (`experts`, its cla
 `use_experts_implementation`) holds every expert's weights stacked on dimension 0 (`gate_up_proj`,
 `down_proj`, their biases where the model has them), and is called as experts(tokens, top_k_index,
 top_k_weights) after the router chose. `split` keeps this rank's contiguous num_experts / ep_size of them
-(rank r: experts r * local ... (r + 1) * local - 1) and wraps the module's call in two hooks:
+(rank r: experts r * local ... (r + 1) * local - 1) as DTensors of the whole shapes, sharded over the ep
+mesh, and `hook` wraps the module's call in two hooks:
 
 - dispatch (before the call): each token is copied once per chosen expert, sorted by expert, and the copies
   sent to the ranks that hold their experts (all-to-all, the counts first: one host read of them per layer
@@ -20,8 +21,8 @@ same ways reversed. Everything else (the router, its top-k and load-balancing lo
 is the model's own and runs on each rank's own tokens, as data parallelism runs it: the ep ranks are
 data-parallel ranks, which read different samples (torchtitan's and Megatron's layout).
 
-A mixture whose experts are per-expert modules (a ModuleList of MLPs, older layouts) is not split: `find`
-names it.
+A mixture whose experts are per-expert modules (a ModuleList of MLPs, older layouts) is not split:
+`per_expert_modules` names it, for the strategy's refusal.
 """
 
 from __future__ import annotations

@@ -24,6 +24,26 @@ class FsdpConfig:
     sync_each_batch: bool = True
 
 
+def clip_over_meshes(model, max_norm: float, device):
+    """The global L2 norm of the gradients of parameters that live on several meshes (tensor-parallel ones on a 2-D
+    mesh beside the others on dp_shard; experts on the ep mesh beside FSDP2's): one norm per mesh, exact by its
+    DTensor placements (a replicated shard counted once), combined; then every gradient clipped by it."""
+    import torch
+
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        norms.append(norm.to(device).full_tensor() if is_dtensor(norm) else norm.to(device))
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 class FSDP2(Strategy):
     name = "fsdp2"
     saves_async = True

@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainloop.errors import ConfigError
-from trainloop.parallel.fsdp2 import FSDP2
+from trainloop.parallel.fsdp2 import FSDP2, clip_over_meshes
 from trainloop.parallel.tensor_parallel import NO_PLAN
-from trainloop.model.tensors import is_dtensor
 
 
 @dataclass
@@ -116,22 +115,8 @@ class FSDP2xTP(FSDP2):
         return self.mesh.sharding(tp=True)
 
     def clip_grad_norm(self, model, max_norm: float):
-        """The global L2 norm over both meshes' gradients: one norm per mesh (DTensor placements make
-        each exact, a replicated shard counted once), combined; then each mesh's gradients clipped."""
-        import torch
-
-        by_mesh: dict = {}
-        for p in model.parameters():
-            if p.grad is not None:
-                by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p)
-        norms = []
-        for params in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-            norms.append(norm.to(self.device).full_tensor() if is_dtensor(norm) else norm.to(self.device))
-        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.device)
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        """The parameters live on two meshes: tp-split ones on the 2-D mesh, the others on dp_shard alone."""
+        return clip_over_meshes(model, max_norm, self.device)
 
     def describe(self, model) -> str:
         import torch.distributed as dist
