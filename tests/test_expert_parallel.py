@@ -136,6 +136,25 @@ def test_a_pretrained_qwen2_moe_splits_its_fused_experts_and_keeps_the_shared_on
     assert hasattr(final.model.layers[0].mlp, "shared_expert")
 
 
+def test_only_fused_experts_are_found_to_split():
+    """Item 2's layouts: transformers 5's fused experts modules are found (one per mixture layer; a Qwen2-MoE's shared
+    expert is not one), a dense model has none (refused when it is split), and experts held as one module per
+    expert are named for the refusal."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from trainloop.parallel import experts
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2)
+    qwen = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, moe_intermediate_size=8,
+                                              shared_expert_intermediate_size=8))
+    assert [name for name, _ in experts.find(qwen)] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert experts.find(LlamaForCausalLM(LlamaConfig(**small))) == []
+    per_expert = torch.nn.Module()
+    per_expert.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    assert experts.per_expert_modules(per_expert) == "experts" and experts.find(per_expert) == []
+
+
 # Qwen3-30B-A3B's shape without a hub: 48 blocks of 2048, 32 query and 4 key/value heads, 128 experts of 768, top 8
 QWEN3_30B_A3B = ["model.arch=mixtral", "model.num_layers=48", "model.hidden_size=2048", "model.num_heads=32",
                  "model.num_kv_heads=4", "model.num_experts=128", "model.experts_per_token=8",
