@@ -44,7 +44,7 @@ MODEL = ["model.num_layers=6", "model.hidden_size=768", "model.num_heads=12", "d
          "data.batch_size=2", "optimizer=adamw", "precision=fp32", "trainer.gradient_accumulation_steps=1"]
 LONG = ["model.num_layers=4", "data.seq_len=8192", "model.max_position_embeddings=8192", "data.batch_size=1",
         "data.packing=stream", "data.validation_fraction=0.1"]
-# a mixture whose experts are most of it: 2 blocks of 512, 8 experts of 1,024 each, top 2 (26M parameters, 25M
+# a mixture whose experts are most of it: 2 blocks of 512, 8 experts of 2,048 each, top 2 (51M parameters, 50M
 # of them in the experts)
 MOE = ["model.arch=mixtral", "model.num_experts=8", "model.num_layers=2", "model.hidden_size=512",
        "model.num_heads=8", "model.intermediate_size=2048"]

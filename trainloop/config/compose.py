@@ -154,7 +154,8 @@ POSITIVE = (
     "trainer.max_steps", "trainer.gradient_accumulation_steps", "trainer.log_every",
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
     "model.num_experts", "model.experts_per_token", "eval.max_new_tokens", "parallel.tp_size",
-    "parallel.pp_size", "parallel.pp_stages_per_rank", "parallel.cp_size", "parallel.ep_size", "eval.harness.batch_size",
+    "parallel.pp_size", "parallel.pp_stages_per_rank", "parallel.cp_size", "parallel.ep_size",
+    "eval.harness.batch_size",
 )
 
 

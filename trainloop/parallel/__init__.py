@@ -1,15 +1,15 @@
 """Which parallelism runs, and every question that depends on it, answered by one Strategy.
 
 A row of STRATEGIES is chosen from the config (parallel.pp_size > 1, parallel.ep_size > 1, parallel.tp_size > 1,
-fsdp=full_shard, deepspeed=zero*, else data parallel, which is also the one-process case). Before anything is built its class answers
-the Accelerator's arguments, the checks of its keys, whether its checkpoints reshard, the planner's
-and `plan --suggest`'s terms (memory, traffic, layouts) and the doctor's view; once built, how the
-model is wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full
-state dict gathered for export, the log line, and the data-parallel size and rank that the sample
-order, the loss normalisation, the batch and the checkpoint fingerprint read. Outside this package
-only the config's composition and checks read the strategies' keys. A parameter's full shape and
-local shard are asked in trainloop.model.tensors, never by probing parameters elsewhere. A new
-strategy is one module with a Strategy subclass and one row here (docs/extending.md).
+fsdp=full_shard, deepspeed=zero*, else data parallel, which is also the one-process case). Before anything is
+built its class answers the Accelerator's arguments, the checks of its keys, whether its checkpoints reshard,
+the planner's and `plan --suggest`'s terms (memory, traffic, layouts) and the doctor's view; once built, how the
+model is wrapped or sharded, gradients synchronised and clipped, state saved and loaded, the full state dict
+gathered for export, the log line, and the data-parallel size and rank that the sample order, the loss
+normalisation, the batch and the checkpoint fingerprint read. Outside this package only the config's composition
+and checks read the strategies' keys. A parameter's full shape and local shard are asked in
+trainloop.model.tensors, never by probing parameters elsewhere. A new strategy is one module with a Strategy
+subclass and one row here (docs/extending.md).
 """
 
 from __future__ import annotations

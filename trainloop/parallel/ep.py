@@ -38,7 +38,6 @@ def is_expert(size: tuple[int, ...], shape) -> bool:
 
 class ExpertParallel(FSDP2):
     name = "fsdp2_ep"
-    saves_async = True
     off = {"parallel.ep_size": 1}
     keys = ExpertParallelConfig
 
