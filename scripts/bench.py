@@ -123,7 +123,7 @@ def worker_raw(cfg, steps: int, out: Path, compiled: bool = False) -> None:
     forward = torch.compile(model) if compiled else model
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(parameter_groups(model, opt.weight_decay), lr=opt.lr, betas=tuple(opt.betas),
-                                  eps=opt.eps, fused=device == "cuda")
+                                  eps=opt.eps, fused=True)  # as optimizer.impl=auto
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
     loader = torch.utils.data.DataLoader(train_set.blocks, batch_size=cfg.data.batch_size, shuffle=True,
                                          drop_last=True)  # the raw loop: plain token blocks, labels = inputs

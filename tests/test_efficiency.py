@@ -336,10 +336,10 @@ def test_the_compiled_optimizer_steps_as_the_eager_one_does(tmp_path, baseline, 
 
 
 @pytest.mark.parametrize("overrides,compiled", [
-    (["compile=inductor"], True),  # null: inductor, torch's AdamW in its for-loop, whole parameters
+    (["compile=inductor", "optimizer.impl=for_loop"], True),  # null: inductor, AdamW's for-loop, whole parameters
     (["compile=inductor", "optimizer=sgd"], True),
-    (["compile=inductor", "optimizer.impl=fused"], False),  # one fused kernel already
-    (["compile=aot_eager"], True),  # traced as inductor would, to debug what it compiles
+    (["compile=inductor"], False),  # optimizer.impl=auto: one fused kernel already
+    (["compile=aot_eager", "optimizer.impl=for_loop"], True),  # traced as inductor would, to debug what it compiles
     (["compile=aot_eager", "optimizer=adafactor"], False),  # not torch's: transformers'
     (["compile=inductor", "compile.optimizer=false"], False),
     ([], False),

@@ -177,7 +177,7 @@ SKIPS_ON_DEVICE = {"adamw impl=fused": True, "adamw impl=foreach": False, "adamw
 @pytest.mark.parametrize("option", sorted(SKIPS_ON_DEVICE))
 def test_which_optimizers_skip_on_the_device(option):
     """torch's fused kernels take found_inf (`_step_supports_amp_scaling`); the others need the verdict first.
-    On CUDA, optimizer.impl=auto is fused (trainloop/optim/optimizers.py); bitsandbytes' 8-bit ones are not."""
+    optimizer.impl=auto is fused, on CPU as on CUDA (trainloop/optim/optimizers.py); bitsandbytes' 8-bit ones are not."""
     from trainloop.guard import skips_on_device
     from trainloop.optim.optimizers import build_optimizer
 

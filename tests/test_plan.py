@@ -184,14 +184,15 @@ def test_zero3_counts_deepspeeds_gathered_model_prefetch_and_flat_step():
     while that is within stage3_max_reuse_distance (1e9 at DeepSpeed's default: every parameter of
     a model below 500M), the prefetch bucket beside them; without optimizer offload the step
     flattens this rank's gradient partition into one fp32 tensor and steps the optimizer on the
-    flat partition (AdamW's for-loop temporaries at its size on CPU, none fused on CUDA). Without
+    flat partition (a for-loop AdamW's temporaries at its size; none for the fused one, the default). Without
     them the plan was 0.82 and 0.75 of bench_parallel's measured ZeRO-3 peaks; with them 0.96 and
     0.94 (BENCHMARKS.md)."""
     cfg = compose("+preset=zero3", "model.num_layers=2", "model.hidden_size=128", "model.num_heads=4", "precision=fp32")
     shape = model_shape(cfg)
 
-    def plan(device="cpu", **deepspeed):
+    def plan(device="cpu", impl="auto", **deepspeed):
         planned = cfg.copy()
+        planned.optimizer.impl = impl
         for key, value in deepspeed.items():
             planned.deepspeed[key] = value
         return plan_memory(planned, shape, 2, device)
@@ -201,8 +202,10 @@ def test_zero3_counts_deepspeeds_gathered_model_prefetch_and_flat_step():
     gathered, by_default = ([x for x in p.lines if x.what == "gathered parameters"] for p in (small, big))
     assert [x.phase for x in gathered] == ["forward/backward"] and gathered[0].bytes == 4 * (n + 1000)
     assert by_default[0].bytes == 4 * (n + n)  # the default prefetch bucket (50M) takes the whole model
-    assert small.get("optimizer step temporaries") == 4 * part + 2 * 4 * part  # flat fp32 gradients + sqrt, quotient
-    assert plan("cuda").get("optimizer step temporaries") == 4 * part  # fused AdamW: no temporaries of its own
+    assert small.get("optimizer step temporaries") == 4 * part  # flat fp32 gradients; fused AdamW: none of its own
+    assert plan("cuda").get("optimizer step temporaries") == 4 * part
+    for_loop = plan(impl="for_loop", stage3_prefetch_bucket_size=1000)
+    assert for_loop.get("optimizer step temporaries") == 4 * part + 2 * 4 * part  # + sqrt, quotient
     offload = plan(offload_optimizer="cpu")
     assert offload.get("optimizer step temporaries") == 0  # DeepSpeed's CPU Adam steps its own buffers
 

@@ -95,7 +95,7 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
     eps: float = 1e-8  # Adam's denominator term
     momentum: float = 0.9  # sgd and muon (its hidden matrices' momentum) only
-    impl: str = "auto"  # adamw (and muon's AdamW part) only: auto, fused, foreach, for_loop
+    impl: str = "auto"  # adamw (and muon's AdamW part) only: auto (= fused), fused, foreach, for_loop
 
 
 @dataclass

@@ -76,8 +76,9 @@ def _bitsandbytes():
 def _adamw(cfg: OptimizerConfig, groups: list[dict], on_cuda: bool):
     import torch
 
-    impl = "fused" if cfg.impl == "auto" and on_cuda else cfg.impl
-    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"} if impl != "auto" else {}
+    # auto: torch's fused kernel, on CPU as on CUDA (the HF Trainer's default too): no per-parameter temporaries,
+    # and it skips a non-finite update on the device (trainloop/guard.py)
+    kwargs = {"fused": True} if cfg.impl in ("auto", "fused") else {"foreach": cfg.impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
 
 
@@ -187,7 +188,7 @@ def _adam8bit_state(shape: Shape, cfg: OptimizerConfig) -> int:
 # --- step temporaries: bytes the step allocates and frees again -------------------------------
 
 def _adamw_temporaries(sizes: list[int], cfg: OptimizerConfig, on_cuda: bool) -> int:
-    chosen = ("fused" if on_cuda else "for_loop") if cfg.impl == "auto" else cfg.impl
+    chosen = "fused" if cfg.impl == "auto" else cfg.impl
     if chosen == "fused":
         return 0
     if chosen == "foreach":  # sqrt(exp_avg_sq) for a whole parameter group at once
@@ -341,8 +342,8 @@ class StateBytes:
 def compile_optimizer(cfg, optimizer) -> None:
     """compile.optimizer: the optimizer's step compiled, in place (its `step` replaced on the instance: its
     state, state_dict and schedule are the optimizer's own). null compiles it where it pays: torch's AdamW or
-    SGD not already one fused kernel (their CPU and default loops run a dozen small ops a parameter, which
-    inductor generates as one loop; on the 2-core CPU, a 1-layer 32-wide model's compiled step went from x0.81
+    SGD not already one fused kernel (optimizer.impl=for_loop or foreach, and SGD: their loops run a dozen small
+    ops a parameter, which inductor generates as one loop; on the 2-core CPU, a 1-layer 32-wide model's compiled step went from x0.81
     to x0.96 of a raw loop's that compiles the model only), on whole parameters: FSDP2's and tensor
     parallelism's DTensor shards keep the eager step. The debugging backends (aot_eager, eager) trace it as
     inductor would. The learning rate the schedule sets each step is a float Dynamo does not specialise on
