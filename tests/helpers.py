@@ -60,6 +60,7 @@ NEEDS = {  # options whose required keys the user must give
     ("model", "hf"): ["model.name_or_path=/some/model"],
     ("data", "files"): ["data.path=/some/data.jsonl"],
     ("data", "chat"): ["data.path=/some/chats.jsonl"],
+    ("data", "vision_chat"): ["data.path=/some/chats.jsonl", "model.arch=llava"],
     ("data", "prompt_completion"): ["data.path=/some/pairs.jsonl"],
     ("data", "prepared"): ["data.path=/some/prepared"],
     ("data", "preference"): ["data.path=/some/pairs.jsonl", "objective=dpo", "adapter=lora"],

@@ -23,7 +23,8 @@ def test_a_formats_default_train_on_is_the_first_it_serves(name):
     pairs = ["objective=dpo", "adapter=lora"] if FORMATS[name].pairs else []  # what trains on its pairs
     prompts = ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"] if FORMATS[name].prompts else []
     rows = ["objective=kto", "adapter=lora"] if FORMATS[name].unpaired else []  # what trains on its labelled rows
-    cfg = compose(f"data={name}", *paths, *pairs, *prompts, *rows)
+    images = ["model.arch=llava"] if FORMATS[name].images else []  # a vision-language model
+    cfg = compose(f"data={name}", *paths, *pairs, *prompts, *rows, *images)
     validate(cfg)
     assert cfg.data.train_on == FORMATS[name].train_on[0]
 
@@ -32,10 +33,13 @@ def test_choices_and_read_only_by_come_from_the_table():
     assert choices()["data.name"] == tuple(FORMATS)
     assert choices()["data.train_on"] == ("all", "assistant", "completion")
     table = read_only_by()
-    assert table["data.messages_field"][1] == "data=chat"
-    assert table["data.path"][1] == "data=files, chat, prompt_completion, preference, unpaired, prompts or prepared"
+    assert table["data.messages_field"][1] == "data=chat or vision_chat"
+    assert table["data.path"][1] == ("data=files, chat, vision_chat, prompt_completion, preference, unpaired, prompts "
+                                     "or prepared")
     assert table["data.chosen_field"][1] == "data=preference"
     assert table["data.num_proc"][1] == ("data=pydoc, files, chat, prompt_completion, preference or unpaired "
+                                         "(data=vision_chat: its rows are tokenized in the run's process; the images "
+                                         "are decoded as batches are read, in data.num_workers loader workers) "
                                          "(data=prepared: give it to python -m trainloop.prepare)")
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import NEEDS, OPTIONS, compose, reset_accelerate, started, warm
+from helpers import NEEDS, OPTIONS, compose, reset_accelerate, script, started, warm
 from trainloop.config import schema
 from trainloop.config.compose import ConfigError, check_command_line, validate
 
@@ -138,7 +138,26 @@ def files(tmp_path_factory) -> dict[str, Path]:
     for name in ("corpus_a", "corpus_b"):  # the same corpora, prepared (data=prepared)
         prepare(compose_config(["data=files", f"data.path={root / name}.jsonl"]), str(root / f"prepared_{name[-1]}"),
                 progress=False)
+    # conversations with images (data=vision_chat): a second conversation and image column for the field keys, one
+    # reply longer than the base's 96-token rows (data.overlong shows), a template with the assistant marked
+    squares = script("vision_squares")
+    for name, seed in (("vision_a", 0), ("vision_b", 1)):
+        drawn = squares.squares(12, seed)
+        for n, (_, image) in enumerate(drawn):
+            image.save(root / f"{name}_{n}.png")
+        with (root / f"{name}.jsonl").open("w") as f:
+            for n, (colour, _) in enumerate(drawn):
+                said = colour if n else f"{colour}, " + "surely " * 10
+                f.write(json.dumps({"messages": squares.conversation(said), "images": [f"{name}_{n}.png"],
+                                    "other": squares.conversation(colour.upper()),
+                                    "pictures": [f"{name}_{(n + 1) % len(drawn)}.png"]}) + "\n")
+    (root / "vision.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{% if m['role'] == 'assistant' %}"
+        "{% generation %}{{ p['text'] }}{% endgeneration %}{% else %}{{ p['text'] }}{% endif %}{% endif %}{% endfor %}"
+        "{% endif %}\n{% endfor %}")
     return {"prepared_a": root / "prepared_a", "prepared_b": root / "prepared_b",
+            "vision_a": root / "vision_a.jsonl", "vision_b": root / "vision_b.jsonl", "vision.jinja": root / "vision.jinja",
             "corpus_a": root / "corpus_a.jsonl", "corpus_b": root / "corpus_b.jsonl", "model_a": root / "model_a",
             "model_b": root / "model_b", "teacher_b": root / "teacher_b", "bpe": root / "bpe",
             "ds.json": root / "ds.json",
@@ -152,10 +171,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 # The corpus each data option reads (a, the base) and its probe for data.path (b).
 CORPUS = {"files": "corpus", "chat": "chat", "prompt_completion": "pairs", "prepared": "prepared",
-          "preference": "preference", "prompts": "prompts", "unpaired": "unpaired"}
+          "preference": "preference", "prompts": "prompts", "unpaired": "unpaired", "vision_chat": "vision"}
 PAIRED = {"preference": ["objective=dpo", "adapter=lora"],  # what trains on the option's pairs, rows or prompts
           "unpaired": ["objective=kto", "adapter=lora"],
-          "prompts": ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"]}
+          "prompts": ["objective=grpo", "objective.rewards=[trainloop.objectives.rewards:exact_answer]"],
+          "vision_chat": ["model.arch=llava", "data.seq_len=96"]}
 
 
 def generating(files) -> list[str]:
@@ -173,6 +193,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
     """A value for each key of each group, unlike its default (for data keys: the data option's; for
     objective keys that several objectives read: one the objective accepts)."""
     fine_tuning = data_option in ("chat", "prompt_completion", "preference", "unpaired")
+    vision = data_option == "vision_chat"  # its rows: one image's 16 tokens and a conversation, in 96 tokens
     return {
         "model.name_or_path": files["model_b"], "model.arch": "gpt2", "model.num_layers": 3,
         "model.hidden_size": 96, "model.num_heads": 4, "model.intermediate_size": 100,
@@ -180,16 +201,19 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "model.max_position_embeddings": 512, "model.vocab_multiple": 128, "model.dropout": 0.1,
         "model.attn_implementation": "eager", "model.gradient_checkpointing": True, "model.quantization": "4bit",
         "model.num_experts": 4, "model.experts_per_token": 1, "model.router_aux_loss_coef": 0.01,
+        "model.image_size": 64, "model.patch_size": 16, "model.vision_layers": 1, "model.vision_hidden_size": 96,
+        "model.freeze": ["vision"],
         "adapter.r": 4, "adapter.alpha": 32.0, "adapter.dropout": 0.1, "adapter.target_modules": ["q_proj", "v_proj"],
         "adapter.modules_to_save": ["norm"],
         "data.path": files[f"{CORPUS.get(data_option, 'corpus')}_b"], "data.text_field": "other",
         "data.sources": f"[{{path: {files[CORPUS.get(data_option, 'corpus') + '_b']}, weight: 1}}]",
-        "data.messages_field": "other", "data.tools_field": "functions", "data.chat_template": files["chat.jinja"],
+        "data.messages_field": "other", "data.tools_field": "functions", "data.images_field": "pictures",
+        "data.chat_template": files["vision.jinja" if vision else "chat.jinja"],
         "data.prompt_field": "question", "data.completion_field": "answer",
         "data.chosen_field": "better", "data.rejected_field": "worse", "data.label_field": "verdict",
-        "data.train_on": "all" if fine_tuning else "assistant", "data.packing": "stream",
-        "data.overlong": "split" if fine_tuning else "truncate", "data.tokenizer": files["bpe"],
-        "data.seq_len": 32, "data.batch_size": 2, "data.validation_fraction": 0.2, "data.num_workers": 1,
+        "data.train_on": "all" if fine_tuning or vision else "assistant", "data.packing": "stream",
+        "data.overlong": "drop" if vision else "split" if fine_tuning else "truncate", "data.tokenizer": files["bpe"],
+        "data.seq_len": 90 if vision else 32, "data.batch_size": 2, "data.validation_fraction": 0.2, "data.num_workers": 1,
         "data.persistent_workers": True, "data.prefetch_factor": 4, "data.multiprocessing_context": "spawn",
         "optimizer.lr": 0.5, "optimizer.weight_decay": 0.3, "optimizer.betas": [0.8, 0.9],
         "optimizer.eps": 1e-6, "optimizer.momentum": 0.5, "optimizer.impl": "for_loop",
@@ -201,7 +225,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "deepspeed.gather_16bit_weights_on_model_save": False, "deepspeed.zero3_init": True,
         "deepspeed.config_file": files["ds.json"],
         "compile.mode": "max-autotune", "compile.fullgraph": True, "compile.dynamic": True,
-        "compile.regional": True, "compile.optimizer": False,
+        "compile.regional": True, "compile.optimizer": True,
         "fsdp.reshard_after_forward": False, "fsdp.offload": "cpu", "fsdp.sync_each_batch": False,
         "precision.fp8_skip_small": True,
         "objective.beta": 0.3, "objective.loss_type": "grpo" if objective == "grpo" else "ipo",
@@ -240,6 +264,7 @@ def built(group: str, cfg):
     from trainloop.data.loaders import build_dataloaders, build_datasets, build_tokenizer
     from trainloop.data.sets import PackedBlocks
     from trainloop.model.builder import build_model, build_model_config
+    from trainloop.model.vision import vision_processor
 
     if group == "model":
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
@@ -265,6 +290,8 @@ def built(group: str, cfg):
             train, valid = _base_datasets[built_by]
         else:
             tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+            if cfg.data.name == "vision_chat":  # its processor's tokenizer, as the build takes it
+                tokenizer = vision_processor(cfg.model, tokenizer).tokenizer
             try:
                 train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
             except ConfigError as err:

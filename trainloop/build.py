@@ -88,6 +88,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective, items, prompt_tools
     from trainloop.model.flops import flops_per_token, trained_matmul_params
+    from trainloop.model.vision import freeze, image_token_id, is_vision, vision_processor
     from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler, compile_optimizer
@@ -96,11 +97,22 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     settle_learning_rate(cfg)  # a run settled it already; the planner's measurement and the benchmarks here
     accelerator = strategy.accelerator
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    processor = vision_processor(cfg.model, tokenizer) if cfg.data.name == "vision_chat" else None
+    if processor is not None:  # its tokenizer: the image token added (model.arch=llava), or model=hf's own
+        tokenizer = processor.tokenizer
     carry_chat_template(tokenizer, trained_chat_template(cfg.data, tokenizer))  # final/ is prompted as trained
     objective = build_objective(cfg, strategy.device)
     if objective.head == "score" and tokenizer.pad_token is None:  # where the score is read: as TRL sets it
         tokenizer.pad_token = tokenizer.eos_token
-    model_config = build_model_config(cfg.model, len(tokenizer), special_token_ids(tokenizer))
+    token_ids = special_token_ids(tokenizer)
+    if processor is not None:
+        token_ids["image_token_id"] = image_token_id(processor)
+    model_config = build_model_config(cfg.model, len(tokenizer), token_ids)
+    if (processor is not None) != is_vision(model_config):
+        raise ConfigError("data=vision_chat trains a vision-language model, and only it: model.arch=llava, or "
+                          "model=hf with a vision-language model's directory" if processor is not None else
+                          f"this model is a vision-language model ({type(model_config).__name__}): train it on "
+                          "data=vision_chat")
     if cfg.data.seq_len > context_length(model_config):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context of "
                           f"{context_length(model_config)} tokens; lower data.seq_len")
@@ -128,6 +140,9 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
         attention = training_attention(cfg, model_config, items(objective) is None, needed is not None)
         if attention is not None:
             use_attention(model, attention, needed or f"data.packing={cfg.data.packing}")
+        if cfg.model.freeze:
+            log.info("model.freeze=%s: %s parameters not trained", list(cfg.model.freeze),
+                     f"{freeze(model, cfg.model.freeze):,}")
         if cfg.adapter.name != "none":
             model = apply_adapter(cfg, model, objective.head)
         if fp8.enabled(cfg):  # before compile and sharding, as torchtitan converts
@@ -146,7 +161,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
         batch_size, accumulation = batch_search.batch_size, batch_search.accumulation
         accelerator.gradient_accumulation_steps = accumulation  # what its backward divides by
     advice = batch_size_advice({"data.batch_size": batch_size, "data.seq_len": cfg.data.seq_len,
-                                "hidden size": model_config.hidden_size, "vocab size": model_config.vocab_size},
+                                "hidden size": model_config.get_text_config().hidden_size,
+                                "vocab size": model_config.get_text_config().vocab_size},
                                tensor_core_multiple(cfg.precision.name, strategy.device))
     if advice and accelerator.is_main_process:  # the same advice for every rank: said once
         log.warning(advice)

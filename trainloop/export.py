@@ -91,7 +91,8 @@ def check_token_ids(directory: Path, tokenizer, generates: bool = True) -> None:
     generation_config.json."""
     from trainloop.model.builder import SPECIAL_TOKENS
 
-    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    config = json.loads((directory / "config.json").read_text())
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # a vision-language model's: its text's
     wanted = {key: getattr(tokenizer, key) for key in SPECIAL_TOKENS}
     for name in ("config.json", "generation_config.json")[:2 if generates else 1]:
         written = json.loads((directory / name).read_text())
@@ -150,9 +151,20 @@ def for_inference(model):
     return model
 
 
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """The tokenizer, or a vision-language model's processor around it (its image processor and chat template
+    too, as AutoProcessor loads them), carrying the chat template the rows were rendered with."""
+    from trainloop.model.vision import processor_of
+
+    processor = processor_of(tokenizer)
+    if processor is not None:
+        processor.chat_template = tokenizer.chat_template
+    (processor or tokenizer).save_pretrained(directory)
+
+
 def export_full(model, state_dict: dict, tokenizer, directory: Path) -> None:
     for_inference(model).save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
     count = check_export(directory, live_shapes(model))
     check_values(directory, state_dict)
     check_token_ids(directory, tokenizer, generates=getattr(model, "generation_config", None) is not None)
@@ -180,7 +192,7 @@ def export_adapter_run(cfg, peft_model, state_dict: dict, tokenizer, directory: 
     merged = merge_checked(unmerged)
     merged.to(getattr(torch, DTYPES[cfg.precision.name]))
     for_inference(merged).save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
     count = check_export(directory, live_shapes(merged))
     check_token_ids(directory, tokenizer, generates=getattr(merged, "generation_config", None) is not None)
     log.info("saved the merged model (%s parameters) to %s and its adapter (%s parameters) to %s",
@@ -211,18 +223,20 @@ def _rebuilt_adapter_model(cfg, peft_model, state_dict: dict, adapter_state: dic
     from trainloop.model.adapter import wrap_lora
     from trainloop.model.builder import SPECIAL_TOKENS, carry_token_ids
     from trainloop.model.heads import auto_class
+    from trainloop.model.vision import is_vision
     from trainloop.objectives import OBJECTIVES
 
     live_config, head = peft_model.get_base_model().config, OBJECTIVES[cfg.objective.name].head
+    vision, vocab = is_vision(live_config), live_config.get_text_config().vocab_size
     if cfg.model.quantization != "none":
-        base = auto_class(head).from_pretrained(cfg.model.name_or_path, dtype=torch.float32,
-                                                **({"num_labels": 1} if head == "score" else {}))
-        if base.get_input_embeddings().num_embeddings < live_config.vocab_size:
-            base.resize_token_embeddings(live_config.vocab_size)
+        base = auto_class(head, vision).from_pretrained(cfg.model.name_or_path, dtype=torch.float32,
+                                                        **({"num_labels": 1} if head == "score" else {}))
+        if base.get_input_embeddings().num_embeddings < vocab:
+            base.resize_token_embeddings(vocab)
         model = wrap_lora(base, cfg.adapter, head)
         set_peft_model_state_dict(model, adapter_state)
     else:
-        base = auto_class(head).from_config(live_config, dtype=torch.float32)
+        base = auto_class(head, vision).from_config(live_config, dtype=torch.float32)
         model = wrap_lora(base, cfg.adapter, head)
         _load_full(model, state_dict)
     ids = {key: getattr(live_config, key, None) for key in SPECIAL_TOKENS}
@@ -246,7 +260,7 @@ def merge_checked(model, tolerance: float = 1e-4):
     """Merge the adapter into the base weights; its logits must equal the unmerged model's."""
     import torch
 
-    vocab = model.get_base_model().config.vocab_size
+    vocab = model.get_base_model().config.get_text_config().vocab_size
     ids = torch.arange(32).remainder(vocab).unsqueeze(0)
     with torch.no_grad():
         before = model(input_ids=ids).logits

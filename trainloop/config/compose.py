@@ -126,7 +126,7 @@ if not CONFIG_DIR.is_dir():  # a source checkout or editable install: conf/ besi
 
 CHOICES = {
     "model.name": ("tiny", "hf"),
-    "model.arch": ("llama", "gpt2", "mixtral"),
+    "model.arch": ("llama", "gpt2", "mixtral", "llava"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "model.quantization": ("none", "8bit", "4bit"),
     "adapter.name": ("none", "lora"),
@@ -155,7 +155,8 @@ POSITIVE = (
     "trainer.eval_every", "checkpoint.keep_last", "adapter.r", "adapter.alpha",
     "model.num_experts", "model.experts_per_token", "eval.max_new_tokens", "parallel.tp_size",
     "parallel.pp_size", "parallel.pp_stages_per_rank", "parallel.cp_size", "parallel.ep_size",
-    "eval.harness.batch_size",
+    "eval.harness.batch_size", "model.image_size", "model.patch_size", "model.vision_layers",
+    "model.vision_hidden_size",
 )
 
 
@@ -163,6 +164,7 @@ _TINY = (lambda c: c.model.name == "tiny", "model=tiny")
 _ZERO = (lambda c: c.deepspeed.stage > 0, "deepspeed=zero1, zero2 or zero3")
 _ZERO3 = (lambda c: c.deepspeed.stage == 3, "deepspeed=zero3")
 _MIXTRAL = (lambda c: c.model.name == "tiny" and c.model.arch == "mixtral", "model=tiny and model.arch=mixtral")
+_LLAVA = (lambda c: c.model.name == "tiny" and c.model.arch == "llava", "model=tiny and model.arch=llava")
 _FSDP = (lambda c: c.fsdp.name != "none", "fsdp=full_shard (or +preset=fsdp)")
 _LORA = (lambda c: c.adapter.name == "lora", "adapter=lora")
 _COMPILED = (lambda c: c.compile.backend != "none", "compile=inductor (or another compile backend)")
@@ -184,6 +186,8 @@ _READ_ONLY_BY = {
     "model.max_position_embeddings": _TINY,
     "model.dropout": _TINY,
     **{f"model.{key}": _MIXTRAL for key in ("num_experts", "experts_per_token", "router_aux_loss_coef")},
+    **{f"model.{key}": _LLAVA for key in ("image_size", "patch_size", "vision_layers", "vision_hidden_size")},
+    "model.freeze": (lambda c: c.data.name == "vision_chat", "data=vision_chat (a vision-language model)"),
     "model.quantization": (lambda c: c.model.name == "hf" and c.adapter.name == "lora", "model=hf and adapter=lora"),
     **{f"adapter.{key}": _LORA for key in ("r", "alpha", "dropout", "target_modules", "modules_to_save")},
     "data.overlong": (lambda c: c.data.packing != "stream", "data.packing=documents or none"),
@@ -347,7 +351,7 @@ def problems(cfg: Any) -> list[str]:
     modules import torch when loaded, and validating a config must stay quick."""
     from trainloop import objectives, parallel
     from trainloop.data import formats
-    from trainloop.model import adapter, builder as model, fp8
+    from trainloop.model import adapter, builder as model, fp8, vision
     from trainloop.observe import harness
     from trainloop.observe.trackers import tracker_problems
     from trainloop.optim.optimizers import TORCH_OPTIMIZERS
@@ -366,6 +370,7 @@ def problems(cfg: Any) -> list[str]:
             found.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 
     found += model.problems(cfg)
+    found += vision.problems(cfg)
     found += adapter.problems(cfg)
     found += fp8.problems(cfg)
     found += formats.problems(cfg)

@@ -17,7 +17,7 @@ from omegaconf import MISSING
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # tiny: built from the shape below; hf: loaded from name_or_path
-    arch: str = "llama"  # tiny only: llama, gpt2 or mixtral (a Llama whose MLPs are routed experts)
+    arch: str = "llama"  # tiny only: llama, gpt2, mixtral (a Llama whose MLPs are routed experts) or llava (a vision tower before a Llama)
     name_or_path: Optional[str] = None  # hf only: a local directory, or a hub id when online
     num_layers: int = 4  # tiny only: transformer blocks
     hidden_size: int = 256  # tiny only: width of the residual stream
@@ -31,6 +31,13 @@ class ModelConfig:
     num_experts: int = 8  # arch=mixtral only: expert MLPs per block
     experts_per_token: int = 2  # arch=mixtral only: experts the router sends each token to
     router_aux_loss_coef: float = 0.001  # arch=mixtral only: weight of the router's load-balancing loss
+    image_size: int = 32  # arch=llava only: the side, in pixels, each image is resized and cropped to
+    patch_size: int = 8  # arch=llava only: the vision tower's patches; (image_size / patch_size)^2 image tokens an image
+    vision_layers: int = 2  # arch=llava only: the vision tower's transformer blocks
+    vision_hidden_size: int = 64  # arch=llava only: the vision tower's width (heads of 32)
+    # a vision-language model's parts trained not at all: vision (the vision tower), projector (what maps its
+    # features into the language model's embeddings); [] trains every part
+    freeze: list[str] = field(default_factory=list)
     attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     quantization: str = "none"  # hf with adapter=lora only: none, 4bit (NF4, QLoRA), 8bit; frozen base weights

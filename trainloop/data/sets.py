@@ -125,6 +125,38 @@ class PromptRows(PackedBlocks):
         return [self[i] for i in indices]  # rows carry strings: torch's collate makes the batch
 
 
+class VisionRows(PackedBlocks):
+    """data=vision_chat's conversations (trainloop.data.formats.vision_chat) as [rows, seq_len] tensors: input_ids,
+    labels and attention_mask, padded on the right, and image_digest (each row's images hashed, for the data
+    fingerprint); and each row's images (paths or bytes), which the processor's image processor turns into
+    pixels as a batch is read: pixel_values (and what else it gives, e.g. image_grid_thw), every image of the
+    batch's rows in order, as the model takes them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], images: list[list], image_processor):
+        self.tensors, self.images, self.image_processor = tensors, images, image_processor
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {key: value[0] if key in self.tensors else value for key, value in self.__getitems__([i]).items()}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        index = torch.tensor(indices)
+        batch = {key: tensor.index_select(0, index) for key, tensor in self.tensors.items() if key != "image_digest"}
+        pictures = [open_image(source) for i in indices for source in self.images[i]]
+        if pictures:
+            batch.update(self.image_processor(pictures, return_tensors="pt"))
+        return batch
+
+
+def open_image(source):
+    """The image at `source` (a path, or its bytes), decoded, in RGB."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+        return image.convert("RGB")
+
+
 def materialize(blocks) -> PackedBlocks:
     """Planned blocks gathered into tensors: data the run tokenized itself fits in memory."""
     items = [blocks[b] for b in range(len(blocks))]

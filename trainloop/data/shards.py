@@ -85,7 +85,7 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     fmt = data_format(cfg.data.name)
     if not fmt.loads_rows:
         loaders = sorted((name for name, f in FORMATS.items()
-                          if f.loads_rows and not f.pairs and not f.prompts and not f.unpaired),
+                          if f.loads_rows and not (f.pairs or f.prompts or f.unpaired or f.images)),
                          key=lambda n: not FORMATS[n].path)
         raise ConfigError(f"data={cfg.data.name} reads shards; prepare from the data itself "
                           f"(data={', '.join(loaders[:-1])} or {loaders[-1]}, with data.path)")
@@ -98,6 +98,10 @@ def prepare(cfg, out_dir: str, shard_documents: int = SHARD_DOCUMENTS, progress:
     if fmt.prompts:
         raise ConfigError(f"data={cfg.data.name}: prompts are not prepared into shards; a run tokenizes them "
                           "itself (drop python -m trainloop.prepare)")
+    if fmt.images:
+        raise ConfigError(f"data={cfg.data.name}: conversations with images are not prepared into shards; a run "
+                          "tokenizes them itself and reads the images as batches are read (drop python -m "
+                          "trainloop.prepare)")
     out = Path(out_dir).expanduser()
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
     plan = {"format": FORMAT, "tokenizer": tokenizer_record(tokenizer), "data": token_options(cfg),

@@ -23,10 +23,17 @@ def enabled(cfg) -> bool:
     return cfg.adapter.name != "none"
 
 
-def lora_config(cfg: AdapterConfig, head: str = "lm"):
+def lora_config(cfg: AdapterConfig, head: str = "lm", model=None):
+    """peft's LoraConfig; adapter.target_modules=null adapts every linear layer but the output head, and in a
+    vision-language model (`model`'s config, trainloop.model.vision.is_vision) its language model's alone."""
     from peft import LoraConfig
 
     targets = list(cfg.target_modules) if cfg.target_modules is not None else ALL_LINEAR
+    if cfg.target_modules is None and model is not None:
+        from trainloop.model.vision import is_vision, language_linears
+
+        if is_vision(model.config):
+            targets = language_linears(model)
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                       modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,
                       task_type=TASK_TYPES[head])
@@ -66,11 +73,12 @@ def check_targets(cfg: AdapterConfig, model_config, head: str = "lm") -> None:
     import torch
 
     from trainloop.model.heads import auto_class
+    from trainloop.model.vision import is_vision
 
     if cfg.name == "none":
         return
     with torch.device("meta"):
-        model = auto_class(head).from_config(model_config)
+        model = auto_class(head, is_vision(model_config)).from_config(model_config)
     names = [name for name, _ in model.named_modules() if name]
     for key, wanted in (("target_modules", cfg.target_modules), ("modules_to_save", cfg.modules_to_save)):
         unmatched = [t for t in (wanted or []) if not _matches(names, t)]
@@ -102,7 +110,7 @@ def wrap_lora(model, cfg: AdapterConfig, head: str = "lm"):
 
     with warnings.catch_warnings():  # peft asks transformers 5 by the old name: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, lora_config(cfg, head))
+        return get_peft_model(model, lora_config(cfg, head, model))
 
 
 def problems(cfg) -> list[str]:

@@ -10,6 +10,7 @@ import re
 from trainloop.config.sections import ModelConfig
 from trainloop.errors import ConfigError
 from trainloop.model.heads import as_scorer, auto_class
+from trainloop.model.vision import is_vision
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -31,10 +32,11 @@ def build_model_config(cfg: ModelConfig, vocab_size: int, token_ids: dict[str, i
     """
     config = _shape_config(cfg, vocab_size)
     carry_token_ids(config, token_ids or {})
-    outside = {k: v for k, v in (token_ids or {}).items() if v is not None and not 0 <= v < config.vocab_size}
+    vocab = config.get_text_config().vocab_size  # a vision-language model's is its language model's
+    outside = {k: v for k, v in (token_ids or {}).items() if v is not None and not 0 <= v < vocab}
     if outside:
         raise ConfigError(f"the tokenizer's special token ids {outside} are outside the model's vocabulary of "
-                          f"{config.vocab_size} tokens: use a tokenizer made for this model (data.tokenizer)")
+                          f"{vocab} tokens: use a tokenizer made for this model (data.tokenizer)")
     return config
 
 
@@ -58,10 +60,15 @@ def _shape_config(cfg: ModelConfig, vocab_size: int):
                 f"model.name_or_path={cfg.name_or_path!r}: no model config could be loaded ({err}). "
                 "Give a local model directory; hub ids need HF_HUB_OFFLINE=0 and network access"
             ) from None
-        if vocab_size > config.vocab_size:
-            config.vocab_size = round_up(vocab_size, cfg.vocab_multiple)
+        text = config.get_text_config()
+        if vocab_size > text.vocab_size:
+            text.vocab_size = round_up(vocab_size, cfg.vocab_multiple)
         return config
     vocab = round_up(vocab_size, cfg.vocab_multiple)
+    if cfg.arch == "llava":
+        from trainloop.model.vision import tiny_config
+
+        return tiny_config(cfg, vocab)
     intermediate = cfg.intermediate_size or 4 * cfg.hidden_size
     if cfg.arch == "gpt2":
         return GPT2Config(
@@ -91,6 +98,7 @@ def _shape_config(cfg: ModelConfig, vocab_size: int):
 
 
 def context_length(config) -> int:
+    config = config.get_text_config()
     return getattr(config, "max_position_embeddings", None) or config.n_positions
 
 
@@ -106,7 +114,7 @@ def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: 
 
     if head == "score":
         as_scorer(config)
-    auto = auto_class(head)
+    auto = auto_class(head, is_vision(config))
     try:
         if cfg.name == "hf" and not shapes_only:
             # Loaded at its own vocabulary size; a larger tokenizer's rows are added below. In fp32
@@ -126,8 +134,9 @@ def build_model(cfg: ModelConfig, config, precision: str = "fp32", shapes_only: 
         if "attn" not in str(err).lower():
             raise
         raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r}: {err}") from None
-    if model.get_input_embeddings().num_embeddings < config.vocab_size:
-        model.resize_token_embeddings(config.vocab_size)
+    vocab = config.get_text_config().vocab_size
+    if model.get_input_embeddings().num_embeddings < vocab:
+        model.resize_token_embeddings(vocab)
     # a pretrained model's config.json and generation_config.json keep the model's own ids
     ids = {key: getattr(config, key) for key in SPECIAL_TOKENS}
     carry_token_ids(model.config, ids)

@@ -35,7 +35,9 @@ def _get(config, *names, default=None):
 
 
 def attention_width(config) -> tuple[int, int]:
-    """(n_layers, heads x head_dim): the shape the attention term of the formula reads."""
+    """(n_layers, heads x head_dim): the shape the attention term of the formula reads (a vision-language
+    model's language model's; its vision tower's matmuls are counted per token with the rest, an upper bound)."""
+    config = config.get_text_config()
     hidden = _get(config, "hidden_size", "n_embd")
     heads = _get(config, "num_attention_heads", "n_head")
     head_dim = _get(config, "head_dim", default=hidden // heads)

@@ -7,10 +7,12 @@ from __future__ import annotations
 HEADS = {"lm": "AutoModelForCausalLM", "score": "AutoModelForSequenceClassification"}
 
 
-def auto_class(head: str = "lm"):
+def auto_class(head: str = "lm", vision: bool = False):
+    """The auto class of `head`; a vision-language model's (trainloop.model.vision.is_vision) next-token logits
+    come from AutoModelForImageTextToText."""
     import transformers
 
-    return getattr(transformers, HEADS[head])
+    return transformers.AutoModelForImageTextToText if vision and head == "lm" else getattr(transformers, HEADS[head])
 
 
 def as_scorer(config) -> None:

@@ -127,6 +127,10 @@ def problems(cfg, data_format=None) -> list[str]:
     if holds is not None and wants != holds:
         readers = " or ".join(name for name, row in OBJECTIVES.items() if items(row) == holds)
         problems.append(HOLDS[holds].format(**names, readers=readers))
+    if data_format is not None and data_format.images and not objective.images:
+        readers = " or ".join(name for name, row in OBJECTIVES.items() if row.images)
+        problems.append(f"objective={objective.name} with data={cfg.data.name}: only objective={readers} trains on "
+                        "images yet; choose it, or data without images")
     return problems
 
 

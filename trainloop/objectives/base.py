@@ -10,8 +10,10 @@ if TYPE_CHECKING:  # the table is read by config checks, which must not load tor
     import torch
 
 # what a model's training forward reads of a batch, where the batch has it: the token rows, the position ids of
-# packed documents and the documents themselves (trainloop.model.attention), the mask of padded rows
-FORWARD_KEYS = ("input_ids", "position_ids", "documents", "attention_mask")
+# packed documents and the documents themselves (trainloop.model.attention), the mask of padded rows, and a
+# vision-language model's images (data=vision_chat: what its image processor gives)
+FORWARD_KEYS = ("input_ids", "position_ids", "documents", "attention_mask", "pixel_values", "image_grid_thw",
+                "image_sizes")
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Objective:
     pairs = False  # trains on preference pairs (a data format whose row says pairs), not on target tokens
     prompts = False  # trains on completions it generates for prompts (a data format whose row says prompts)
     unpaired = False  # trains on completions labelled desirable or not (a data format whose row says unpaired)
+    images = False  # trains on rows with images too (a data format whose row says images: a vision-language model)
     # the dataclass of the objective.* keys it reads (beyond name), declared beside it with their defaults for
     # objective=NAME; trainloop/config/schema.py composes them. A key it does not declare is refused when given
     keys: type | None = None

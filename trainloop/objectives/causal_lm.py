@@ -26,6 +26,7 @@ class CausalLM(Objective):
     recorded, and its load-balancing loss x model.router_aux_loss_coef is the penalty."""
 
     name = "causal_lm"
+    images = True
     chunks_loss = True
     next_token_loss = True
 

@@ -81,7 +81,30 @@ def problems(cfg) -> list[str]:
                      "with DeepSpeed ZeRO, not both; choose deepspeed=none or fsdp=none")
     for row in STRATEGIES.values():
         found += row.problems(cfg)
-    return found + context_problems(cfg)
+    return found + context_problems(cfg) + image_problems(cfg)
+
+
+# the dimensions a vision-language model (a data format whose rows carry images) does not run on yet, and why
+NOT_FOR_IMAGES = {
+    "pp_size": "its stages pass hidden states, and the images would enter the first stage's embeddings as a second "
+               "input the schedule does not carry",
+    "cp_size": "the image tokens are spliced into the sequence before it would be split, and the vision tower "
+               "attends within each image",
+    "tp_size": "the vision tower and projector have no tensor-parallel plan",
+    "ep_size": "it has no mixture of experts",
+}
+
+
+def image_problems(cfg) -> list[str]:
+    """The dimensions refused where the rows carry images (data=vision_chat): one line each, saying why."""
+    from trainloop.data.formats import FORMATS
+
+    fmt = FORMATS.get(cfg.data.name)
+    if fmt is None or not fmt.images:
+        return []
+    return [f"parallel.{key}={getattr(cfg.parallel, key)} with data={cfg.data.name}: not for a vision-language model "
+            f"yet ({why}); set parallel.{key}=1 (DDP, FSDP2 and DeepSpeed ZeRO run it)"
+            for key, why in NOT_FOR_IMAGES.items() if getattr(cfg.parallel, key) > 1]
 
 
 def context_problems(cfg) -> list[str]:

@@ -17,11 +17,13 @@ from trainloop.data.formats.prompt_completion import PromptCompletion
 from trainloop.data.formats.prompts import Prompts
 from trainloop.data.formats.text import Files, Pydoc
 from trainloop.data.formats.unpaired import Unpaired
+from trainloop.data.formats.vision_chat import VisionChat
 
 FORMATS: dict[str, DataFormat] = {
     "pydoc": Pydoc(),
     "files": Files(),
     "chat": Chat(),
+    "vision_chat": VisionChat(),
     "prompt_completion": PromptCompletion(),
     "preference": Preference(),
     "unpaired": Unpaired(),

@@ -29,6 +29,7 @@ class DataFormat:
     - pairs: whether its items are preference pairs (for objective=dpo) rather than token blocks.
     - prompts: whether its items are prompts alone (for objective=grpo, which generates the completions).
     - unpaired: whether its items are single completions labelled desirable or not (for objective=kto).
+    - images: whether its rows carry images beside their tokens (a vision-language model's, data=vision_chat).
     - path: what data.path holds for it, in a message; "" where it reads no data.path.
 
     How it builds (the run's data, `python -m trainloop.prepare`): rows(cfg) reads the fields;
@@ -46,6 +47,7 @@ class DataFormat:
     pairs = False  # its items are preference pairs (objective=dpo), not blocks of target tokens
     prompts = False  # its items are prompts alone, whose completions the objective generates (objective=grpo)
     unpaired = False  # its items are single completions labelled desirable or not (objective=kto)
+    images = False  # its rows carry images beside their tokens (data=vision_chat): a vision-language model's
     path = "a file, directory or glob of your data"
 
     def reads(self) -> tuple[str, ...]:

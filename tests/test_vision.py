@@ -1,0 +1,252 @@
+"""Vision-language fine-tuning (data=vision_chat, model.arch=llava; issue 63): conversations with images in TRL's
+format, labelled as TRL's collator labels them, a tiny LLaVA that learns to name a square's colour, the strategies
+that shard it equal to one process, LoRA on its language model alone, and bad rows refused naming the row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import compose, grad_norms, losses, reference_run, run_log, script, train, warm
+
+SQUARES = script("vision_squares")
+TOLERANCE = 1e-5  # fp32, relative
+
+
+@pytest.fixture(scope="module")
+def squares(tmp_path_factory) -> Path:
+    """The example set (scripts/vision_squares.py): 300 squares and their colours."""
+    return SQUARES.write(tmp_path_factory.mktemp("squares"), rows=300, seed=0)
+
+
+def vision_run(path: Path, *overrides: str, preset: str = "smoke") -> list[str]:
+    """The smoke preset's tiny LLaVA on `path` (`preset`: more presets after smoke, e.g. "smoke,fsdp")."""
+    return [f"+preset=[{preset}]", "model.arch=llava", "data=vision_chat", f"data.path={path}", "data.seq_len=80",
+            "model.num_layers=2", "model.hidden_size=64", "model.num_heads=2", *overrides]
+
+
+def run_processor(cfg):
+    """The run's processor and tokenizer for `cfg`, as the build makes them."""
+    from trainloop.data.tokenizer import build_tokenizer
+    from trainloop.model.vision import vision_processor
+
+    processor = vision_processor(cfg.model, build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path))
+    return processor, processor.tokenizer
+
+
+def mixed_rows(directory: Path) -> Path:
+    """Conversations of every shape the format takes: a system turn, two images in one turn, an image in a later
+    turn, a user turn of text alone, string contents, two replies."""
+    images = [image for _, image in SQUARES.squares(3, seed=5)]
+    for n, image in enumerate(images):
+        image.save(directory / f"m{n}.png")
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    rows = [
+        {"messages": [{"role": "system", "content": "Answer in one word."},
+                      {"role": "user", "content": [{"type": "image"}, text("and"), {"type": "image"},
+                                                   text("Which is bigger?")]},
+                      {"role": "assistant", "content": [text("the first")]}], "images": ["m0.png", "m1.png"]},
+        {"messages": [{"role": "user", "content": [text("Hello")]}, {"role": "assistant", "content": "Hi, show me."},
+                      {"role": "user", "content": [text("This one:"), {"type": "image"}]},
+                      {"role": "assistant", "content": [text("blue")]}], "images": ["m2.png"]},
+        {"messages": [{"role": "user", "content": [text("No picture today.")]},
+                      {"role": "assistant", "content": "Fine."}], "images": []},
+        # text alone, with an image: before the first user turn's text, as TRL places it
+        {"messages": [{"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A square."}],
+         "images": ["m0.png"]},
+    ]
+    path = directory / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_labels_and_pixels_are_trls(tmp_path, squares):
+    """Check 2: each conversation's tokens, labels and pixels equal what TRL's collator for vision-language models
+    gives on the same row and processor (assistant_only_loss: the template's {% generation %} mask). Image and
+    prompt tokens carry no label."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from trainloop.data.sets import open_image
+    from trainloop.data.loaders import build_datasets
+    from trainloop.data.packing import split_documents
+    from trainloop.data.tokenizer import IGNORE
+    from trainloop.model.vision import image_token_id
+
+    path = mixed_rows(squares.parent)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows += [json.loads(line) for line in squares.read_text().splitlines()[:5]]
+    both = tmp_path / "rows.jsonl"
+    both.write_text("".join(json.dumps({**r, "images": [str(squares.parent / i) for i in r["images"]]}) + "\n"
+                            for r in rows))
+    cfg = compose(*vision_run(both, "data.seq_len=160", "data.validation_fraction=0.2"))
+    processor, tokenizer = run_processor(cfg)
+    train_set, valid_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    held_out = set(split_documents(len(rows), 0.2, cfg.trainer.seed).tolist())
+    order = [r for r in range(len(rows)) if r not in held_out] + sorted(held_out)
+    ours = [train_set.__getitems__([i]) for i in range(len(train_set))]
+    ours += [valid_set.__getitems__([i]) for i in range(len(valid_set))]
+    collator = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True)
+    image = image_token_id(processor)
+    for r, mine in zip(order, ours):
+        row = rows[r]
+        theirs = collator([{"messages": row["messages"],
+                            "images": [open_image(str(squares.parent / i)) for i in row["images"]]}])
+        length = int(mine["attention_mask"].sum())
+        assert mine["input_ids"][0, :length].tolist() == theirs["input_ids"][0].tolist(), r
+        assert mine["labels"][0, :length].tolist() == theirs["labels"][0].tolist(), r
+        assert (mine["labels"][0, length:] == IGNORE).all() and not (mine["labels"] == image).any()
+        if row["images"]:
+            assert torch.equal(mine["pixel_values"], theirs["pixel_values"]), r
+        else:
+            assert "pixel_values" not in mine
+        replies = [m for m in row["messages"] if m["role"] == "assistant"]
+        trained = [t for t in mine["labels"][0].tolist() if t != IGNORE]
+        words = "".join(m["content"] if isinstance(m["content"], str) else m["content"][0]["text"] for m in replies)
+        assert tokenizer.decode(trained).replace(tokenizer.eos_token, "") == words  # the replies, nothing else
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("missing", "image 1 'WHERE/gone.png': no such file"),
+    ("not an image", "is not an image (UnidentifiedImageError"),
+    ("part without image", "an image part with no image: 2 {\"type\": \"image\"} part(s) and 1 image(s)"),
+    ("more images", "more images than image parts: 1 {\"type\": \"image\"} part(s) and 2 image(s)"),
+    ("image in a reply", "message 2 (assistant) part 1 is an image; only the user's messages hold images"),
+])
+def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, fault, says):
+    """Check 4: a row whose image is missing or not an image, an image part with no image, more images than parts:
+    one line naming FILE:LINE, before any compute."""
+    from trainloop.data.loaders import load_examples
+    from trainloop.errors import ConfigError
+
+    good = [(c, i) for c, i in SQUARES.squares(2, seed=1)]
+    for n, (_, image) in enumerate(good):
+        image.save(tmp_path / f"{n}.png")
+    (tmp_path / "text.png").write_text("not a picture")
+    rows = [{"messages": SQUARES.conversation(c), "images": [f"{n}.png"]} for n, (c, _) in enumerate(good)]
+    bad = {"missing": {"messages": SQUARES.conversation("red"), "images": ["gone.png"]},
+           "not an image": {"messages": SQUARES.conversation("red"), "images": ["text.png"]},
+           "part without image": {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
+                                               {"role": "assistant", "content": "red"}], "images": ["0.png"]},
+           "more images": {"messages": SQUARES.conversation("red"), "images": ["0.png", "1.png"]},
+           "image in a reply": {"messages": [{"role": "user", "content": "Draw"},
+                                             {"role": "assistant", "content": [{"type": "image"}]}],
+                                "images": ["0.png"]}}[fault]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, bad]))
+    cfg = compose(*vision_run(path))
+    with pytest.raises(ConfigError) as refused:
+        load_examples(cfg.data, run_processor(cfg)[1])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{path}:3: ") and says.replace("WHERE", str(tmp_path)) in message
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.packing=documents"], "data.packing=documents: data=vision_chat pads each conversation"),
+    (["data=chat", "data.path=x.jsonl"], "model.arch=llava trains on images: set data=vision_chat"),
+    (["model.freeze=[eyes]"], "model.freeze=['eyes']: ['eyes'] not among the parts vision, projector"),
+    (["model.image_size=30"], "model.image_size=30 is not a multiple of model.patch_size=8"),
+])
+def test_what_a_vision_run_cannot_do_is_refused_before_compute(overrides, says):
+    from trainloop.config.compose import problems
+
+    cfg = compose(*vision_run(Path("rows.jsonl"), *overrides))
+    assert any(says in p for p in problems(cfg)), problems(cfg)
+
+
+def test_lora_with_the_vision_tower_frozen_trains_only_the_language_models_adapters():
+    """Check 3's second half: adapter=lora adapts the language model's linear layers alone (not the vision tower's,
+    not the projector's), and with model.freeze=[vision, projector] and no adapter, those parts train not at all."""
+    from trainloop.model.adapter import apply_adapter
+    from trainloop.model.builder import build_model, build_model_config, special_token_ids
+    from trainloop.model.vision import freeze, image_token_id, part
+
+    def built(*overrides):
+        cfg = compose(*vision_run(Path("rows.jsonl"), *overrides))
+        processor, tokenizer = run_processor(cfg)
+        config = build_model_config(cfg.model, len(tokenizer),
+                                    {**special_token_ids(tokenizer), "image_token_id": image_token_id(processor)})
+        return cfg, build_model(cfg.model, config)
+
+    cfg, model = built("adapter=lora", "model.freeze=[vision]")
+    freeze(model, cfg.model.freeze)
+    model = apply_adapter(cfg, model)
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n and ".language_model." in n for n in trained), sorted(trained)[:4]
+    layers = cfg.model.num_layers
+    assert len(trained) == 2 * 7 * layers  # A and B of q, k, v, o, gate, up, down in each block
+    assert not any(p.requires_grad for p in part(model, "vision").parameters())
+
+    cfg, model = built("model.freeze=[vision,projector]")
+    frozen = freeze(model, cfg.model.freeze)
+    vision, projector = part(model, "vision"), part(model, "projector")
+    assert frozen == sum(p.numel() for m in (vision, projector) for p in m.parameters()) > 0
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == \
+        sum(p.numel() for p in model.parameters()) - frozen
+
+
+def answers(final: Path, count: int = 40, seed: int = 1) -> float:
+    """The share of squares (drawn from `seed`, none of the training set's) whose colour final/'s model names, loaded
+    with transformers alone and asked as a user would, greedy."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(final).eval()
+    processor = AutoProcessor.from_pretrained(final)
+    right = 0
+    for colour, image in SQUARES.squares(count, seed):
+        messages = SQUARES.conversation(None)
+        messages[0]["content"][0]["image"] = image
+        inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        said = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        right += said.strip() == colour
+    return right / count
+
+
+@pytest.mark.slow
+def test_a_tiny_vlm_learns_to_name_the_squares_colour(tmp_path, squares):
+    """Check 1: fine-tuned on 300 squares, the model names the colour of squares it has not seen at least 9 times
+    in 10, judged by final/ loaded with transformers alone (AutoModelForImageTextToText, AutoProcessor)."""
+    run = train(tmp_path / "run", *vision_run(squares, "trainer.max_steps=150", "trainer.log_every=50",
+                                              "trainer.eval_every=150", "optimizer.lr=2e-3",
+                                              "checkpoint.save_final_model=true"), small=False)
+    assert {"processor_config.json", "chat_template.jinja", "model.safetensors"} <= {p.name for p in (run / "final").iterdir()}
+    share = answers(run / "final")
+    print(f"right on {share:.0%} of unseen squares")
+    assert share >= 0.9
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, squares) -> Path:
+    """1 process, batch 4, 2 accumulation steps: the micro-batches 2 ranks of batch 4 see."""
+    return reference_run(tmp_path_factory, *vision_run(squares, "trainer.max_steps=10", "trainer.log_every=1",
+                                                       "data.batch_size=4", "trainer.gradient_accumulation_steps=2",
+                                                       "trainer.eval_every=10", "checkpoint.save_final_model=true"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fsdp", "zero3"])
+def test_two_processes_train_like_one(tmp_path, squares, one_process, preset):
+    """Check 3: FSDP2 (the vision tower's blocks wrapped too) and ZeRO-3 on 2 processes equal one process within
+    1e-5 for 10 steps (losses and gradient norms), and final/ holds the same model."""
+    run = tmp_path / preset
+    warm(2, [*vision_run(squares, "precision=fp32", "trainer.max_steps=10", "trainer.log_every=1",
+                         "data.batch_size=4", "trainer.eval_every=10", "checkpoint.save_final_model=true",
+                         preset=f"smoke,{preset}"), f"hydra.run.dir={run}"], cwd=tmp_path)
+    if preset == "fsdp":  # 2 Llama blocks, 2 CLIP encoder blocks and the vision embeddings, each sharded alone
+        assert "6 modules sharded: 5 blocks + root" in run_log(run)
+    for measure in (losses, grad_norms):
+        got, want = measure(run), measure(one_process)
+        assert set(got) == set(want) == set(range(1, 11))
+        worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+        print(f"{preset}: {measure.__name__} within {worst:.1e} of 1 process")
+        assert worst < TOLERANCE
+    from transformers import AutoModelForImageTextToText
+
+    mine, theirs = (AutoModelForImageTextToText.from_pretrained(d / "final").state_dict() for d in (run, one_process))
+    assert mine.keys() == theirs.keys()
+    assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) < TOLERANCE
