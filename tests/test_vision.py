@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compose, grad_norms, losses, reference_run, run_log, script, train, warm
+from helpers import compose, grad_norms, losses, reference_run, run_log, sample_lines, script, train, warm
 
 SQUARES = script("vision_squares")
 TOLERANCE = 1e-5  # fp32, relative
@@ -160,15 +160,11 @@ def test_lora_with_the_vision_tower_frozen_trains_only_the_language_models_adapt
     """Check 3's second half: adapter=lora adapts the language model's linear layers alone (not the vision tower's,
     not the projector's), and with model.freeze=[vision, projector] and no adapter, those parts train not at all."""
     from trainloop.model.adapter import apply_adapter
-    from trainloop.model.builder import build_model, build_model_config, special_token_ids
-    from trainloop.model.vision import freeze, image_token_id, part
+    from trainloop.model.vision import freeze, part
 
     def built(*overrides):
         cfg = compose(*vision_run(Path("rows.jsonl"), *overrides))
-        processor, tokenizer = run_processor(cfg)
-        config = build_model_config(cfg.model, len(tokenizer),
-                                    {**special_token_ids(tokenizer), "image_token_id": image_token_id(processor)})
-        return cfg, build_model(cfg.model, config)
+        return cfg, built_model(cfg)
 
     cfg, model = built("adapter=lora", "model.freeze=[vision]")
     freeze(model, cfg.model.freeze)
@@ -185,6 +181,50 @@ def test_lora_with_the_vision_tower_frozen_trains_only_the_language_models_adapt
     assert frozen == sum(p.numel() for m in (vision, projector) for p in m.parameters()) > 0
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == \
         sum(p.numel() for p in model.parameters()) - frozen
+
+
+def test_the_planner_counts_the_vision_tower_and_the_image_tokens():
+    """Item 5: the plan's shape holds the vision tower and projector's parameters (as the built model has them) and
+    an image's tokens; the plan counts the tower's activations for the micro-batch's images."""
+    from trainloop.model.vision import part
+    from trainloop.tools.plan import plan_memory
+    from trainloop.tools.shape import model_shape
+
+    cfg = compose(*vision_run(Path("rows.jsonl")))
+    shape = model_shape(cfg)
+    cfg_model = built_model(cfg)
+    towers = sum(p.numel() for name in ("vision", "projector") for p in part(cfg_model, name).parameters())
+    assert shape.vision_params == towers and shape.num_params == sum(p.numel() for p in cfg_model.parameters())
+    assert (shape.image_tokens, shape.image_patches, shape.vision.num_layers) == (16, 17, 2)
+    assert shape.num_layers == cfg.model.num_layers and shape.hidden == cfg.model.hidden_size  # the language model's
+    plan = plan_memory(cfg, shape, 1, "cpu")
+    line = next(x for x in plan.lines if x.what == "vision tower activations")
+    assert line.bytes > 0 and "4 image(s) a micro-batch (one a row) x 17 patches" in line.note
+    assert any("16 image tokens an image of each row's 80" in n for n in plan.notes)
+
+
+def test_eval_images_are_one_a_prompt_and_must_exist(tmp_path):
+    from trainloop.errors import ConfigError
+    from trainloop.observe.samples import Samples
+
+    cfg = compose(*vision_run(Path("rows.jsonl"), 'eval.prompts=["a","b"]', "eval.images=[x.png]"))
+    tokenizer = run_processor(cfg)[1]
+    with pytest.raises(ConfigError, match=r"eval.images holds 1 image\(s\) for 2 eval.prompts"):
+        Samples.for_config(cfg, tokenizer, 256)
+    cfg = compose(*vision_run(Path("rows.jsonl"), 'eval.prompts=["a"]', f"eval.images=[{tmp_path / 'x.png'}]"))
+    with pytest.raises(ConfigError, match=r"eval.images\[0\]=.*x.png': no such file"):
+        Samples.for_config(cfg, tokenizer, 256)
+
+
+def built_model(cfg):
+    """The run's model for `cfg` (from its shape: random weights), with the processor's image token."""
+    from trainloop.model.builder import build_model, build_model_config, special_token_ids
+    from trainloop.model.vision import image_token_id
+
+    processor, tokenizer = run_processor(cfg)
+    config = build_model_config(cfg.model, len(tokenizer),
+                                {**special_token_ids(tokenizer), "image_token_id": image_token_id(processor)})
+    return build_model(cfg.model, config)
 
 
 def answers(final: Path, count: int = 40, seed: int = 1) -> float:
@@ -210,11 +250,19 @@ def answers(final: Path, count: int = 40, seed: int = 1) -> float:
 @pytest.mark.slow
 def test_a_tiny_vlm_learns_to_name_the_squares_colour(tmp_path, squares):
     """Check 1: fine-tuned on 300 squares, the model names the colour of squares it has not seen at least 9 times
-    in 10, judged by final/ loaded with transformers alone (AutoModelForImageTextToText, AutoProcessor)."""
+    in 10, judged by final/ loaded with transformers alone (AutoModelForImageTextToText, AutoProcessor). The
+    samples the run writes at each evaluation ask about a held-out square too (eval.prompts with eval.images)."""
+    colour, image = SQUARES.squares(1, seed=99)[0]
+    image.save(tmp_path / "held_out.png")
     run = train(tmp_path / "run", *vision_run(squares, "trainer.max_steps=150", "trainer.log_every=50",
-                                              "trainer.eval_every=150", "optimizer.lr=2e-3",
-                                              "checkpoint.save_final_model=true"), small=False)
+                                              "trainer.eval_every=75", "optimizer.lr=2e-3",
+                                              "checkpoint.save_final_model=true", f'eval.prompts=["{SQUARES.QUESTION}"]',
+                                              f"eval.images=[{tmp_path / 'held_out.png'}]"), small=False)
     assert {"processor_config.json", "chat_template.jinja", "model.safetensors"} <= {p.name for p in (run / "final").iterdir()}
+    samples = sample_lines(run)
+    assert [s["step"] for s in samples] == [75, 150]
+    assert samples[-1]["samples"] == [{"prompt": SQUARES.QUESTION, "text": colour,
+                                       "image": str(tmp_path / "held_out.png")}]
     share = answers(run / "final")
     print(f"right on {share:.0%} of unseen squares")
     assert share >= 0.9

@@ -210,6 +210,8 @@ _READ_ONLY_BY = {
     **{f"compile.{key}": _COMPILED for key in ("mode", "fullgraph", "dynamic", "regional", "optimizer")},
     "logging.profile_ranks": (lambda c: c.logging.profile_steps is not None, "logging.profile_steps=[START,END]"),
     "eval.max_new_tokens": (lambda c: bool(c.eval.prompts), "eval.prompts=[...] (a list of prompts)"),
+    "eval.images": (lambda c: bool(c.eval.prompts) and c.data.name == "vision_chat",
+                    "data=vision_chat and eval.prompts=[...] (a prompt for each image)"),
     **{f"eval.harness.{key}": (lambda c: bool(c.eval.harness.tasks), "eval.harness.tasks=[...] (the harness's tasks)")
        for key in ("include_path", "every", "limit", "num_fewshot", "batch_size")},
 }

@@ -177,6 +177,9 @@ class HarnessConfig:
 class EvalConfig:
     prompts: list[str] = field(default_factory=list)  # at every evaluation, greedy completions of these into metrics.jsonl
     max_new_tokens: int = 32  # tokens generated per prompt
+    # data=vision_chat only: an image for each prompt (a path), asked as a user turn of the image and the prompt,
+    # rendered by the run's processor with its chat template; [] asks the prompts as they are
+    images: list[str] = field(default_factory=list)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
 
 

@@ -9,6 +9,7 @@ with samples trains exactly as one without.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -16,11 +17,17 @@ from trainloop.errors import ConfigError
 
 
 class Samples:
-    def __init__(self, prompts: list[str], tokenizer, max_new_tokens: int, context: int):
-        self.prompts = list(prompts)
+    """eval.prompts, tokenized once; with eval.images (a vision-language model) each prompt asked about its image,
+    as a user turn rendered by the run's processor with its chat template and the generation prompt."""
+
+    def __init__(self, prompts: list[str], tokenizer, max_new_tokens: int, context: int, images: list[str] = ()):
+        self.prompts, self.images = list(prompts), list(images)
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.ids = [tokenizer(p, return_tensors="pt").input_ids for p in self.prompts]
+        self.inputs = ([asked(prompt, image, tokenizer) for prompt, image in zip(self.prompts, self.images)]
+                       if self.images else [{"input_ids": tokenizer(p, return_tensors="pt").input_ids}
+                                            for p in self.prompts])
+        self.ids = [inputs["input_ids"] for inputs in self.inputs]
         for i, (prompt, ids) in enumerate(zip(self.prompts, self.ids)):
             if ids.shape[1] == 0:
                 raise ConfigError(f"eval.prompts[{i}]={prompt!r} is no token at all: give it some text")
@@ -34,7 +41,14 @@ class Samples:
     def for_config(cls, cfg, tokenizer, context: int) -> Samples | None:
         if not cfg.eval.prompts:
             return None
-        return cls(cfg.eval.prompts, tokenizer, cfg.eval.max_new_tokens, context)
+        images = list(cfg.eval.images)
+        if images and len(images) != len(cfg.eval.prompts):
+            raise ConfigError(f"eval.images holds {len(images)} image(s) for {len(cfg.eval.prompts)} eval.prompts: give "
+                              "one image a prompt, or eval.images=[] to ask the prompts alone")
+        for i, image in enumerate(images):
+            if not Path(image).expanduser().is_file():
+                raise ConfigError(f"eval.images[{i}]={image!r}: no such file; give an image's path")
+        return cls(cfg.eval.prompts, tokenizer, cfg.eval.max_new_tokens, context, images)
 
     @torch.no_grad()
     def generate(self, strategy, model) -> list[dict]:
@@ -48,12 +62,31 @@ class Samples:
             module.eval()
             try:
                 with eager:
-                    for ids in self.ids:
-                        ids = ids.to(strategy.device)
+                    for inputs in self.inputs:
+                        inputs = {key: value.to(strategy.device) for key, value in inputs.items()}
+                        ids = inputs.pop("input_ids")
                         outputs.append(module.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                        max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                                       synced_gpus=strategy.world_size > 1))
+                                                       synced_gpus=strategy.world_size > 1, **inputs))
             finally:
                 module.train()
-        return [{"prompt": prompt, "text": self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
+        said = [{"prompt": prompt, "text": self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
                 for prompt, ids, out in zip(self.prompts, self.ids, outputs)]
+        return [{**s, "image": image} for s, image in zip(said, self.images)] if self.images else said
+
+
+def asked(prompt: str, image: str, tokenizer) -> dict:
+    """The model's inputs for `prompt` about `image` (a path): one user turn, the image then the text, rendered by
+    the processor around `tokenizer` (trainloop.model.vision) with the generation prompt; its pixels too."""
+    from trainloop.data.sets import open_image
+    from trainloop.model.vision import processor_of
+
+    processor = processor_of(tokenizer)
+    if processor is None:
+        raise ConfigError("eval.images asks the prompts about images: it needs a vision-language model's processor "
+                          "(data=vision_chat with model.arch=llava or a model=hf VLM)")
+    messages = [{"role": "user", "content": [{"type": "image", "image": open_image(str(Path(image).expanduser()))},
+                                             {"type": "text", "text": prompt}]}]
+    out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                        return_tensors="pt")
+    return {key: value for key, value in out.items() if key != "attention_mask"}

@@ -134,6 +134,8 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
                   + (f", norms and residual stream 1/{tp} (sequence parallel)" if sp else "")
                   + (f", 1/{cp} of every sequence (context parallel)" if cp > 1 else "")
                   + (", offloaded to pinned host memory (trainer.activation_offload)" if offloaded else "")))
+    if shape.vision is not None:
+        vision_lines(plan, cfg, shape, dev, half, autocast)
     if offloaded:
         add(Line("activations in flight", saved // max(1, shape.num_layers), dev, "forward/backward", exact=False,
                  note="about a block's worth on the device while it is copied out or back"))
@@ -151,6 +153,24 @@ def plan_memory(cfg, shape: ModelShape, world_size: int, device: str, procs_per_
         plan.notes.append(f"activations {_gib(saved + recompute)} with gradient checkpointing; "
                           f"{_gib(without)} without")
     return plan
+
+
+def vision_lines(plan: MemoryPlan, cfg, shape: ModelShape, dev: str, half: bool, autocast: bool) -> None:
+    """A vision-language model's own: its vision tower's activations for the micro-batch's images (one image a
+    row assumed: the rows say how many), as a GPT-2-like encoder over each image's patches keeps them, and a note
+    of the tower's parameters (counted with the model's above) and the image tokens a row holds."""
+    rows = cfg.data.batch_size
+    patches = shape.image_patches or 1
+    saved, _ = activation_bytes(shape.vision, rows, patches, half, autocast=autocast,
+                                checkpointing=cfg.model.gradient_checkpointing, attention="eager", chunked=True,
+                                outputs=0)
+    plan.lines.append(Line("vision tower activations", saved, dev, "forward/backward", exact=False,
+                           note=f"{rows} image(s) a micro-batch (one a row) x {patches} patches, "
+                                f"{shape.vision.num_layers} blocks {shape.vision.hidden} wide"))
+    tokens = (f"{shape.image_tokens} image tokens an image of each row's {cfg.data.seq_len}" if shape.image_tokens
+              else "an image's tokens as its processor decides (by its size)")
+    plan.notes.append(f"vision tower and projector: {shape.vision_params / 1e6:,.2f}M of the "
+                      f"{shape.num_params / 1e6:,.2f}M parameters; {tokens}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,13 @@ class ModelShape:
     # -1 before the first block (the embeddings), num_layers after the last (the final norm, the output layer)
     position: list[int] | None = None
     trainable_position: list[int] | None = None  # the same for each trainable shape
+    # a vision-language model: its vision tower's shape (a GPT-2-like encoder: LayerNorm, GELU MLP; its sequence an
+    # image's patches), the parameters of the tower and projector, and the tokens one image takes in a row (0: as
+    # the processor decides per image, e.g. Qwen2-VL's)
+    vision: ModelShape | None = None
+    vision_params: int = 0
+    image_tokens: int = 0
+    image_patches: int = 0  # the vision tower's sequence for one image (its patches and class token)
 
     @property
     def trainable_shapes(self) -> list[tuple[int, ...]]:
@@ -68,19 +75,25 @@ def model_shape(cfg) -> ModelShape:
     from trainloop.data.loaders import build_tokenizer
     from trainloop.model.builder import build_model_config
     from trainloop.model.heads import as_scorer, auto_class
+    from trainloop.model.vision import is_vision, vision_processor
     from trainloop.parallel.tensor_parallel import sequence_parallel_problem
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-    config = build_model_config(cfg.model, len(tokenizer))
+    if cfg.data.name == "vision_chat":  # its processor's tokenizer (the image token added), as the build takes it
+        tokenizer = vision_processor(cfg.model, tokenizer).tokenizer
+    whole = build_model_config(cfg.model, len(tokenizer))
+    vision = is_vision(whole)
+    config = whole.get_text_config()  # the language model's shape: a vision-language model's text config
     head = OBJECTIVES[cfg.objective.name].head
     if head == "score":
-        as_scorer(config)
+        as_scorer(whole)
     with torch.device("meta"):
-        model = auto_class(head).from_config(config, attn_implementation="eager")
+        model = auto_class(head, vision).from_config(whole, attn_implementation="eager")
     if model.get_input_embeddings().num_embeddings < config.vocab_size:
         model.resize_token_embeddings(config.vocab_size)
     n_layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers)
+    decoder = model.get_decoder() if vision else model  # not the vision tower's blocks
+    layers = next(m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers)
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     matmul = sum(p.numel() for m in layers[0].modules() if _is_matmul(m) for p in m.parameters(recurse=False))
     hidden = getattr(config, "hidden_size", None) or config.n_embd
@@ -104,7 +117,29 @@ def model_shape(cfg) -> ModelShape:
         shapes=shapes, layer_linear_params=matmul, hidden_matrix=hidden_matrices(model),  # after the adapter
         largest_layer_params=max(layer_sizes), tp_split=tp_split, trainable_tp_split=trainable_tp_split,
         sequence_parallel_problem=sp_problem, position=position, trainable_position=trainable_position,
+        **(vision_shape(whole, model) if vision else {}),
     )
+
+
+def vision_shape(config, model) -> dict:
+    """A vision-language model's ModelShape fields: its vision tower as a shape of its own, the tower's and
+    projector's parameters, and an image's tokens in a row and patches in the tower (a CLIP/SigLIP-like tower
+    of one fixed image size; 0 where the processor decides per image)."""
+    from trainloop.model.vision import part
+
+    vc = config.vision_config
+    side, patch = getattr(vc, "image_size", None), getattr(vc, "patch_size", None)
+    patches = (side // patch) ** 2 if isinstance(side, int) and isinstance(patch, int) else 0
+    dropped = getattr(config, "vision_feature_select_strategy", "default") == "default"  # LLaVA drops the class token
+    hidden = vc.hidden_size
+    tower = ModelShape(family="gpt2", num_layers=vc.num_hidden_layers, hidden=hidden,
+                       intermediate=getattr(vc, "intermediate_size", 4 * hidden), heads=vc.num_attention_heads,
+                       kv_heads=vc.num_attention_heads, vocab=0, shapes=[], layer_linear_params=0,
+                       largest_layer_params=0)
+    params = sum(p.numel() for name in ("vision", "projector") if part(model, name) is not None
+                 for p in part(model, name).parameters())
+    return {"vision": tower, "vision_params": params, "image_patches": patches + 1 if patches else 0,
+            "image_tokens": patches if dropped else patches + 1 if patches else 0}
 
 
 def _positions(names: list[str], num_layers: int) -> list[int]:
