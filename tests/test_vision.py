@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compose, grad_norms, losses, reference_run, run_log, sample_lines, script, train, warm
+from helpers import (
+    compose, grad_norms, losses, read_metrics, reference_run, run_log, sample_lines, script, train, warm,
+)
 
 SQUARES = script("vision_squares")
 TOLERANCE = 1e-5  # fp32, relative
@@ -106,6 +108,50 @@ def test_the_labels_and_pixels_are_trls(tmp_path, squares):
         trained = [t for t in mine["labels"][0].tolist() if t != IGNORE]
         words = "".join(m["content"] if isinstance(m["content"], str) else m["content"][0]["text"] for m in replies)
         assert tokenizer.decode(trained).replace(tokenizer.eos_token, "") == words  # the replies, nothing else
+
+
+def test_images_as_bytes_in_parquet_read_as_their_paths(tmp_path, squares):
+    """A parquet file written by `datasets` with an Image feature (the images' bytes, TRL's hub datasets' form)
+    gives the same rows as the jsonl of paths: tokens, labels and pixels."""
+    import datasets
+
+    from trainloop.data.loaders import build_datasets
+
+    rows = [json.loads(line) for line in squares.read_text().splitlines()[:12]]
+    table = datasets.Dataset.from_dict({"messages": [r["messages"] for r in rows],
+                                        "images": [[str(squares.parent / i) for i in r["images"]] for r in rows]})
+    table.cast_column("images", datasets.Sequence(datasets.Image())).to_parquet(tmp_path / "rows.parquet")
+    paths = tmp_path / "rows.jsonl"
+    paths.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "images").symlink_to(squares.parent / "images")
+    built = []
+    for path in (tmp_path / "rows.parquet", paths):
+        cfg = compose(*vision_run(path))
+        train_set, _ = build_datasets(cfg.data, run_processor(cfg)[1], cfg.trainer.seed)
+        built.append(train_set.__getitems__(list(range(len(train_set)))))
+    (from_bytes, from_paths) = built
+    assert from_bytes.keys() == from_paths.keys() and "pixel_values" in from_bytes
+    assert all(torch.equal(from_bytes[k], from_paths[k]) for k in from_bytes)
+
+
+@pytest.mark.slow
+def test_a_pretrained_vlm_directory_trains_as_model_hf(tmp_path, squares):
+    """Item 2: model=hf with a vision-language model's directory (weights, config, processor): its processor and
+    chat template are the run's, and final/ loads again with transformers alone."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    cfg = compose(*vision_run(squares))
+    model = built_model(cfg)
+    model.save_pretrained(tmp_path / "vlm")
+    run_processor(cfg)[0].save_pretrained(tmp_path / "vlm")
+    run = train(tmp_path / "run", "+preset=smoke", "model=hf", f"model.name_or_path={tmp_path / 'vlm'}",
+                "data=vision_chat", f"data.path={squares}", "data.seq_len=80", "trainer.max_steps=4",
+                "trainer.eval_every=4", "checkpoint.save_final_model=true", small=False)
+    rates = [r["lr"] for r in read_metrics(run) if "lr" in r]
+    assert rates and max(rates) <= 2e-5  # a pretrained model's default rate (TRL's SFTConfig), not 1e-3
+    loaded = AutoModelForImageTextToText.from_pretrained(run / "final")
+    assert type(loaded).__name__ == "LlavaForConditionalGeneration"
+    assert AutoProcessor.from_pretrained(run / "final").chat_template == run_processor(cfg)[0].chat_template
 
 
 @pytest.mark.parametrize("fault, says", [

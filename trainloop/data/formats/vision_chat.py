@@ -23,7 +23,9 @@ from pathlib import Path
 from trainloop.config.sections import DataConfig
 from trainloop.data.chat_template import GENERATION_MARKER, TemplateConfig, template_of
 from trainloop.data.formats.base import DataFormat
-from trainloop.data.formats.rows import data_files, file_places, json_kind, read_rows, root_cause
+from trainloop.data.formats.rows import (
+    data_files, file_places, json_kind, read_rows, root_cause, struct_columns_as_json,
+)
 from trainloop.data.tokenizer import IGNORE, pad_id
 from trainloop.errors import ConfigError
 
@@ -83,6 +85,20 @@ def placed(messages: list[dict], images: int) -> list[dict]:
         return messages
     parts = [*({"type": "image"} for _ in range(images)), {"type": "text", "text": messages[first]["content"]}]
     return [{**m, "content": parts} if i == first else m for i, m in enumerate(messages)]
+
+
+def undecoded_images(rows, column: str):
+    """`rows` with the images column as `datasets` stores an Image feature ({"bytes", "path"}), not decoded: parquet
+    written by `datasets` (an Image or a list of them) decodes into PIL images otherwise."""
+    import datasets
+
+    feature = rows.features[column]
+    inner = getattr(feature, "feature", None)
+    if isinstance(feature, datasets.Image):
+        return rows.cast_column(column, datasets.Image(decode=False))
+    if isinstance(inner, datasets.Image):
+        return rows.cast_column(column, type(feature)(datasets.Image(decode=False)))
+    return rows
 
 
 def row_files(path: str) -> list[str]:
@@ -161,7 +177,8 @@ class VisionChat(DataFormat):
     def load(self, cfg: DataConfig, tokenizer=None):
         """[(messages, image sources)] of the rows, each checked: a row that cannot be used is one line naming
         its file and line; rows with nothing to learn are skipped and counted."""
-        rows = read_rows(cfg.path, self.columns(cfg), list(self.fields))
+        rows = undecoded_images(read_rows(cfg.path, self.columns(cfg), list(self.fields)), cfg.images_field)
+        rows = struct_columns_as_json(rows, [cfg.messages_field])
         files = row_files(cfg.path)
         kept, skipped = [], Counter()
         for r, (messages, images) in enumerate(zip(rows[cfg.messages_field], rows[cfg.images_field])):
