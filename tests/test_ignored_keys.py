@@ -217,6 +217,7 @@ def probes(files, data_option: str = "files", objective: str = "dpo") -> dict[st
         "data.persistent_workers": True, "data.prefetch_factor": 4, "data.multiprocessing_context": "spawn",
         "optimizer.lr": 0.5, "optimizer.weight_decay": 0.3, "optimizer.betas": [0.8, 0.9],
         "optimizer.eps": 1e-6, "optimizer.momentum": 0.5, "optimizer.impl": "for_loop",
+        "optimizer.projector_lr": 0.01,
         "scheduler.warmup_steps": 5,
         "deepspeed.offload_optimizer": "cpu", "deepspeed.offload_param": "cpu", "deepspeed.nvme_path": "/tmp",
         "deepspeed.overlap_comm": False, "deepspeed.contiguous_gradients": False,

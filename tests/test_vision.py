@@ -229,6 +229,25 @@ def test_lora_with_the_vision_tower_frozen_trains_only_the_language_models_adapt
         sum(p.numel() for p in model.parameters()) - frozen
 
 
+def test_the_projector_learns_at_its_own_rate():
+    """optimizer.projector_lr: the projector's parameters in groups of their own at that rate (weight decay as
+    theirs), scheduled as the rest; the others at optimizer.lr."""
+    from trainloop.model.vision import part
+    from trainloop.optim.optimizers import build_optimizer, build_scheduler
+
+    cfg = compose(*vision_run(Path("rows.jsonl"), "optimizer.lr=1e-3", "optimizer.projector_lr=5e-3",
+                              "scheduler=constant"))
+    model = built_model(cfg)
+    optimizer = build_optimizer(cfg.optimizer, model, on_cuda=False)
+    projector = {id(p) for p in part(model, "projector").parameters()}
+    rates = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    assert rates.keys() == {id(p) for p in model.parameters()}
+    assert {rates[i] for i in projector} == {5e-3} and {r for i, r in rates.items() if i not in projector} == {1e-3}
+    assert sorted(g["weight_decay"] for g in optimizer.param_groups if g["lr"] == 5e-3) == [0.0, 0.1]
+    build_scheduler(cfg.scheduler, optimizer, 10).step()
+    assert {g["lr"] for g in optimizer.param_groups} == {1e-3, 5e-3}
+
+
 def test_the_planner_counts_the_vision_tower_and_the_image_tokens():
     """Item 5: the plan's shape holds the vision tower and projector's parameters (as the built model has them) and
     an image's tokens; the plan counts the tower's activations for the micro-batch's images."""

@@ -242,6 +242,8 @@ def read_only_by() -> dict[str, tuple]:
             return key in OFFLOAD_READS if offloaded else c.optimizer.name in readers
 
         table[f"optimizer.{key}"] = (reads, reader)
+    table["optimizer.projector_lr"] = (lambda c: c.data.name == "vision_chat",
+                                       "data=vision_chat (a vision-language model's projector)")
     return table
 
 
@@ -367,7 +369,7 @@ def problems(cfg: Any) -> list[str]:
         if _get(cfg, key) <= 0:
             found.append(f"{key}={_get(cfg, key)} must be greater than 0")
     for key in ("checkpoint.every_steps", "trainer.stop_at_step", "logging.peak_tflops", "trainer.eval_batches",
-                "eval.harness.every", "eval.harness.limit", "optimizer.lr"):
+                "eval.harness.every", "eval.harness.limit", "optimizer.lr", "optimizer.projector_lr"):
         if _get(cfg, key) is not None and _get(cfg, key) <= 0:
             found.append(f"{key}={_get(cfg, key)} must be greater than 0, or null")
 

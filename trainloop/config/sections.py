@@ -103,6 +103,9 @@ class OptimizerConfig:
     eps: float = 1e-8  # Adam's denominator term
     momentum: float = 0.9  # sgd and muon (its hidden matrices' momentum) only
     impl: str = "auto"  # adamw (and muon's AdamW part) only: auto (= fused), fused, foreach, for_loop
+    # data=vision_chat only: the peak learning rate of a vision-language model's projector (LLaVA's mm_projector_lr),
+    # scheduled as the rest; None: optimizer.lr
+    projector_lr: Optional[float] = None
 
 
 @dataclass

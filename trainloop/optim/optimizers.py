@@ -40,6 +40,20 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def projector_groups(groups: list[dict], model, lr: float | None) -> list[dict]:
+    """`groups` with a vision-language model's projector (trainloop.model.vision) in groups of its own at `lr`
+    (optimizer.projector_lr), after the others; as they are where `lr` is None."""
+    from trainloop.model.vision import part
+
+    projector = part(model, "projector") if lr is not None else None
+    if projector is None:
+        return groups
+    own = {id(p) for p in projector.parameters()}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in own]} for g in groups]
+    moved = [{**g, "params": [p for p in g["params"] if id(p) in own], "lr": lr} for g in groups]
+    return [g for g in rest + moved if g["params"]]
+
+
 def hidden_matrices(model) -> list[bool]:
     """For each parameter that trains, in model.parameters() order: is it a hidden layer's matrix,
     a 2-D weight that is neither an embedding nor the output head? Muon takes these; torch
@@ -308,7 +322,7 @@ def build_optimizer(cfg: OptimizerConfig, model, on_cuda: bool, cpu_offload: boo
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.merge(cfg, {"lr": spec.scratch_lr})
-    groups = spec.groups(model, cfg.weight_decay)
+    groups = projector_groups(spec.groups(model, cfg.weight_decay), model, cfg.projector_lr)
     if spec.cuda_only and not on_cuda:
         raise ConfigError(f"optimizer={cfg.name} needs a CUDA GPU; choose another optimizer on this machine")
     if cpu_offload:
