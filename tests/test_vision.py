@@ -194,6 +194,10 @@ def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, fault, says):
     (["data=chat", "data.path=x.jsonl"], "model.arch=llava trains on images: set data=vision_chat"),
     (["model.freeze=[eyes]"], "model.freeze=['eyes']: ['eyes'] not among the parts vision, projector"),
     (["model.image_size=30"], "model.image_size=30 is not a multiple of model.patch_size=8"),
+    (["model=hf", "model.name_or_path=/a/vlm", "data.tokenizer=/a/tokenizer"],
+     "data.tokenizer=/a/tokenizer with model=hf and data=vision_chat: the model's processor"),
+    (["parallel.pp_size=2"], "parallel.pp_size=2 with data=vision_chat: not for a vision-language model yet"),
+    (["objective=distill", "objective.teacher=/a/teacher"], "objective=distill with data=vision_chat: only"),
 ])
 def test_what_a_vision_run_cannot_do_is_refused_before_compute(overrides, says):
     from trainloop.config.compose import problems
@@ -342,9 +346,9 @@ def one_process(tmp_path_factory, squares) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["fsdp", "zero3"])
+@pytest.mark.parametrize("preset", ["fsdp", "zero3", "ddp"])
 def test_two_processes_train_like_one(tmp_path, squares, one_process, preset):
-    """Check 3: FSDP2 (the vision tower's blocks wrapped too) and ZeRO-3 on 2 processes equal one process within
+    """Check 3: FSDP2 (the vision tower's blocks wrapped too), ZeRO-3 and DDP on 2 processes equal one process within
     1e-5 for 10 steps (losses and gradient norms), and final/ holds the same model."""
     run = tmp_path / preset
     warm(2, [*vision_run(squares, "precision=fp32", "trainer.max_steps=10", "trainer.log_every=1",

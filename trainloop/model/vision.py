@@ -39,7 +39,8 @@ def is_vision(config) -> bool:
 def tiny_config(cfg: ModelConfig, vocab_size: int):
     """model.arch=llava: LLaVA's layout at the tiny model's shape, its vision tower a CLIP encoder of
     model.vision_layers blocks, model.vision_hidden_size wide, over model.patch_size patches of an image
-    model.image_size pixels square. The image token is the last of the tokenizer's (vision_processor adds it)."""
+    model.image_size pixels square. Its image token's id is the processor's (the build hands it in with the
+    tokenizer's special token ids)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     width = cfg.vision_hidden_size
@@ -157,6 +158,10 @@ def problems(cfg) -> list[str]:
     if m.name == "tiny" and m.arch != "llava":
         problems.append(f"data=vision_chat trains a vision-language model, and model.arch={m.arch} reads text alone: "
                         "set model.arch=llava, or model=hf with a vision-language model's directory")
+    if m.name == "hf" and cfg.data.tokenizer:
+        problems.append(f"data.tokenizer={cfg.data.tokenizer} with model=hf and data=vision_chat: the model's "
+                        "processor (model.name_or_path) brings its own tokenizer, which its image tokens are part of; "
+                        "drop data.tokenizer")
     if cfg.data.sources is not None:
         problems.append("data.sources with data=vision_chat: a mixture of conversations with images is not built yet; "
                         "give data.path")

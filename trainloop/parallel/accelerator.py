@@ -190,6 +190,18 @@ def _without_op_load_notices():
         sys.stdout.write("".join(line for line in lines if not _is_op_load_notice(line)))
 
 
+def unused_parameters(cfg) -> list:
+    """DDP's kwargs for a vision-language model (a data format whose rows carry images): a VLM's forward leaves
+    parameters unused (LLaVA's vision tower past its feature layer, its post-norm), whose gradients DDP would wait
+    for forever, so DDP looks for them each step (find_unused_parameters, the HF Trainer's default too); [] else."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from trainloop.data.formats import FORMATS
+
+    fmt = FORMATS.get(cfg.data.name)
+    return [DistributedDataParallelKwargs(find_unused_parameters=True)] if fmt is not None and fmt.images else []
+
+
 def build_accelerator(cfg):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -228,7 +240,7 @@ def build_accelerator(cfg):
             dataloader_config=DataLoaderConfiguration(non_blocking=on_cuda),
             # the process group's timeout (accelerate hands it to DeepSpeed's init too); data is
             # built outside any collective (trainloop.data.node_turns), so this bounds training collectives
-            kwargs_handlers=[process_group],
+            kwargs_handlers=[process_group, *unused_parameters(cfg)],
             **kwargs,
         )
     strategy.accelerator_built(cfg)

@@ -157,13 +157,16 @@ class VisionChat(DataFormat):
     images = True
     path = "json, jsonl or parquet rows of messages and their images"
 
+    # the keys every format that reads rows reads, but not this one: why, said where one is refused
+    UNREAD = {"data.num_proc": "its rows are tokenized in the run's process; the images are decoded as batches are "
+                               "read, in data.num_workers loader workers",
+              "data.sources": "a mixture of conversations with images is not built yet; give data.path"}
+
     def reads(self) -> tuple[str, ...]:
-        """Not data.num_proc: the rows are tokenized in the run's process, with their images."""
-        return tuple(key for key in super().reads() if key != "data.num_proc")
+        return tuple(key for key in super().reads() if key not in self.UNREAD)
 
     def unread_hint(self, key: str) -> str:
-        return ("its rows are tokenized in the run's process; the images are decoded as batches are read, in "
-                "data.num_workers loader workers") if key == "data.num_proc" else ""
+        return self.UNREAD.get(key, "")
 
     def problems(self, cfg) -> list[str]:
         d = cfg.data
