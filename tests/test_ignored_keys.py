@@ -262,10 +262,9 @@ _base_datasets: dict[str, tuple] = {}
 
 def built(group: str, cfg):
     """What the chosen option of `group` builds from cfg, as comparable plain values."""
-    from trainloop.data.loaders import build_dataloaders, build_datasets, build_tokenizer
+    from trainloop.data.loaders import build_dataloaders, build_datasets, run_tokenizer
     from trainloop.data.sets import PackedBlocks
     from trainloop.model.builder import build_model, build_model_config
-    from trainloop.model.vision import vision_processor
 
     if group == "model":
         model = build_model(cfg.model, build_model_config(cfg.model, vocab_size=257))
@@ -290,9 +289,7 @@ def built(group: str, cfg):
         if built_by in _base_datasets:
             train, valid = _base_datasets[built_by]
         else:
-            tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-            if cfg.data.name == "vision_chat":  # its processor's tokenizer, as the build takes it
-                tokenizer = vision_processor(cfg.model, tokenizer).tokenizer
+            tokenizer = run_tokenizer(cfg)  # a vision-language model's: its processor's, as the build takes it
             try:
                 train, valid = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
             except ConfigError as err:

@@ -32,11 +32,11 @@ def vision_run(path: Path, *overrides: str, preset: str = "smoke") -> list[str]:
 
 def run_processor(cfg):
     """The run's processor and tokenizer for `cfg`, as the build makes them."""
-    from trainloop.data.tokenizer import build_tokenizer
-    from trainloop.model.vision import vision_processor
+    from trainloop.data.loaders import run_tokenizer
+    from trainloop.model.vision import processor_of
 
-    processor = vision_processor(cfg.model, build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path))
-    return processor, processor.tokenizer
+    tokenizer = run_tokenizer(cfg)
+    return processor_of(tokenizer), tokenizer
 
 
 def mixed_rows(directory: Path) -> Path:

@@ -74,11 +74,12 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     import torch
     from accelerate.utils import set_seed
 
-    from trainloop.data.loaders import build_dataloaders, carry_chat_template, check_batch_fits, trained_chat_template
+    from trainloop.data.loaders import (
+        build_dataloaders, carry_chat_template, check_batch_fits, run_tokenizer, trained_chat_template,
+    )
     from trainloop.data.mixture import build_training_data
     from trainloop.data.node_turns import build_once_per_node
     from trainloop.data.order import GlobalOrder
-    from trainloop.data.tokenizer import build_tokenizer
     from trainloop.errors import ConfigError
     from trainloop.memory.batch_size import batch_size_advice, settle_batch_size, tensor_core_multiple
     from trainloop.model import fp8
@@ -88,7 +89,7 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
     from trainloop.model.compile import compile_model
     from trainloop.objectives import build_objective, items, prompt_tools
     from trainloop.model.flops import flops_per_token, trained_matmul_params
-    from trainloop.model.vision import freeze, image_token_id, is_vision, vision_processor
+    from trainloop.model.vision import freeze, image_token_id, is_vision, processor_of
     from trainloop.observe.harness import Harness
     from trainloop.observe.samples import Samples
     from trainloop.optim.optimizers import build_optimizer, build_scheduler, compile_optimizer
@@ -96,10 +97,8 @@ def build(cfg, strategy, *, run_dir=None, checkpointer=None, resume_from=None, b
 
     settle_learning_rate(cfg)  # a run settled it already; the planner's measurement and the benchmarks here
     accelerator = strategy.accelerator
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-    processor = vision_processor(cfg.model, tokenizer) if cfg.data.name == "vision_chat" else None
-    if processor is not None:  # its tokenizer: the image token added (model.arch=llava), or model=hf's own
-        tokenizer = processor.tokenizer
+    tokenizer = run_tokenizer(cfg)
+    processor = processor_of(tokenizer)  # a vision-language model's (data=vision_chat), else None
     carry_chat_template(tokenizer, trained_chat_template(cfg.data, tokenizer))  # final/ is prompted as trained
     objective = build_objective(cfg, strategy.device)
     if objective.head == "score" and tokenizer.pad_token is None:  # where the score is read: as TRL sets it

@@ -20,8 +20,19 @@ from trainloop.lifetime import start_loader_worker
 from trainloop.model.attention import documents_of
 
 __all__ = ["PackedBlocks", "build_dataloaders", "build_datasets", "build_tokenizer", "byte_level_tokenizer",
-           "carry_chat_template", "check_batch_fits", "data_fingerprint", "load_examples", "tokenize_examples",
-           "trained_chat_template", "worker_context"]
+           "carry_chat_template", "check_batch_fits", "data_fingerprint", "load_examples", "run_tokenizer",
+           "tokenize_examples", "trained_chat_template", "worker_context"]
+
+
+def run_tokenizer(cfg):
+    """The tokenizer a run reads its data with: data.tokenizer's, the pretrained model's or the built-in bytes
+    (build_tokenizer), or, where the data carries images (data=vision_chat), the vision-language model's processor's
+    around it (trainloop.model.vision.vision_processor: the image token added, or model=hf's own), from which
+    processor_of finds the processor."""
+    from trainloop.model.vision import vision_processor
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
+    return vision_processor(cfg.model, tokenizer).tokenizer if data_format(cfg.data.name).images else tokenizer
 
 
 def load_examples(cfg: DataConfig, tokenizer=None):

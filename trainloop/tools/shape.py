@@ -72,15 +72,13 @@ def model_shape(cfg) -> ModelShape:
     """Build the configured model on the meta device and read its shape: no memory, no weights."""
     import torch
 
-    from trainloop.data.loaders import build_tokenizer
+    from trainloop.data.loaders import run_tokenizer
     from trainloop.model.builder import build_model_config
     from trainloop.model.heads import as_scorer, auto_class
-    from trainloop.model.vision import is_vision, vision_processor
+    from trainloop.model.vision import is_vision
     from trainloop.parallel.tensor_parallel import sequence_parallel_problem
 
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)
-    if cfg.data.name == "vision_chat":  # its processor's tokenizer (the image token added), as the build takes it
-        tokenizer = vision_processor(cfg.model, tokenizer).tokenizer
+    tokenizer = run_tokenizer(cfg)  # as the build takes it (a vision-language model's: the image token added)
     whole = build_model_config(cfg.model, len(tokenizer))
     vision = is_vision(whole)
     config = whole.get_text_config()  # the language model's shape: a vision-language model's text config
@@ -136,8 +134,8 @@ def vision_shape(config, model) -> dict:
                        intermediate=getattr(vc, "intermediate_size", 4 * hidden), heads=vc.num_attention_heads,
                        kv_heads=vc.num_attention_heads, vocab=0, shapes=[], layer_linear_params=0,
                        largest_layer_params=0)
-    params = sum(p.numel() for name in ("vision", "projector") if part(model, name) is not None
-                 for p in part(model, name).parameters())
+    parts = [part(model, name) for name in ("vision", "projector")]
+    params = sum(p.numel() for module in parts if module is not None for p in module.parameters())
     return {"vision": tower, "vision_params": params, "image_patches": patches + 1 if patches else 0,
             "image_tokens": patches if dropped else patches + 1 if patches else 0}
 
