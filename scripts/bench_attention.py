@@ -3,22 +3,24 @@
 
     python scripts/bench_attention.py [--parts kernel run cp] [--lengths 2048 8192 32768] [--steps 3] [--json OUT]
 
-Three parts (kernel and run by default), each case in a fresh process, so that each has its own peak memory,
-and with glibc told to give every allocation of 64 KiB or more its own mapping, so that freed tensors leave
-the resident set (without it, glibc's heap makes a run's peak wander by 0.1 GB from one run to the next):
+Three parts (kernel and run by default), each case in a fresh process, so that each has its own peak memory:
   - the kernel: the smoke preset's model (2 blocks, 64 wide, fp32; on a CUDA GPU where there is one, its
     peak then torch's allocated memory) on one block of the default corpus's
     packed documents, a training step (forward and backward) at each length, through transformers' sdpa
     with its dense mask (it reads the packed rows from the position ids and builds a (seq x seq) mask) and
     through the document attention. Tokens/s over the median of the timed steps; peak memory over the
-    steps: the peak resident set (VmHWM, reset just before the first step) minus the resident set then.
-    A dense case whose mask would not fit in half the memory the system has left gets a row that says so;
-  - the run (issue 61's first acceptance check): `python -m trainloop +preset=smoke`, 2 blocks a step, at
-    4,096, 8,192 and 16,384 tokens, its peak resident set measured from outside (wait4's ru_maxrss): the
-    growth from 8k to 16k over the growth from 4k to 8k, 2 where memory is linear in the sequence, 4
-    where a (seq x seq) term leads;
+    steps: the peak resident set (VmHWM, reset just before the first step) minus the resident set then,
+    with glibc told to give every allocation of 64 KiB or more its own mapping, so that freed tensors leave
+    the resident set. A dense case whose mask would not fit in half the memory the system has left gets a
+    row that says so;
+  - the run (issue 61's first acceptance check): `python -m trainloop +preset=smoke` at 4,096, 8,192 and
+    16,384 tokens, its peak resident set measured from outside (wait4's ru_maxrss): the growth from 8k to
+    16k over the growth from 4k to 8k, 2 where memory is linear in the sequence, 4 where a (seq x seq) term
+    leads. With glibc's own heap, as a user's run has it, at 1, 2 and 4 blocks a step (the heap keeps what
+    is freed and fits later tensors into its holes as the order of the allocations allows: the ratio
+    wanders from run to run), and at 1 with every tensor mapped, whose resident set is the live tensors';
   - cp (the second check): the same run under FSDP2 on one process and with parallel.cp_size=2 on two, at
-    512 and 8,192 tokens: each rank's growth over one process's.
+    512 and 8,192 tokens, with glibc's own heap: each rank's growth over one process's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PATHS = ("dense", "documents")
-ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+GLIBC = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # glibc's own heap: a user's run
+LIVE = {**GLIBC, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}  # every tensor mapped: the resident set is the live one
+LENGTHS = (4096, 8192, 16384)
 
 
 def one_case(path: str, length: int, steps: int) -> dict:
@@ -86,11 +90,11 @@ def one_case(path: str, length: int, steps: int) -> dict:
             "tokens_per_s": length / statistics.median(times[1:]), "peak_bytes": peak - start}
 
 
-def child(args: list[str], timeout: float = 1800) -> tuple[int, str, int]:
+def child(args: list[str], env: dict = LIVE, timeout: float = 1800) -> tuple[int, str, int]:
     """Run `args`; (exit code, stdout, its peak resident set in bytes as the kernel counts it, of it and the
     processes it waited for)."""
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=ENV)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         deadline = time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -128,18 +132,25 @@ def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
     return rows
 
 
-def run_peak(length: int, *overrides: str, presets: str = "smoke", processes: int = 1) -> int:
-    """Peak resident set of a 2-step trainloop run at `length` tokens, 2 blocks a step, measured from outside."""
+def run_peak(length: int, *overrides: str, presets: str = "smoke", processes: int = 1, batch: int = 2,
+             env: dict = GLIBC) -> int:
+    """Peak resident set of a 2-step trainloop run at `length` tokens, `batch` blocks a step, measured from
+    outside."""
     with tempfile.TemporaryDirectory() as run_dir:
         launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                      "--master_port=29661", "-m", "trainloop"] if processes > 1 else [sys.executable, "-m", "trainloop"])
         code, out, peak = child([*launcher, f"+preset={presets}", f"data.seq_len={length}",
-                                 f"model.max_position_embeddings={length}", "data.batch_size=2", "trainer.max_steps=2",
-                                 "trainer.eval_every=2", "trainer.eval_batches=1", "checkpoint.save_final_model=false",
-                                 "logging.progress_bar=false", *overrides, f"hydra.run.dir={run_dir}"])
+                                 f"model.max_position_embeddings={length}", f"data.batch_size={batch}",
+                                 "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
+                                 "checkpoint.save_final_model=false", "logging.progress_bar=false", *overrides,
+                                 f"hydra.run.dir={run_dir}"], env)
         if code != 0:
             raise SystemExit(f"the run at {length} tokens failed (exit {code}):\n{out[-2000:]}")
         return peak
+
+
+HEAPS = {"glibc": "glibc's own heap",
+         "live": "every tensor of 64 KiB or more mapped (MALLOC_MMAP_THRESHOLD_=65536): the live tensors"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,14 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         report["kernel"] = kernel_rows(args.lengths, args.steps)
         print_kernel(report["kernel"], args.lengths)
     if "run" in args.parts:
-        peaks = {length: run_peak(length) for length in (4096, 8192, 16384)}
-        growth = (peaks[16384] - peaks[8192]) / (peaks[8192] - peaks[4096])
-        report["run"] = {"peak_bytes": peaks, "growth_ratio": growth}
-        print("\ntrainloop, one process, 2 blocks of the smoke model, peak RSS from outside: " +
-              ", ".join(f"{k:,} tokens {v / 2**30:.2f} GiB" for k, v in peaks.items()) +
-              f"; growth 8k->16k / 4k->8k = {growth:.2f} (linear: 2, quadratic: 4; the check: at most 2.3)")
+        report["run"] = []
+        print("\ntrainloop, one process, the smoke model (2 blocks of 64), peak RSS from outside; growth 8k->16k "
+              "over growth 4k->8k (linear: 2, quadratic: 4; the check: at most 2.3)")
+        for batch, heap in ((1, "glibc"), (2, "glibc"), (4, "glibc"), (1, "live")):
+            peaks = {n: run_peak(n, batch=batch, env=GLIBC if heap == "glibc" else LIVE) for n in LENGTHS}
+            growth = (peaks[16384] - peaks[8192]) / (peaks[8192] - peaks[4096])
+            report["run"].append({"batch": batch, "heap": heap, "peak_bytes": peaks, "growth_ratio": growth})
+            print(f"  data.batch_size={batch}, {HEAPS[heap]}: " +
+                  ", ".join(f"{k:,} tokens {v / 2**30:.3f} GiB" for k, v in peaks.items()) + f"; x{growth:.2f}",
+                  flush=True)
     if "cp" in args.parts:
-        one = {n: run_peak(n, presets="[smoke,fsdp]") for n in (512, 8192)}
+        one = {n: run_peak(n, presets="[smoke,fsdp]") for n in (512, 8192)}  # glibc's own heap
         split = {n: run_peak(n, "parallel.cp_size=2", presets="[smoke,fsdp]", processes=2) for n in (512, 8192)}
         share = (split[8192] - split[512]) / (one[8192] - one[512])
         report["cp"] = {"one_process": one, "cp2_rank": split, "share": share}

@@ -119,29 +119,6 @@ ZERO_WHY = ("ZeRO partitions optimizer state, gradients and parameters across pr
 
 # --- one method, in its own process -----------------------------------------------------------
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _glibc():
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-def _track_live_memory(libc, on: bool) -> None:
-    """On: every allocation of 64 KiB or more gets its own mapping and is unmapped when freed, so
-    the resident set follows the live tensors (glibc's default keeps freed memory in its heap,
-    where a later allocation reuses it unseen). Off: a 32 MiB threshold, glibc's own steady state,
-    for the timed steps."""
-    libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10 if on else 32 * 2**20)
-    if on:
-        libc.malloc_trim(0)
-
-
 def worker(overrides: list[str], steps: int, warmup: int, data_file: str) -> dict:
     from trainloop.config.compose import ConfigError, compose_config, validate
 
@@ -169,6 +146,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
     from trainloop.parallel import build_strategy
     from trainloop.parallel.accelerator import build_accelerator
     from trainloop.step import train_step
+    from trainloop.tools.measure import track_live_memory
 
     accelerator = build_accelerator(cfg)
     strategy = build_strategy(cfg, accelerator)
@@ -200,9 +178,7 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
             torch.cuda.reset_peak_memory_stats()
             marks["before"] = torch.cuda.memory_allocated()
         else:
-            marks["libc"] = _glibc()
-            if marks["libc"] is not None:
-                _track_live_memory(marks["libc"], True)
+            marks["libc"] = track_live_memory(True)
             marks["exact_peak"] = reset_peak_rss()
             marks["before"] = status_bytes("VmRSS")
 
@@ -224,9 +200,9 @@ def _train(cfg, steps: int, warmup: int, data_file: str) -> dict:
             else:
                 peak = (status_bytes("VmHWM") if exact_peak else _maxrss()) - before
                 memory_kind = ("VmHWM - VmRSS" if exact_peak else "ru_maxrss - VmRSS") + \
-                    (", glibc mmap threshold 64 KiB" if libc is not None else "")
-                if libc is not None:
-                    _track_live_memory(libc, False)
+                    (", glibc mmap threshold 64 KiB" if libc else "")
+                if libc:
+                    track_live_memory(False)  # glibc's usual heap for the timed steps
         t0, c0 = time.perf_counter(), time.process_time()
         group = [{key: value.to(accelerator.device) for key, value in next(batches).items()}
                  for _ in range(accumulation)]
