@@ -4,9 +4,10 @@
     python scripts/bench_attention.py [--parts kernel run cp] [--lengths 2048 8192 32768] [--steps 3] [--json OUT]
 
 Three parts (kernel and run by default), each case in a fresh process, so that each has its own peak memory:
-  - the kernel: the smoke preset's model (2 blocks, 64 wide, fp32; on a CUDA GPU where there is one, its
-    peak then torch's allocated memory) on one block of the default corpus's
-    packed documents, a training step (forward and backward) at each length, through transformers' sdpa
+  - the kernel: the smoke preset's model (2 blocks, 64 wide, fp32; on a CUDA GPU where there is one, under
+    bf16 autocast, the flash kernels' precision, its peak then torch's allocated memory, and a third path,
+    "loop", sdpa once a document, beside the one varlen kernel the documents take) on one block of the
+    default corpus's packed documents, a training step (forward and backward) at each length, through transformers' sdpa
     with its dense mask (it reads the packed rows from the position ids and builds a (seq x seq) mask) and
     through the document attention. Tokens/s over the median of the timed steps; peak memory over the
     steps: the peak resident set (VmHWM, reset just before the first step) minus the resident set then,
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PATHS = ("dense", "documents")
+PATHS = ("dense", "documents")  # and on a CUDA GPU "loop": sdpa once a document, what fp32 or an older torch takes
 GLIBC = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # glibc's own heap: a user's run
 LIVE = {**GLIBC, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}  # every tensor mapped: the resident set is the live one
 LENGTHS = (4096, 8192, 16384)
@@ -69,9 +70,13 @@ def one_case(path: str, length: int, steps: int) -> dict:
     model = AutoModelForCausalLM.from_config(build_model_config(cfg.model, len(tokenizer)), attn_implementation="sdpa")
     model.to(device)
     inputs = {key: batch[key].to(device) for key in ("input_ids", "position_ids", "labels")}
-    if path == "documents":
+    if path in ("documents", "loop"):
         use(model, SDPA_DOCUMENTS, "the benchmark")
         inputs["documents"] = batch["documents"]  # on the host, where the loop leaves it
+    if path == "loop":  # this process only: the per-document loop where varlen would run
+        import trainloop.model.attention as attention
+
+        attention._varlen_attn = None
     times = []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -81,7 +86,9 @@ def one_case(path: str, length: int, steps: int) -> dict:
         reset_peak_rss()
     for _ in range(steps + 1):
         begin = time.perf_counter()
-        model(**inputs).loss.backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # the flash kernels' precision
+            loss = model(**inputs).loss
+        loss.backward()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
@@ -117,7 +124,7 @@ def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
 
     rows = []
     for length in lengths:
-        for path in PATHS:
+        for path in PATHS + (("loop",) if torch.cuda.is_available() else ()):
             mask = 4 * length * length  # sdpa's additive float mask, one row
             if path == "dense" and not torch.cuda.is_available() and 2 * mask > (mem_available() or 0) / 2:
                 rows.append({"path": path, "tokens": length,
@@ -193,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_kernel(rows: list[dict], lengths: list[int]) -> None:
-    print("\n| tokens | documents | dense tokens/s | documents tokens/s | documents/dense | dense peak | documents peak |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    loop = any(r["path"] == "loop" for r in rows)
+    print("\n| tokens | documents | dense tokens/s | documents tokens/s | documents/dense | dense peak | documents peak |"
+          + (" loop tokens/s |" if loop else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if loop else ""))
     for length in lengths:
         dense, documents = (next(r for r in rows if r["tokens"] == length and r["path"] == path)
                             for path in PATHS)
@@ -204,6 +213,10 @@ def print_kernel(rows: list[dict], lengths: list[int]) -> None:
         measured = "skipped" not in dense and "skipped" not in documents
         cells.append(f"x{documents['tokens_per_s'] / dense['tokens_per_s']:.2f}" if measured else "")
         cells += ["" if "skipped" in row else f"{row['peak_bytes'] / 2**20:,.0f} MiB" for row in (dense, documents)]
+        loop = next((r for r in rows if r["tokens"] == length and r["path"] == "loop"), None)
+        if loop is not None:  # a GPU: the varlen kernel against sdpa once a document
+            cells.append(loop.get("skipped") or f"{loop['tokens_per_s']:,.0f} (documents x"
+                                                 f"{documents.get('tokens_per_s', 0) / loop['tokens_per_s']:.2f})")
         print("| " + " | ".join(cells) + " |")
 
 

@@ -153,11 +153,15 @@ CHECKS = [
     Check("zero3 offload", "DeepSpeed ZeRO-3, parameters and optimizer state offloaded to CPU",
           ["precision=bf16", "+preset=zero3_offload"], timeout=300,
           cpu_why="DeepSpeed's CPU Adam compiles on first use (minutes on 2 cores); tests/ cover ZeRO-3 on CPU"),
-    Check("document attention", "packed documents attended one document at a time (flash, no mask) against "
-          "transformers' dense block-causal mask, 2k/8k/32k tokens (scripts/bench_attention.py)",
+    Check("document attention", "packed documents in bf16 through one varlen flash kernel and through sdpa once a "
+          "document, against transformers' dense block-causal mask, 2k/8k/32k tokens (scripts/bench_attention.py)",
           ["scripts/bench_attention.py", "--parts", "kernel", "--json", "OUT/attention.json"], command=True,
           figures=_attention_figures, timeout=300,
           cpu_why="its CPU table is BENCHMARKS.md's (python scripts/bench_attention.py, minutes on 2 cores)"),
+    Check("varlen attention", "the varlen kernel's forward and gradients equal the dense mask's (bf16) and the "
+          "loop's (fp32): tests/test_attention.py's GPU test",
+          ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py", "-k", "on_a_gpu"], command=True,
+          timeout=120, cpu_why="CUDA's kernel; tests/test_attention.py holds the CPU kernel to the dense mask"),
     Check("bench_methods.py", "the GPU rows of bench_methods.py the checks above do not run, against fp32 AdamW",
           ["scripts/bench_methods.py", "--steps", "6", "--warmup", "2", "--only", *GPU_METHODS,
            "--json", "OUT/methods.json"], command=True, figures=_methods_figures, timeout=300,

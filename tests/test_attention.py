@@ -71,6 +71,55 @@ def test_a_document_starts_where_positions_do_not_count_on_and_spans_never_cross
     assert spans(torch.zeros(2, 3, dtype=torch.int32)) == [(0, 0, 3), (1, 0, 3)]  # the same number, two rows
 
 
+
+def test_a_varlen_kernel_gets_each_documents_offset_in_the_batch_laid_end_to_end():
+    """cumulative_lengths: the cu_seqlens varlen flash attention takes, from the host documents (no device
+    read), with the batch's total last and the longest document; the kernel a query takes on the CPU."""
+    from trainloop.model.attention import attention_kernel, cumulative_lengths, documents_of
+
+    documents = documents_of(torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 5, 6, 0, 1]]))
+    offsets, longest = cumulative_lengths(documents)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 3, 5, 6, 10, 12] and longest == 4
+    offsets, longest = cumulative_lengths(torch.zeros(2, 3, dtype=torch.int32))  # one document a row
+    assert offsets.tolist() == [0, 3, 6] and longest == 3
+    query = torch.zeros(1, 2, 6, 8)
+    assert attention_kernel(query) == "cpu" and attention_kernel(query, dropout=0.1) == "loop"
+    assert attention_kernel(query.to("meta")) == "loop"  # a device with no varlen kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention is CUDA's (scripts/gpu_check.sh)")
+def test_on_a_gpu_documents_attend_in_one_varlen_kernel_as_the_dense_mask_does(caplog):
+    """bf16 on a CUDA GPU: one varlen flash kernel over the batch's documents (where this torch has it),
+    forward and gradients as sdpa with the dense mask gives them, and as the per-document loop fp32 takes;
+    logged once. Grouped heads, documents of 5, 9 and 2 tokens, one of 16, and 16 of one token each."""
+    import logging
+
+    from trainloop.model.attention import _announce, _varlen_attn, attention_kernel, document_attention, documents_of
+
+    _announce.cache_clear()  # logged once a process: this test's own first
+    torch.manual_seed(0)
+    positions = torch.stack([torch.cat([torch.arange(5), torch.arange(9), torch.arange(2)]), torch.arange(16),
+                             torch.zeros(16, dtype=torch.long)])
+    documents = documents_of(positions)
+    grad = torch.randn(3, 16, 4, 64, device="cuda")
+    for dtype, kernel in ((torch.bfloat16, "varlen" if _varlen_attn is not None else "loop"), (torch.float32, "loop")):
+        query = torch.randn(3, 4, 16, 64, device="cuda", dtype=dtype, requires_grad=True)
+        key, value = (torch.randn(3, 2, 16, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        assert attention_kernel(query) == kernel
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+        def run(attend):
+            out = attend(query, key, value, documents)
+            return (out, *torch.autograd.grad(out, (query, key, value), grad.to(dtype)))
+
+        with caplog.at_level(logging.INFO, logger="trainloop"):
+            got = run(lambda q, k, v, d: document_attention(q, k, v, d, 64 ** -0.5))
+            run(lambda q, k, v, d: document_attention(q, k, v, d, 64 ** -0.5))
+        for tensor, expected in zip(got, run(dense_reference)):
+            torch.testing.assert_close(tensor, expected, **tolerance)
+    said = [r.getMessage() for r in caplog.records if "attention over packed documents" in r.getMessage()]
+    assert len(said) <= 2 and any("varlen" in line for line in said) == (_varlen_attn is not None), said
+
 def test_padded_rows_attend_as_documents_and_their_tokens_as_the_dense_mask_gives_them():
     """A left-padded prompt with a right-padded completion (grpo's rollouts, distill's on-policy rows) is
     three documents: padding, tokens, padding. Every kept token's output equals sdpa's under padded_causal's

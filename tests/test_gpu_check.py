@@ -76,3 +76,14 @@ def test_the_bench_methods_rows_it_asks_for_exist():
     import bench_methods
 
     assert set(gpu_check.GPU_METHODS) <= {m.name for m in bench_methods.METHODS}
+
+
+def test_every_command_names_a_script_or_a_test_that_exists():
+    """A command check runs a script of scripts/, or pytest on tests that a `-k` selects: each is there."""
+    for check in (c for c in gpu_check.CHECKS if c.command):
+        if check.gpu[:2] == ["-m", "pytest"]:
+            path = REPO / next(a for a in check.gpu if a.startswith("tests/"))
+            selected = check.gpu[check.gpu.index("-k") + 1]
+            assert re.search(rf"^def test_\w*{selected}\w*\(", path.read_text(), re.M), (check.name, selected)
+        else:
+            assert (REPO / check.gpu[0]).is_file(), check.name

@@ -25,11 +25,21 @@ blocks (pairs, prompts) and models with a sliding window keep transformers' own 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+try:  # one flash kernel over documents laid end to end (CUDA); its causal window came in torch 2.11
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    if "window_size" not in inspect.signature(_varlen_attn).parameters:
+        _varlen_attn = None
+except ImportError:
+    _varlen_attn = None
 
 log = logging.getLogger("trainloop")
 
@@ -146,6 +156,7 @@ def _documents_loop(query, key, value, documents, scale, dropout=0.0):
     """Off the CPU, or with attention dropout (which the CPU flash kernel has not): sdpa's causal kernel
     (flash, where the device has one) once a document, under autograd. Its loop depends on the documents, so
     compile leaves it out of the graph."""
+    _announce("loop", query.device.type)
     rows = []
     for row, start, end in spans(documents):
         if row == len(rows):
@@ -157,14 +168,62 @@ def _documents_loop(query, key, value, documents, scale, dropout=0.0):
     return torch.stack([torch.cat(parts, dim=1) for parts in rows])
 
 
+def cumulative_lengths(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest) of `documents` (the host tensor documents_of makes) as varlen kernels take them:
+    int32 offsets of every document's first token in the batch's tokens laid end to end, and the batch's
+    total last; the longest document's length. Made on the host, where the documents are."""
+    batch, seq = documents.shape
+    found = spans(documents)
+    offsets = [row * seq + start for row, start, _ in found] + [batch * seq]
+    return torch.tensor(offsets, dtype=torch.int32), max(end - start for _, start, end in found)
+
+
+def attention_kernel(query: torch.Tensor, dropout: float = 0.0) -> str:
+    """Which kernel document_attention runs for `query`: "cpu" (sdpa's CPU flash kernel once a document, in
+    one op), "varlen" (one flash kernel over every document of the batch: a CUDA GPU, half precision, no
+    dropout, a head of at most 256, a torch whose varlen attention takes a causal window) or "loop" (sdpa
+    once a document)."""
+    if query.device.type == "cpu" and not dropout:
+        return "cpu"
+    if (_varlen_attn is not None and query.device.type == "cuda" and not dropout
+            and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256):
+        return "varlen"
+    return "loop"
+
+
+@functools.cache
+def _announce(kernel: str, device: str) -> None:  # once a kernel, from the paths compile leaves out
+    log.info("attention over packed documents on %s: %s", device, {
+        "varlen": "torch's varlen flash attention, one kernel over every document of the batch",
+        "loop": "sdpa once a document (its flash kernel where it has one)"}[kernel])
+
+
+@torch.compiler.disable
+def _documents_varlen(query, key, value, documents, scale):
+    """torch's varlen flash attention over the batch's documents laid end to end: (batch, seq, heads, dim).
+    The offsets go to the device with the batch's launch queue, never read back."""
+    _announce("varlen", query.device.type)
+    batch, heads, seq, dim = query.shape
+    offsets, longest = cumulative_lengths(documents)
+    offsets = offsets.to(query.device, non_blocking=True)
+    tokens = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value)]
+    out = _varlen_attn(*tokens, offsets, offsets, longest, longest, scale=scale, window_size=(-1, 0),
+                       enable_gqa=key.shape[1] != heads)
+    return out.view(batch, seq, heads, dim)
+
+
 def document_attention(query, key, value, documents: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each document, none across. Out: (batch, seq, heads, dim), as transformers'
-    attention functions return it. Under autocast it computes in autocast's dtype, as sdpa does."""
+    attention functions return it. Under autocast it computes in autocast's dtype, as sdpa does. Off the CPU
+    the kernel it takes (attention_kernel) is logged the first time."""
     device = query.device.type
     if torch.is_autocast_enabled(device):  # a custom op is not autocast's: cast as autocast casts sdpa
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (t.to(dtype) for t in (query, key, value))
-    if device == "cpu" and not dropout:
+    kernel = attention_kernel(query, dropout)
+    if kernel == "varlen":
+        return _documents_varlen(query, key, value, documents, scale)
+    if kernel == "cpu":
         out = _documents_forward(query, key, value, documents, scale)[0]
     else:
         out = _documents_loop(query, key, value, documents, scale, dropout)
