@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from helpers import compose, reset_accelerate, train
 from trainloop.data.tokenizer import IGNORE
-from trainloop.model.attention import padded_causal
+from trainloop.model.attention import _varlen_attn, padded_causal
 
 
 def tiny(arch: str, attn: str):
@@ -87,6 +87,22 @@ def test_a_varlen_kernel_gets_each_documents_offset_in_the_batch_laid_end_to_end
     assert attention_kernel(query.to("meta")) == "loop"  # a device with no varlen kernel
 
 
+@pytest.mark.skipif(_varlen_attn is None, reason="this torch's varlen attention takes no causal window")
+def test_the_varlen_call_is_one_torchs_own_op_accepts_forward_and_backward():
+    """The call the GPU path makes, on the meta device, where torch's varlen op runs its own shape functions
+    (no kernel): grouped heads, the causal window, the scale; the output laid out (batch, seq, heads, dim)
+    as transformers takes it, and gradients of the inputs' shapes."""
+    from trainloop.model.attention import _documents_varlen, documents_of
+
+    documents = documents_of(torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 5, 6, 0, 1]]))
+    query = torch.empty(2, 4, 6, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    key, value = (torch.empty(2, 2, 6, 64, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(2))
+    out = _documents_varlen(query, key, value, documents, 0.125)
+    assert out.shape == (2, 6, 4, 64) and out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.sum(), (query, key, value))
+    assert [g.shape for g in grads] == [query.shape, key.shape, value.shape]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention is CUDA's (scripts/gpu_check.sh)")
 def test_on_a_gpu_documents_attend_in_one_varlen_kernel_as_the_dense_mask_does(caplog):
     """bf16 on a CUDA GPU: one varlen flash kernel over the batch's documents (where this torch has it),
@@ -94,7 +110,7 @@ def test_on_a_gpu_documents_attend_in_one_varlen_kernel_as_the_dense_mask_does(c
     logged once. Grouped heads, documents of 5, 9 and 2 tokens, one of 16, and 16 of one token each."""
     import logging
 
-    from trainloop.model.attention import _announce, _varlen_attn, attention_kernel, document_attention, documents_of
+    from trainloop.model.attention import _announce, attention_kernel, document_attention, documents_of
 
     _announce.cache_clear()  # logged once a process: this test's own first
     torch.manual_seed(0)
