@@ -151,12 +151,8 @@ def _backward(ctx, grad, _):
 _documents_forward.register_autograd(_backward, setup_context=_keep)
 
 
-@torch.compiler.disable
 def _documents_loop(query, key, value, documents, scale, dropout=0.0):
-    """Off the CPU, or with attention dropout (which the CPU flash kernel has not): sdpa's causal kernel
-    (flash, where the device has one) once a document, under autograd. Its loop depends on the documents, so
-    compile leaves it out of the graph."""
-    _announce("loop", query.device.type)
+    """sdpa's causal kernel (flash, where the device has one) once a document, under autograd."""
     rows = []
     for row, start, end in spans(documents):
         if row == len(rows):
@@ -181,28 +177,28 @@ def cumulative_lengths(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
 def attention_kernel(query: torch.Tensor, dropout: float = 0.0) -> str:
     """Which kernel document_attention runs for `query`: "cpu" (sdpa's CPU flash kernel once a document, in
     one op), "varlen" (one flash kernel over every document of the batch: a CUDA GPU, half precision, no
-    dropout, a head of at most 256, a torch whose varlen attention takes a causal window) or "loop" (sdpa
-    once a document)."""
+    dropout, a head of at most 256, flash attention's GPUs (compute capability 8.0 on), a torch whose varlen
+    attention takes a causal window) or "loop" (sdpa once a document: attention dropout, which the CPU
+    kernel has not, fp32 on a GPU, any other device)."""
     if query.device.type == "cpu" and not dropout:
         return "cpu"
     if (_varlen_attn is not None and query.device.type == "cuda" and not dropout
-            and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256):
+            and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+            and torch.cuda.get_device_capability(query.device) >= (8, 0)):
         return "varlen"
     return "loop"
 
 
 @functools.cache
-def _announce(kernel: str, device: str) -> None:  # once a kernel, from the paths compile leaves out
+def _announce(kernel: str, device: str) -> None:
     log.info("attention over packed documents on %s: %s", device, {
         "varlen": "torch's varlen flash attention, one kernel over every document of the batch",
         "loop": "sdpa once a document (its flash kernel where it has one)"}[kernel])
 
 
-@torch.compiler.disable
 def _documents_varlen(query, key, value, documents, scale):
     """torch's varlen flash attention over the batch's documents laid end to end: (batch, seq, heads, dim).
     The offsets go to the device with the batch's launch queue, never read back."""
-    _announce("varlen", query.device.type)
     batch, heads, seq, dim = query.shape
     offsets, longest = cumulative_lengths(documents)
     offsets = offsets.to(query.device, non_blocking=True)
@@ -214,20 +210,25 @@ def _documents_varlen(query, key, value, documents, scale):
 
 def document_attention(query, key, value, documents: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each document, none across. Out: (batch, seq, heads, dim), as transformers'
-    attention functions return it. Under autocast it computes in autocast's dtype, as sdpa does. Off the CPU
-    the kernel it takes (attention_kernel) is logged the first time."""
+    attention functions return it. Under autocast it computes in autocast's dtype, as sdpa does."""
     device = query.device.type
     if torch.is_autocast_enabled(device):  # a custom op is not autocast's: cast as autocast casts sdpa
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (t.to(dtype) for t in (query, key, value))
+    if device == "cpu" and not dropout:  # attention_kernel's "cpu": one op, which compile traces as a node
+        return _documents_forward(query, key, value, documents, scale)[0].transpose(1, 2).contiguous()
+    return _documents_elsewhere(query, key, value, documents, scale, dropout)
+
+
+@torch.compiler.disable
+def _documents_elsewhere(query, key, value, documents, scale, dropout):
+    """Off the CPU, or with dropout: the varlen kernel or the loop (attention_kernel), the one taken logged the
+    first time. Their launches depend on the documents, so compile leaves them out of the graph."""
     kernel = attention_kernel(query, dropout)
+    _announce(kernel, query.device.type)
     if kernel == "varlen":
         return _documents_varlen(query, key, value, documents, scale)
-    if kernel == "cpu":
-        out = _documents_forward(query, key, value, documents, scale)[0]
-    else:
-        out = _documents_loop(query, key, value, documents, scale, dropout)
-    return out.transpose(1, 2).contiguous()
+    return _documents_loop(query, key, value, documents, scale, dropout).transpose(1, 2).contiguous()
 
 
 def padded_causal(attention_mask: torch.Tensor) -> torch.Tensor:
