@@ -1,11 +1,7 @@
-"""What Linux says of this process's memory (/proc), read one way by the batch-size search, `plan --measure`
-and the benchmark scripts, and glibc's mmap threshold, which the measurements set."""
+"""What Linux says of this process's memory (/proc): the batch-size search, `plan --measure` and the
+benchmark scripts read it one way."""
 
 from __future__ import annotations
-
-import os
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def status_bytes(key: str) -> int:
@@ -37,21 +33,4 @@ def reset_peak_rss() -> bool:
             f.write("5")
         return True
     except OSError:
-        return False
-
-
-def mmap_threshold(nbytes: int, trim: bool = False) -> bool:
-    """glibc gives every allocation of `nbytes` or more its own mapping, unmapped when it is freed, and stops
-    moving that threshold itself; `trim`: and hands back to the system what its heap holds free now. False
-    where there is no glibc."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        if not libc.mallopt(M_MMAP_THRESHOLD, nbytes):
-            return False
-        if trim:
-            libc.malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
         return False

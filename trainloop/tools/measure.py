@@ -4,17 +4,29 @@ through it too."""
 
 from __future__ import annotations
 
-from trainloop.memory.proc import mmap_threshold, reset_peak_rss, status_bytes
+from trainloop.memory.proc import reset_peak_rss, status_bytes
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def track_live_memory(on: bool) -> bool:
     """On: glibc gives every allocation of 64 KiB or more its own mapping, unmapped when freed, so
-    the resident set follows the live tensors. Off: a 32 MiB threshold, glibc's steady state. With
-    glibc's default heap a freed tensor stays resident
-    and a later, differently sized one may not fit in its place: under FSDP2 (gather and free a block at
-    a time) the resident set of a 17M-parameter model grew 380 -> 560 MB over 4 steps with the live
-    tensors flat (seen here). False where there is no glibc."""
-    return mmap_threshold(64 * 2**10, trim=True) if on else mmap_threshold(32 * 2**20)
+    the resident set follows the live tensors. Off: a 32 MiB threshold, glibc's steady state.
+    With glibc's default heap a freed tensor stays resident and a later, differently sized one
+    may not fit in its place: under FSDP2 (gather and free a block at a time) the resident set of
+    a 17M-parameter model grew 380 -> 560 MB over 4 steps with the live tensors flat (seen here).
+    False where there is no glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10 if on else 32 * 2**20)
+        if on:
+            libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 class SavedActivations:
