@@ -191,6 +191,8 @@ def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, fault, says):
 
 @pytest.mark.parametrize("overrides, says", [
     (["data.packing=documents"], "data.packing=documents: data=vision_chat pads each conversation"),
+    (["data.path=null", "data.sources=[{path:a.jsonl,weight:1}]"],
+     "data.sources with data=vision_chat: a mixture of conversations with images is not built yet; give data.path"),
     (["data=chat", "data.path=x.jsonl"], "model.arch=llava trains on images: set data=vision_chat"),
     (["model.freeze=[eyes]"], "model.freeze=['eyes']: ['eyes'] not among the parts vision, projector"),
     (["model.image_size=30"], "model.image_size=30 is not a multiple of model.patch_size=8"),

@@ -162,7 +162,4 @@ def problems(cfg) -> list[str]:
         problems.append(f"data.tokenizer={cfg.data.tokenizer} with model=hf and data=vision_chat: the model's "
                         "processor (model.name_or_path) brings its own tokenizer, which its image tokens are part of; "
                         "drop data.tokenizer")
-    if cfg.data.sources is not None:
-        problems.append("data.sources with data=vision_chat: a mixture of conversations with images is not built yet; "
-                        "give data.path")
     return problems

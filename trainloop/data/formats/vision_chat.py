@@ -169,13 +169,16 @@ class VisionChat(DataFormat):
         return self.UNREAD.get(key, "")
 
     def problems(self, cfg) -> list[str]:
-        d = cfg.data
+        d, problems = cfg.data, []
+        if d.sources is not None:
+            problems.append(f"data.sources with data=vision_chat: {self.UNREAD['data.sources']}")
         if d.packing != "none":
-            return [f"data.packing={d.packing}: data=vision_chat pads each conversation to data.seq_len (its images' "
-                    "pixels go with its tokens); set data.packing=none"]
-        if d.overlong == "split":
-            return ["data.overlong=split: a conversation's pieces would lose its images; choose truncate or drop"]
-        return []
+            problems.append(f"data.packing={d.packing}: data=vision_chat pads each conversation to data.seq_len (its "
+                            "images' pixels go with its tokens); set data.packing=none")
+        elif d.overlong == "split":
+            problems.append("data.overlong=split: a conversation's pieces would lose its images; choose truncate or "
+                            "drop")
+        return problems
 
     def load(self, cfg: DataConfig, tokenizer=None):
         """[(messages, image sources)] of the rows, each checked: a row that cannot be used is one line naming
