@@ -189,6 +189,30 @@ def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, fault, says):
     assert "\n" not in message and message.startswith(f"{path}:3: ") and says.replace("WHERE", str(tmp_path)) in message
 
 
+def test_an_image_whose_header_passes_but_pixels_do_not_is_refused_naming_its_row(tmp_path):
+    """The rows are checked by their images' headers (no decode); the one decode, for the processor, names the row of
+    a file cut short after its header, as the header check names a row."""
+    from trainloop.data.formats import data_format
+    from trainloop.data.loaders import load_examples
+    from trainloop.errors import ConfigError
+
+    (colour, image), = SQUARES.squares(1, seed=2)
+    image.save(tmp_path / "whole.jpg")
+    whole = (tmp_path / "whole.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(whole[:-100])  # its headers whole, its pixels cut short
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"messages": SQUARES.conversation(colour), "images": [name]}) + "\n"
+                            for name in ("whole.jpg", "cut.jpg")))
+    cfg = compose(*vision_run(path))
+    processor, tokenizer = run_processor(cfg)
+    assert [r for r, _, _ in load_examples(cfg.data, tokenizer)] == [0, 1]  # the cut file's header is whole
+    with pytest.raises(ConfigError) as refused:
+        data_format("vision_chat").build(cfg.data, tokenizer, seed=0)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{path}:2: data.images_field='images' image 1 ")
+    assert f"'{tmp_path / 'cut.jpg'}' is not an image (OSError: image file is truncated" in message
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["data.packing=documents"], "data.packing=documents: data=vision_chat pads each conversation"),
     (["data.path=null", "data.sources=[{path:a.jsonl,weight:1}]"],
@@ -250,7 +274,9 @@ def test_the_projector_learns_at_its_own_rate():
     assert rates.keys() == {id(p) for p in model.parameters()}
     assert {rates[i] for i in projector} == {5e-3} and {r for i, r in rates.items() if i not in projector} == {1e-3}
     assert sorted(g["weight_decay"] for g in optimizer.param_groups if g["lr"] == 5e-3) == [0.0, 0.1]
-    build_scheduler(cfg.scheduler, optimizer, 10).step()
+    scheduler = build_scheduler(cfg.scheduler, optimizer, 10)
+    optimizer.step()  # no gradients: nothing moves, but the scheduler's step follows an optimizer's, as in a run
+    scheduler.step()
     assert {g["lr"] for g in optimizer.param_groups} == {1e-3, 5e-3}
 
 

@@ -120,17 +120,26 @@ def image_source(image, folder: Path):
 
 
 def image_problem(source) -> str | None:
+    """Why `source` cannot be a row's image, or None: from the file's header and its own checks (PIL's verify),
+    without decoding the pixels, which build() decodes once for the processor."""
     if source is None:
         return "is neither a path nor an image's bytes"
     if isinstance(source, str) and not Path(source).is_file():
         return f"{source!r}: no such file"
-    from trainloop.data.sets import open_image
+    import io
+
+    from PIL import Image
 
     try:
-        open_image(source)
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+            image.verify()
     except Exception as err:  # noqa: BLE001 - whatever PIL raises for a file that is not an image
-        return f"{source if isinstance(source, str) else 'its bytes'!r} is not an image ({root_cause(err)})"
+        return not_an_image(source, err)
     return None
+
+
+def not_an_image(source, err: Exception) -> str:
+    return f"{source if isinstance(source, str) else 'its bytes'!r} is not an image ({root_cause(err)})"
 
 
 def with_images(messages: list[dict], images: list) -> list[dict]:
@@ -181,8 +190,9 @@ class VisionChat(DataFormat):
         return problems
 
     def load(self, cfg: DataConfig, tokenizer=None):
-        """[(messages, image sources)] of the rows, each checked: a row that cannot be used is one line naming
-        its file and line; rows with nothing to learn are skipped and counted."""
+        """[(row number, messages, image sources)] of the rows, each checked (its images by their headers): a row
+        that cannot be used is one line naming its file and line; rows with nothing to learn are skipped and
+        counted."""
         rows = undecoded_images(read_rows(cfg.path, self.columns(cfg), list(self.fields)), cfg.images_field)
         rows = struct_columns_as_json(rows, [cfg.messages_field])
         files = row_files(cfg.path)
@@ -205,13 +215,12 @@ class VisionChat(DataFormat):
             for k, source in enumerate(sources, 1):
                 problem = image_problem(source)
                 if problem:
-                    raise ConfigError(f"{self.place(cfg, r)}: data.images_field={cfg.images_field!r} image {k} "
-                                      f"{problem}; fix or remove that row")
+                    raise self.bad_image(cfg, r, k, problem)
             roles = [m["role"] for m in messages]
             if cfg.train_on == "assistant" and "assistant" not in roles:
                 skipped["no assistant reply"] += 1
                 continue
-            kept.append((messages, sources))
+            kept.append((r, messages, sources))
         if not kept:
             raise ConfigError(f"none of the {len(rows)} rows of {cfg.path} can be trained: "
                               + ", ".join(f"{n} with {why}" for why, n in skipped.items()))
@@ -219,6 +228,10 @@ class VisionChat(DataFormat):
             log.warning("data=vision_chat rows of %s: skipped %d (%s)", cfg.path, sum(skipped.values()),
                         ", ".join(f"{n} with {why}" for why, n in skipped.items()))
         return kept
+
+    def bad_image(self, cfg: DataConfig, r: int, k: int, problem: str) -> ConfigError:
+        return ConfigError(f"{self.place(cfg, r)}: data.images_field={cfg.images_field!r} image {k} {problem}; fix or "
+                           "remove that row")
 
     def chat_template(self, cfg: DataConfig, tokenizer) -> str:
         return template_of(cfg, tokenizer)
@@ -243,9 +256,15 @@ class VisionChat(DataFormat):
         image_token, pad, length = image_token_id(processor), pad_id(tokenizer), cfg.seq_len
         ids, labels, masks, images, digests = [], [], [], [], []
         dropped = Counter()
-        for messages, sources in self.load(cfg, tokenizer):
+        for r, messages, sources in self.load(cfg, tokenizer):
+            pictures = []
+            for k, source in enumerate(sources, 1):
+                try:
+                    pictures.append(open_image(source))
+                except Exception as err:  # noqa: BLE001 - a file whose header passed but whose pixels do not decode
+                    raise self.bad_image(cfg, r, k, not_an_image(source, err)) from err
             out = processor.apply_chat_template(
-                [with_images(messages, [open_image(s) for s in sources])], chat_template=template, tokenize=True,
+                [with_images(messages, pictures)], chat_template=template, tokenize=True,
                 return_dict=True, return_assistant_tokens_mask=assistant,
                 processor_kwargs={"add_special_tokens": False})
             row = out["input_ids"][0]
