@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=1, help="measure each case of the run and cp parts this many times")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure each case of the run and cp parts this many times")
     parser.add_argument("--parts", nargs="+", choices=("kernel", "run", "cp"), default=["kernel", "run"])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", nargs=2, metavar=("PATH", "LENGTH"), help=argparse.SUPPRESS)

@@ -154,6 +154,30 @@ def test_a_pretrained_vlm_directory_trains_as_model_hf(tmp_path, squares):
     assert AutoProcessor.from_pretrained(run / "final").chat_template == run_processor(cfg)[0].chat_template
 
 
+def test_a_processor_that_needs_a_library_this_environment_lacks_is_refused_naming_it(tmp_path):
+    """A Qwen2-VL directory's processor takes a video processor, which needs torchvision (not a dependency of
+    trainloop's): model=hf is refused in one line that names model.name_or_path and the library, not with
+    transformers' traceback."""
+    import importlib.util
+
+    from transformers import Qwen2VLImageProcessorPil
+
+    from trainloop.errors import ConfigError
+    from trainloop.model.vision import vision_processor
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the processor loads")
+    cfg = compose("+preset=smoke", "model=hf", f"model.name_or_path={tmp_path}")
+    run_processor(compose(*vision_run(Path("rows.jsonl"))))[1].save_pretrained(tmp_path)
+    Qwen2VLImageProcessorPil().save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    with pytest.raises(ConfigError) as refused:
+        vision_processor(cfg.model)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"model.name_or_path='{tmp_path}': its processor cannot load")
+    assert "requires the Torchvision library" in message and "the torchvision release made for torch" in message
+
+
 @pytest.mark.parametrize("fault, says", [
     ("missing", "image 1 'WHERE/gone.png': no such file"),
     ("not an image", "is not an image (UnidentifiedImageError"),

@@ -71,6 +71,14 @@ def vision_processor(cfg: ModelConfig, tokenizer=None):
             raise ConfigError(f"model.name_or_path={cfg.name_or_path!r}: no processor could be loaded ({err}); "
                               "data=vision_chat needs a vision-language model directory with its processor "
                               "(processor_config.json or preprocessor_config.json, and the tokenizer)") from None
+        except ImportError as err:  # a class of it needs a library: Qwen2-VL's video processor, torchvision
+            import torch
+
+            why = next(line for line in [*str(err).splitlines(), type(err).__name__] if line.strip()).split(". ")[0]
+            match = (f" (the torchvision release made for torch {torch.__version__.split('+')[0]})"
+                     if "torchvision" in why.lower() else "")
+            raise ConfigError(f"model.name_or_path={cfg.name_or_path!r}: its processor cannot load here: {why}; "
+                              f"install that library into this environment{match} and run again") from None
         if getattr(processor, "image_processor", None) is None:
             raise ConfigError(f"model.name_or_path={cfg.name_or_path!r} has no image processor: data=vision_chat "
                               "needs a vision-language model's processor (AutoProcessor) beside its weights")
