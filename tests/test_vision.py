@@ -154,6 +154,27 @@ def test_a_pretrained_vlm_directory_trains_as_model_hf(tmp_path, squares):
     assert AutoProcessor.from_pretrained(run / "final").chat_template == run_processor(cfg)[0].chat_template
 
 
+def test_inspect_shows_a_conversation_as_the_model_sees_it_with_its_image_tokens(squares):
+    """python -m trainloop.inspect with data=vision_chat: each row's tokens as the run makes them (the template's
+    text, an image's tokens as the processor expands it), the trained ones (the reply, never an image's) marked, the
+    same ids and labels the training rows hold."""
+    from trainloop.data.loaders import build_datasets
+    from trainloop.inspect import inspect_rows
+
+    cfg = compose(*vision_run(squares))
+    shown = inspect_rows(vision_run(squares), 2)
+    first = json.loads(squares.read_text().splitlines()[0])
+    reply = first["messages"][-1]["content"][0]["text"]
+    train_set, _ = build_datasets(cfg.data, run_processor(cfg)[1], cfg.trainer.seed)
+    held = train_set.tensors  # every row of the example set is one shape: the same lengths
+    trained = int((held["labels"][0] != -100).sum())
+    assert shown.startswith(f"--- row 0: {int(held['attention_mask'][0].sum())} tokens, {trained} trained\n")
+    image = run_processor(cfg)[0].tokenizer.convert_tokens_to_ids("<image>")
+    image_tokens = int((held["input_ids"][0] == image).sum())
+    assert image_tokens > 1 and shown.split("--- row 1")[0].count("<image>") == image_tokens
+    assert f"[[{reply}" in shown and SQUARES.QUESTION in shown and "--- row 1:" in shown
+
+
 def test_a_processor_that_needs_a_library_this_environment_lacks_is_refused_naming_it(tmp_path):
     """A Qwen2-VL directory's processor takes a video processor, which needs torchvision (not a dependency of
     trainloop's): model=hf is refused in one line that names model.name_or_path and the library, not with

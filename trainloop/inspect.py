@@ -5,7 +5,8 @@ Each row is rendered (the chat template applied) and tokenized as the run does, 
 with its trained tokens (the targets of the loss) between [[ and ]], its length in tokens, how many
 are trained, and what data.seq_len cuts (data.overlong): the trained tokens past it, marked `>8`
 where the cut falls. Axolotl's `preprocess --debug`, for trainloop's formats that tokenize a row as
-one sequence (data=chat, prompt_completion, files, pydoc). Exit 0, or 2 for a config it refuses.
+one sequence (data=chat, prompt_completion, files, pydoc, and vision_chat, whose images show as the
+processor's image tokens). Exit 0, or 2 for a config it refuses.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def inspect_rows(overrides: list[str], count: int) -> str:
     """The first `count` rows of the data `overrides` configure, as the model sees them (see the module)."""
     from trainloop.config.compose import compose_config
     from trainloop.data.formats import data_format
-    from trainloop.data.loaders import carry_chat_template, load_examples, tokenize_examples, trained_chat_template
-    from trainloop.data.tokenizer import build_tokenizer
+    from trainloop.data.loaders import (
+        carry_chat_template, load_examples, run_tokenizer, tokenize_examples, trained_chat_template,
+    )
     from trainloop.observe.metrics import library_progress_bars
 
     if count < 1:
@@ -49,7 +51,7 @@ def inspect_rows(overrides: list[str], count: int) -> str:
         raise ConfigError(f"data={d.name} reads tokens already prepared, not rows: inspect the rows it was prepared "
                           "from with the data= they were prepared with")
     library_progress_bars(False, loads_rows=True)
-    tokenizer = build_tokenizer(d.tokenizer, cfg.model.name_or_path)
+    tokenizer = run_tokenizer(cfg)  # a vision-language model's: its processor's
     carry_chat_template(tokenizer, trained_chat_template(d, tokenizer))
     rows = load_examples(d, tokenizer)
     first = rows.select(range(min(count, len(rows)))) if hasattr(rows, "select") else rows[:count]
@@ -57,7 +59,7 @@ def inspect_rows(overrides: list[str], count: int) -> str:
     if "input_ids" not in getattr(tokens, "column_names", tokens):
         raise ConfigError(f"data={d.name} makes items of several sequences (its pairs, or prompts to generate "
                           "from), not one sequence a row: python -m trainloop.inspect shows data=chat, "
-                          "prompt_completion, files and pydoc rows")
+                          "prompt_completion, files, pydoc and vision_chat rows")
     labels = tokens["labels"] if "labels" in getattr(tokens, "column_names", tokens) else None
     out = []
     for i, ids in enumerate(tokens["input_ids"]):

@@ -236,27 +236,31 @@ class VisionChat(DataFormat):
     def chat_template(self, cfg: DataConfig, tokenizer) -> str:
         return template_of(cfg, tokenizer)
 
-    def build(self, cfg: DataConfig, tokenizer, seed: int):
-        """The rows as VisionRows: tokens and labels made here, once; pixels as batches are read."""
-        import torch
-
-        from trainloop.data.packing import split_documents
-        from trainloop.data.sets import VisionRows, open_image
-        from trainloop.model.vision import image_token_id, processor_of
+    def processor(self, cfg: DataConfig, tokenizer):
+        """The run's processor (trainloop.model.vision.processor_of), whose chat template can label the rows."""
+        from trainloop.model.vision import processor_of
 
         processor = processor_of(tokenizer)
         if processor is None:
             raise ConfigError("data=vision_chat needs a vision-language model and its processor: model.arch=llava, "
                               "or model=hf with a vision-language model directory (AutoProcessor)")
-        template, assistant = self.chat_template(cfg, tokenizer), cfg.train_on == "assistant"
-        if assistant and not GENERATION_MARKER.search(template):
+        if cfg.train_on == "assistant" and not GENERATION_MARKER.search(self.chat_template(cfg, tokenizer)):
             raise ConfigError("data=vision_chat with data.train_on=assistant takes the assistant's tokens from the "
                               "chat template's {% generation %} markers (as TRL does), and this template has none: "
                               "give one with them (data.chat_template=FILE), or set data.train_on=all")
-        image_token, pad, length = image_token_id(processor), pad_id(tokenizer), cfg.seq_len
-        ids, labels, masks, images, digests = [], [], [], [], []
-        dropped = Counter()
-        for r, messages, sources in self.load(cfg, tokenizer):
+        return processor
+
+    def encoded(self, cfg: DataConfig, tokenizer, examples):
+        """(input ids, labels) of each of `examples` (load's rows), whole (data.seq_len not applied): its
+        conversation rendered by the chat template and its images' tokens by the processor, each image decoded
+        once; the labels are the trained tokens (data.train_on), never an image's."""
+        from trainloop.data.sets import open_image
+        from trainloop.model.vision import image_token_id
+
+        processor = self.processor(cfg, tokenizer)
+        template, assistant = self.chat_template(cfg, tokenizer), cfg.train_on == "assistant"
+        image_token = image_token_id(processor)
+        for r, messages, sources in examples:
             pictures = []
             for k, source in enumerate(sources, 1):
                 try:
@@ -271,7 +275,27 @@ class VisionChat(DataFormat):
             row = row.tolist() if hasattr(row, "tolist") else list(row)
             marked = out["assistant_masks"][0] if assistant else [1] * len(row)
             marked = marked.tolist() if hasattr(marked, "tolist") else list(marked)
-            target = [t if m and t != image_token else IGNORE for t, m in zip(row, marked)]
+            yield row, [t if m and t != image_token else IGNORE for t, m in zip(row, marked)]
+
+    def tokenize(self, cfg: DataConfig, tokenizer, examples, desc: str = "tokenize"):
+        """input_ids and labels of each of `examples`, whole (python -m trainloop.inspect shows them)."""
+        rows = list(self.encoded(cfg, tokenizer, examples))
+        return {"input_ids": [ids for ids, _ in rows], "labels": [labels for _, labels in rows]}
+
+    def build(self, cfg: DataConfig, tokenizer, seed: int):
+        """The rows as VisionRows: tokens and labels made here, once; pixels as batches are read."""
+        import torch
+
+        from trainloop.data.packing import split_documents
+        from trainloop.data.sets import VisionRows
+        from trainloop.model.vision import image_token_id
+
+        processor = self.processor(cfg, tokenizer)  # before the rows are read
+        kept = self.load(cfg, tokenizer)
+        image_token, pad, length = image_token_id(processor), pad_id(tokenizer), cfg.seq_len
+        ids, labels, masks, images, digests = [], [], [], [], []
+        dropped = Counter()
+        for (_, _, sources), (row, target) in zip(kept, self.encoded(cfg, tokenizer, kept)):
             if len(row) > length:
                 if cfg.overlong == "drop" or image_token in row[length:]:
                     dropped["longer than data.seq_len" + ("" if cfg.overlong == "drop" else
