@@ -147,14 +147,26 @@ class VisionRows(PackedBlocks):
         return batch
 
 
-def open_image(source):
-    """The image at `source` (a path, or its bytes), decoded, in RGB."""
+def _opened(source):
+    """PIL's image at `source` (a path, or its bytes), opened: its header read, no pixel decoded yet."""
     import io
 
     from PIL import Image
 
-    with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+    return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+
+
+def open_image(source):
+    """The image at `source` (a path, or its bytes), decoded, in RGB."""
+    with _opened(source) as image:
         return image.convert("RGB")
+
+
+def verify_image(source) -> None:
+    """Raises what PIL raises where `source` is not an image, from its header and PIL's own checks (verify),
+    without decoding its pixels."""
+    with _opened(source) as image:
+        image.verify()
 
 
 def materialize(blocks) -> PackedBlocks:

@@ -126,13 +126,10 @@ def image_problem(source) -> str | None:
         return "is neither a path nor an image's bytes"
     if isinstance(source, str) and not Path(source).is_file():
         return f"{source!r}: no such file"
-    import io
-
-    from PIL import Image
+    from trainloop.data.sets import verify_image
 
     try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
-            image.verify()
+        verify_image(source)
     except Exception as err:  # noqa: BLE001 - whatever PIL raises for a file that is not an image
         return not_an_image(source, err)
     return None
@@ -250,14 +247,13 @@ class VisionChat(DataFormat):
                               "give one with them (data.chat_template=FILE), or set data.train_on=all")
         return processor
 
-    def encoded(self, cfg: DataConfig, tokenizer, examples):
+    def encoded(self, cfg: DataConfig, tokenizer, processor, examples):
         """(input ids, labels) of each of `examples` (load's rows), whole (data.seq_len not applied): its
-        conversation rendered by the chat template and its images' tokens by the processor, each image decoded
-        once; the labels are the trained tokens (data.train_on), never an image's."""
+        conversation rendered by the chat template and its images' tokens by `processor` (self.processor's), each
+        image decoded once; the labels are the trained tokens (data.train_on), never an image's."""
         from trainloop.data.sets import open_image
         from trainloop.model.vision import image_token_id
 
-        processor = self.processor(cfg, tokenizer)
         template, assistant = self.chat_template(cfg, tokenizer), cfg.train_on == "assistant"
         image_token = image_token_id(processor)
         for r, messages, sources in examples:
@@ -279,7 +275,7 @@ class VisionChat(DataFormat):
 
     def tokenize(self, cfg: DataConfig, tokenizer, examples, desc: str = "tokenize"):
         """input_ids and labels of each of `examples`, whole (python -m trainloop.inspect shows them)."""
-        rows = list(self.encoded(cfg, tokenizer, examples))
+        rows = list(self.encoded(cfg, tokenizer, self.processor(cfg, tokenizer), examples))
         return {"input_ids": [ids for ids, _ in rows], "labels": [labels for _, labels in rows]}
 
     def build(self, cfg: DataConfig, tokenizer, seed: int):
@@ -295,7 +291,7 @@ class VisionChat(DataFormat):
         image_token, pad, length = image_token_id(processor), pad_id(tokenizer), cfg.seq_len
         ids, labels, masks, images, digests = [], [], [], [], []
         dropped = Counter()
-        for (_, _, sources), (row, target) in zip(kept, self.encoded(cfg, tokenizer, kept)):
+        for (_, _, sources), (row, target) in zip(kept, self.encoded(cfg, tokenizer, processor, kept)):
             if len(row) > length:
                 if cfg.overlong == "drop" or image_token in row[length:]:
                     dropped["longer than data.seq_len" + ("" if cfg.overlong == "drop" else
