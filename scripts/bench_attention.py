@@ -21,7 +21,7 @@ Three parts (kernel and run by default), each case in a fresh process, so that e
     leads. With glibc's own heap, as a user's run has it, at 1 (the issue's size), 2 and 4 blocks a step
     (the heap keeps what is freed and fits later tensors into its holes as the order of the allocations
     allows: the ratio wanders from run to run), and at 1 with every tensor mapped, whose resident set is
-    the live tensors'; each `--repeat` times;
+    the live tensors'; each `--repeat` times, and then the ratio of each length's median peak;
   - cp (the second check): the issue's run for it, 4 blocks 512 wide (model.num_layers=4
     model.hidden_size=512 on the smoke preset: the size whose dense-mask figures the issue gives, 3,286 and
     2,348 MiB, x0.71; measured again here at af8e0f0, 3,176 and 2,186 MiB, x0.69), one block a step, under
@@ -196,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  data.batch_size={batch}, {HEAPS[heap]}: " +
                   ", ".join(f"{k:,} tokens {v / 2**30:.3f} GiB" for k, v in peaks.items()) + f"; x{growth:.2f}",
                   flush=True)
+        if args.repeat > 1:  # one length's peak wanders by 20 to 100 MB with glibc's heap: its median over the runs
+            print(f"  each length's median peak over the {args.repeat} runs:")
+            for batch, heap in dict.fromkeys((r["batch"], r["heap"]) for r in report["run"]):
+                runs = [r["peak_bytes"] for r in report["run"] if (r["batch"], r["heap"]) == (batch, heap)]
+                mid = {n: statistics.median(run[n] for run in runs) for n in LENGTHS}
+                growth = (mid[16384] - mid[8192]) / (mid[8192] - mid[4096])
+                report.setdefault("run_median", []).append({"batch": batch, "heap": heap, "peak_bytes": mid,
+                                                            "growth_ratio": growth})
+                print(f"  data.batch_size={batch}, {HEAPS[heap]}: " +
+                      ", ".join(f"{k:,} tokens {v / 2**30:.3f} GiB" for k, v in mid.items()) + f"; x{growth:.2f}")
     if "cp" in args.parts:
         report["cp"] = []
         print(f"\nFSDP2, {' '.join(CP_MODEL)}, one block a step, glibc's own heap: growth from 512 to 8,192 tokens of "
