@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import GROUPS, NEEDS, OPTIONS, clean_env, compose, launch, read_metrics, train, warm
-from trainloop.config.compose import CONFIG_DIR, ConfigError, validate
+from trainloop.config.compose import CONFIG_DIR, ConfigError, compose_config, misspelt_keys, validate
 
 PRESETS = sorted(f.stem for f in (CONFIG_DIR / "preset").glob("*.yaml"))
 PRESET_NEEDS = {"qlora": ["model.name_or_path=/some/model"],  # quantizes a pretrained model
@@ -145,6 +145,8 @@ def run_cli(*overrides: str, cwd: Path):
     (["optimizer=nope"], "optimizer"),
     (["trainer.max_steps=abc"], "trainer.max_steps"),
     (["trainer.no_such_key=1"], "no_such_key"),
+    (["trainer.max_step=3"], "no such key: trainer.max_step (did you mean trainer.max_steps?)"),  # Hydra's
+    (["+trainer.max_step=3"], "no such key: trainer.max_step (did you mean trainer.max_steps?)"),  # added by +
     (["data.seq_len=4096", "+preset=smoke"], "data.seq_len"),
     (["data=files", "data.path=/no/such/file.jsonl"], "data.path"),
     (["model=hf"], "model.name_or_path"),
@@ -157,6 +159,21 @@ def test_bad_input_exits_nonzero_naming_the_key(tmp_path, overrides, key):
     assert key in err, err[-3000:]
     assert "Traceback" not in err, "a known bad input gets one message, not a traceback"
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "nothing may train on bad input"
+
+
+def test_a_key_added_with_plus_that_no_section_declares_is_refused_with_the_nearest():
+    """Hydra's `+KEY=VALUE` adds a key to any section; nothing would read it, and the run would take the default."""
+    for overrides, said in [
+        (["+trainer.max_step=3"], "trainer.max_step (did you mean trainer.max_steps?)"),
+        (["+trainer.lr=0.01"], "trainer.lr (did you mean optimizer.lr?)"),  # the same name in another section
+        (["optimizer=sgd", "+optimizer.momentun=0.9"], "optimizer.momentun (did you mean optimizer.momentum?)"),
+        (["+trainer.extra.depth=1"], "trainer.extra (python -m trainloop --cfg job lists every key)"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            compose_config(overrides)
+        assert str(refused.value) == f"no such key: {said}"
+    assert misspelt_keys(["optimizer=sgd", "optimizer.momentun=0.9", "trainer.max_steps=3", "+preset=smoke",
+                          "hydra.run.dir=x"]) == ["optimizer.momentun (did you mean optimizer.momentum?)"]
 
 
 def test_text_field_missing_from_data_is_named(tmp_path, tiny_jsonl):

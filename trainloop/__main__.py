@@ -110,6 +110,11 @@ def main() -> None:
 
         traceback.print_exc()
         code = EXIT_BAD_CONFIG
+    if code == EXIT_BAD_CONFIG and not run_started:
+        from trainloop.config.compose import misspelt_keys
+
+        for key in misspelt_keys(sys.argv[1:]):  # Hydra offers `+KEY=VALUE` for an unknown key, which adds nothing
+            print(f"trainloop: error: no such key: {key}", file=sys.stderr)
     leave(code, under_launcher=world_size > 1)
 
 

@@ -111,12 +111,70 @@ def conf_signature() -> tuple:
 
 
 def check_complete(cfg: Any) -> None:
+    """Every required key has a value, and every key is one the schema declares: Hydra's `+KEY=VALUE` adds a
+    key to any section, and nothing would read it."""
     from omegaconf import OmegaConf
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError("required keys have no value: " + ", ".join(missing)
                           + " (set them on the command line, e.g. KEY=VALUE)")
+    declared, unknown = keys_of(cfg)
+    if unknown:
+        raise ConfigError("no such key: " + "; ".join(no_such_key(key, declared) for key in unknown))
+
+
+def keys_of(cfg: Any) -> tuple[list[str], list[str]]:
+    """(the values' keys `cfg`'s schema declares, the keys it does not), dotted. A key's section is a dataclass of
+    trainloop.config.sections (an option's, where the group has options); nothing below an undeclared key
+    is read."""
+    from dataclasses import is_dataclass
+
+    from omegaconf import DictConfig, OmegaConf
+
+    declared, unknown = [], []
+
+    def walk(node, prefix: str) -> None:
+        kind = OmegaConf.get_type(node)
+        names = {f.name for f in fields(kind)} if is_dataclass(kind) else None
+        for key in node.keys():
+            if names is not None and key not in names:
+                unknown.append(prefix + key)
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+                walk(child, f"{prefix}{key}.")
+            else:
+                declared.append(prefix + key)
+
+    walk(cfg, "")
+    return declared, unknown
+
+
+def no_such_key(key: str, declared: Sequence[str]) -> str:
+    """`key`, with the declared key it was likely meant to be: the same name in another section
+    (trainer.lr: optimizer.lr), else the nearest spelling (trainer.max_step: trainer.max_steps)."""
+    import difflib
+
+    name = key.rsplit(".", 1)[-1]
+    near = ([d for d in declared if d.rsplit(".", 1)[-1] == name]
+            or difflib.get_close_matches(key, declared, n=1, cutoff=0.75))
+    return f"{key} (did you mean {near[0]}?)" if near else f"{key} (python -m trainloop --cfg job lists every key)"
+
+
+def misspelt_keys(overrides: Sequence[str]) -> list[str]:
+    """The keys of a command line Hydra refused that its sections do not declare, each as no_such_key gives it:
+    Hydra's own message offers `+KEY=VALUE`, which check_complete refuses. The group choices compose alone."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        keys = [o.key_or_group for o in parsed if "." in o.key_or_group and not o.key_or_group.startswith("hydra")]
+        groups = [o.input_line for o in parsed if "." not in o.key_or_group and "hydra" not in o.key_or_group]
+        declared = keys_of(composed(groups, False))[0] if keys else []
+    except Exception:  # noqa: BLE001 - Hydra has said what is wrong; this only adds a hint where it can
+        return []
+    return [no_such_key(key, declared) for key in keys if key not in declared]
 
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # trainloop/

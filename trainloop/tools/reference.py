@@ -220,8 +220,9 @@ def render() -> str:
         "Every key trainloop reads, with its type, its default (what `python -m trainloop` runs with",
         "no arguments) and what it does. Set a key with `KEY=VALUE`, choose a group's option with",
         "`GROUP=OPTION`, add a preset with `+preset=NAME`; `python -m trainloop --cfg job` prints",
-        "the composed config. Unknown keys and values of the wrong type are refused when the config",
-        "is composed; the allowed values and ranges below are checked before anything is built.",
+        "the composed config. Unknown keys (`+KEY=VALUE` too, which Hydra lets add any key) and values",
+        "of the wrong type are refused when the config is composed, an unknown key with the nearest",
+        "known one; the allowed values and ranges below are checked before anything is built.",
         "",
         "Groups: " + ", ".join(f"[{g.name}](#{g.name})" for g in groups) + ", [presets](#presets).",
     ]
