@@ -236,6 +236,9 @@ class Run:
         else:
             cmd = [sys.executable, __file__, "--worker", loop, "--size", size, "--steps", str(steps),
                    "--out", str(self.steps_path), *(["--compiled"] if compiled else [])]
+            from trainloop.__main__ import with_trainloops_malloc
+
+            env = with_trainloops_malloc(env)  # jemalloc where `python -m trainloop` takes it: alike
         with open(workdir / "stderr.txt", "w") as stderr:
             # its own process group: SIGSTOP/SIGCONT/SIGKILL reach any child it starts too
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,

@@ -18,14 +18,16 @@ Three parts (kernel and run by default), each case in a fresh process, so that e
   - the run (issue 61's first acceptance check): `python -m trainloop +preset=smoke` at 4,096, 8,192 and
     16,384 tokens, its peak resident set measured from outside (wait4's ru_maxrss): the growth from 8k to
     16k over the growth from 4k to 8k, 2 where memory is linear in the sequence, 4 where a (seq x seq) term
-    leads. With glibc's own heap, as a user's run has it, at 1 (the issue's size), 2 and 4 blocks a step
-    (the heap keeps what is freed and fits later tensors into its holes as the order of the allocations
-    allows: the ratio wanders from run to run), and at 1 with every tensor mapped, whose resident set is
-    the live tensors'; each `--repeat` times, and then the ratio of each length's median peak;
+    leads. With the run's own malloc (jemalloc, which `python -m trainloop` preloads where it is installed:
+    trainloop/__main__.py) at 1 (the issue's size), 2 and 4 blocks a step; at 1 with glibc's heap
+    (TRAINLOOP_MALLOC=glibc: it keeps what is freed and fits later tensors into its holes as the order of the
+    allocations allows, so the ratio wanders from run to run) and with glibc giving every tensor its own
+    mapping, whose resident set is the live tensors'; each `--repeat` times, and then the ratio of each
+    length's median peak;
   - cp (the second check): the issue's run for it, 4 blocks 512 wide (model.num_layers=4
     model.hidden_size=512 on the smoke preset: the size whose dense-mask figures the issue gives, 3,286 and
     2,348 MiB, x0.71; measured again here at af8e0f0, 3,176 and 2,186 MiB, x0.69), one block a step, under
-    FSDP2 on one process and with parallel.cp_size=2 on two, at 512 and 8,192 tokens, with glibc's own heap:
+    FSDP2 on one process and with parallel.cp_size=2 on two, at 512 and 8,192 tokens, the run's own malloc:
     each rank's growth over one process's, `--repeat` times.
 """
 
@@ -41,9 +43,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainloop.__main__ import with_trainloops_malloc
+
 REPO = Path(__file__).resolve().parent.parent
 PATHS = ("dense", "documents")  # and on a CUDA GPU "loop": sdpa once a document, what fp32 or an older torch takes
-GLIBC = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # glibc's own heap: a user's run
+RUN = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "TRAINLOOP_MALLOC")}  # a user's run
+GLIBC = {**RUN, "TRAINLOOP_MALLOC": "glibc"}  # glibc's own heap
 LIVE = {**GLIBC, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}  # every tensor mapped: the resident set is the live one
 LENGTHS = (4096, 8192, 16384)
 CP_MODEL = ("model.num_layers=4", "model.hidden_size=512")  # the issue's "4 blocks of 512" for its second check
@@ -146,7 +151,7 @@ def kernel_rows(lengths: list[int], steps: int) -> list[dict]:
 
 
 def run_peak(length: int, *overrides: str, presets: str = "smoke", processes: int = 1, batch: int = 2,
-             env: dict = GLIBC) -> int:
+             env: dict = RUN) -> int:
     """Peak resident set of a 2-step trainloop run at `length` tokens, `batch` blocks a step, measured from
     outside."""
     with tempfile.TemporaryDirectory() as run_dir:
@@ -162,7 +167,9 @@ def run_peak(length: int, *overrides: str, presets: str = "smoke", processes: in
         return peak
 
 
-HEAPS = {"glibc": "glibc's own heap",
+# what python -m trainloop takes in RUN (trainloop/__main__.py)
+RUN_MALLOC = "jemalloc" if "jemalloc" in with_trainloops_malloc(RUN).get("LD_PRELOAD", "") else "glibc"
+HEAPS = {"run": f"the run's own malloc ({RUN_MALLOC})", "glibc": "glibc's own heap (TRAINLOOP_MALLOC=glibc)",
          "live": "every tensor of 64 KiB or more mapped (MALLOC_MMAP_THRESHOLD_=65536): the live tensors"}
 
 
@@ -188,15 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         report["run"] = []
         print("\ntrainloop, one process, the smoke model (2 blocks of 64), peak RSS from outside; growth 8k->16k "
               "over growth 4k->8k (linear: 2, quadratic: 4; the check: at most 2.3)")
-        for batch, heap in [case for case in ((1, "glibc"), (2, "glibc"), (4, "glibc"), (1, "live"))
+        envs = {"run": RUN, "glibc": GLIBC, "live": LIVE}
+        for batch, heap in [case for case in ((1, "run"), (2, "run"), (4, "run"), (1, "glibc"), (1, "live"))
                             for _ in range(args.repeat)]:
-            peaks = {n: run_peak(n, batch=batch, env=GLIBC if heap == "glibc" else LIVE) for n in LENGTHS}
+            peaks = {n: run_peak(n, batch=batch, env=envs[heap]) for n in LENGTHS}
             growth = (peaks[16384] - peaks[8192]) / (peaks[8192] - peaks[4096])
             report["run"].append({"batch": batch, "heap": heap, "peak_bytes": peaks, "growth_ratio": growth})
             print(f"  data.batch_size={batch}, {HEAPS[heap]}: " +
                   ", ".join(f"{k:,} tokens {v / 2**30:.3f} GiB" for k, v in peaks.items()) + f"; x{growth:.2f}",
                   flush=True)
-        if args.repeat > 1:  # one length's peak wanders by 20 to 100 MB with glibc's heap: its median over the runs
+        if args.repeat > 1:  # with glibc's heap one length's peak wanders by 20 to 100 MB: its median over the runs
             print(f"  each length's median peak over the {args.repeat} runs:")
             for batch, heap in dict.fromkeys((r["batch"], r["heap"]) for r in report["run"]):
                 runs = [r["peak_bytes"] for r in report["run"] if (r["batch"], r["heap"]) == (batch, heap)]
@@ -208,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                       ", ".join(f"{k:,} tokens {v / 2**30:.3f} GiB" for k, v in mid.items()) + f"; x{growth:.2f}")
     if "cp" in args.parts:
         report["cp"] = []
-        print(f"\nFSDP2, {' '.join(CP_MODEL)}, one block a step, glibc's own heap: growth from 512 to 8,192 tokens of "
-              "one process and of each rank of parallel.cp_size=2 (the check: at most 0.6x)")
+        print(f"\nFSDP2, {' '.join(CP_MODEL)}, one block a step, {HEAPS['run']}: growth from 512 to 8,192 tokens "
+              "of one process and of each rank of parallel.cp_size=2 (the check: at most 0.6x)")
         for _ in range(args.repeat):
             one = {n: run_peak(n, *CP_MODEL, presets="[smoke,fsdp]", batch=1) for n in (512, 8192)}
             split = {n: run_peak(n, *CP_MODEL, "parallel.cp_size=2", presets="[smoke,fsdp]", processes=2, batch=1)

@@ -161,6 +161,9 @@ def run_variant(name: str, args, folder: Path, prompts: Path, rewards: Path) -> 
         command = [sys.executable, __file__, "--trl-child", str(folder), *sys.argv[1:],
                    *(["--tools", args.tools] if args.tools else [])]  # resolved: the child runs in `folder`
         steps = folder / "trl_steps.jsonl"
+        from trainloop.__main__ import with_trainloops_malloc
+
+        env = with_trainloops_malloc(env)  # jemalloc where `python -m trainloop` takes it: alike
     started = time.time()
     done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True)
     if done.returncode != 0:

@@ -53,10 +53,13 @@ fi
 # System packages, installed where this runs as root with apt (elsewhere a note says what to install):
 # - libaio-dev: DeepSpeed's NVMe offload (+preset=zero3_nvme) builds its async I/O op against it;
 # - ccache: DeepSpeed's ops compile through it (compiler_cache in trainloop/parallel/deepspeed_config.py), so
-#   a new venv on this machine, a clean clone's, reuses what an earlier one compiled: seconds, not minutes.
+#   a new venv on this machine, a clean clone's, reuses what an earlier one compiled: seconds, not minutes;
+# - libjemalloc2: `python -m trainloop` runs with jemalloc's malloc where it is installed (trainloop/__main__.py):
+#   a lower host peak than glibc's heap, the same from one run to the next, at the same speed.
 missing=()
 { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; } || missing+=(libaio-dev)
 command -v ccache >/dev/null || missing+=(ccache)
+{ ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so' || dpkg -s libjemalloc2 >/dev/null 2>&1; } || missing+=(libjemalloc2)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \
@@ -67,6 +70,8 @@ if [ ${#missing[@]} -gt 0 ]; then
         libaio-dev) echo "note: NVMe offload needs libaio: apt-get install libaio-dev (Debian/Ubuntu, as root)," \
                          "dnf install libaio-devel (Fedora/RHEL) or conda install -c conda-forge libaio" >&2 ;;
         ccache) echo "note: with ccache installed, DeepSpeed's ops compile once per machine, not once per venv" >&2 ;;
+        libjemalloc2) echo "note: with jemalloc installed (apt-get install libjemalloc2, or dnf install jemalloc)" \
+                           "a run's host memory peaks lower, and the same from one run to the next" >&2 ;;
       esac
     done
   fi

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 from trainloop.errors import (EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError,
                               Preempted)
+from trainloop.memory.proc import ALLOCATORS, jemalloc_library
 
 
 def take_launcher_args(argv: list[str]) -> list[str]:
@@ -49,7 +51,55 @@ def exit_code_of_hydra_failure(code, run_started: bool):
     return EXIT_BAD_CONFIG if code == 1 and not run_started else code
 
 
+def with_jemalloc(argv: list[str], environ: dict, find: Callable[[], str | None] = jemalloc_library) -> str | None:
+    """The LD_PRELOAD that `python -m trainloop` (interpreter `argv`, sys.orig_argv) runs again with: jemalloc
+    before what is preloaded already, as PyTorch's own CPU launcher (torch.backends.xeon.run_cpu) preloads it.
+    glibc's heap keeps freed tensors resident in holes that later tensors fit as the order of the allocations
+    allows, so the same run's peak wanders by tens of MB; jemalloc's does not, and is lower at the same speed
+    (BENCHMARKS.md). None where the run keeps its malloc: TRAINLOOP_MALLOC=glibc, an allocator preloaded
+    already (by the user, or by this before its exec), trainloop not run as `-m trainloop` (a warm rank of the
+    test suite, which calls main in a forked process), or jemalloc not installed (`find` finds no library)."""
+    choice = environ.get("TRAINLOOP_MALLOC", "jemalloc")
+    if choice not in ("jemalloc", "glibc"):
+        print(f"trainloop: error: TRAINLOOP_MALLOC={choice!r}: choose jemalloc (the default, where it is "
+              "installed) or glibc", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
+    preloaded = environ.get("LD_PRELOAD", "")
+    if choice == "glibc" or any(name in preloaded for name in ALLOCATORS) or module_run(argv) != "trainloop":
+        return None
+    library = find()
+    return None if library is None else ":".join(path for path in (library, preloaded) if path)
+
+
+def with_trainloops_malloc(environ: dict) -> dict:
+    """`environ` for a process that is not `python -m trainloop` (a benchmark's baseline: a raw loop, the HF
+    Trainer, TRL), with the malloc that `python -m trainloop` takes in it, so that the two are compared alike."""
+    preload = with_jemalloc([sys.executable, "-m", "trainloop"], environ)
+    return environ if preload is None else {**environ, "LD_PRELOAD": preload}
+
+
+def module_run(argv: list[str]) -> str | None:
+    """The module an interpreter's command line (sys.orig_argv) runs with -m, None for a script or -c: its
+    options come first, -W, -X and --check-hash-based-pycs each with a value."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, None)
+        if arg.startswith("-m"):
+            return arg[2:]
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):
+            next(args, None)
+        elif not arg.startswith("-") or arg == "-" or arg.startswith("-c"):
+            return None
+    return None
+
+
 def main() -> None:
+    if sys.platform == "linux":
+        preload = with_jemalloc(sys.orig_argv, os.environ)
+        if preload is not None:  # the same process (pid) starts again, its malloc jemalloc's
+            os.environ["LD_PRELOAD"] = preload
+            os.execv(sys.executable, sys.orig_argv)
     sys.argv = [sys.argv[0]] + take_launcher_args(sys.argv[1:])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and any(a in ("-m", "--multirun") for a in sys.argv[1:]):

@@ -57,6 +57,7 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     from trainloop.guard import StepGuard
     from trainloop.loop import TrainState, train
     from trainloop.memory.batch_size import with_batch
+    from trainloop.memory.proc import host_allocator
     from trainloop.model.flops import peak_tflops
     from trainloop.observe.metrics import Metrics, library_progress_bars, shows_bar
     from trainloop.observe.trackers import Trackers
@@ -88,6 +89,9 @@ def train_in_run_dir(cfg: DictConfig, run_dir: str | os.PathLike, record: Launch
     log.info("run dir %s | %s | model %.2fM parameters (%.2fM trained%s) | %d train / %d valid blocks of %d tokens%s",
              run_dir, strategy.describe(model), n_params / 1e6, n_trained / 1e6, routing, len(train_set),
              len(built.valid_set), cfg.data.seq_len, f" | {settled}" if settled and cfg.model.name == "hf" else "")
+    malloc = host_allocator()  # "" off Linux; __main__.with_jemalloc chose it
+    if malloc:
+        log.info("host malloc: %s%s", malloc, " (TRAINLOOP_MALLOC=glibc keeps glibc's)" if malloc == "jemalloc" else "")
     state = TrainState()
     if resume_from is not None:
         checkpointer.load(resume_from, state, model, built.scheduler)

@@ -4,7 +4,7 @@ through it too."""
 
 from __future__ import annotations
 
-from trainloop.memory.proc import reset_peak_rss, status_bytes
+from trainloop.memory.proc import host_allocator, reset_peak_rss, status_bytes
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -16,9 +16,11 @@ def track_live_memory(on: bool) -> bool:
     With glibc's default heap a freed tensor stays resident and a later, differently sized one
     may not fit in its place: under FSDP2 (gather and free a block at a time) the resident set of
     a 17M-parameter model grew 380 -> 560 MB over 4 steps with the live tensors flat (seen here).
-    False where there is no glibc."""
+    False where there is no glibc, or its malloc is not the one in use (a preloaded jemalloc)."""
     import ctypes
 
+    if host_allocator() != "glibc":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10 if on else 32 * 2**20)
