@@ -168,12 +168,14 @@ def test_a_key_added_with_plus_that_no_section_declares_is_refused_with_the_near
         (["+trainer.lr=0.01"], "trainer.lr (did you mean optimizer.lr?)"),  # the same name in another section
         (["optimizer=sgd", "+optimizer.momentun=0.9"], "optimizer.momentun (did you mean optimizer.momentum?)"),
         (["+trainer.extra.depth=1"], "trainer.extra (python -m trainloop --cfg job lists every key)"),
+        (["+optimzer=adamw"], "optimzer (did you mean optimizer?)"),  # a group's name
     ]:
         with pytest.raises(ConfigError) as refused:
             compose_config(overrides)
         assert str(refused.value) == f"no such key: {said}"
     assert misspelt_keys(["optimizer=sgd", "optimizer.momentun=0.9", "trainer.max_steps=3", "+preset=smoke",
-                          "hydra.run.dir=x"]) == ["optimizer.momentun (did you mean optimizer.momentum?)"]
+                          "hydra.run.dir=x", "hydra/job_logging=stdout", "schedular=cosine"]) == [
+        "optimizer.momentun (did you mean optimizer.momentum?)", "schedular (did you mean scheduler?)"]
 
 
 def test_text_field_missing_from_data_is_named(tmp_path, tiny_jsonl):

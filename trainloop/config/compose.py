@@ -153,12 +153,17 @@ def keys_of(cfg: Any) -> tuple[list[str], list[str]]:
 
 def no_such_key(key: str, declared: Sequence[str]) -> str:
     """`key`, with the declared key it was likely meant to be: the same name in another section
-    (trainer.lr: optimizer.lr), else the nearest spelling (trainer.max_step: trainer.max_steps)."""
+    (trainer.lr: optimizer.lr), else the nearest spelling (trainer.max_step: trainer.max_steps); a key with no
+    dot, the nearest section or group (optimzer: optimizer)."""
     import difflib
 
-    name = key.rsplit(".", 1)[-1]
-    near = ([d for d in declared if d.rsplit(".", 1)[-1] == name]
-            or difflib.get_close_matches(key, declared, n=1, cutoff=0.75))
+    if "." in key:
+        name = key.rsplit(".", 1)[-1]
+        near = ([d for d in declared if d.rsplit(".", 1)[-1] == name]
+                or difflib.get_close_matches(key, declared, n=1, cutoff=0.75))
+    else:
+        groups = {d.split(".")[0] for d in declared} | {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+        near = difflib.get_close_matches(key, sorted(g for g in groups if not g.startswith("_")), n=1, cutoff=0.75)
     return f"{key} (did you mean {near[0]}?)" if near else f"{key} (python -m trainloop --cfg job lists every key)"
 
 
@@ -168,13 +173,15 @@ def misspelt_keys(overrides: Sequence[str]) -> list[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-        keys = [o.key_or_group for o in parsed if "." in o.key_or_group and not o.key_or_group.startswith("hydra")]
-        groups = [o.input_line for o in parsed if "." not in o.key_or_group and "hydra" not in o.key_or_group]
+        parsed = [o for o in OverridesParser.create().parse_overrides(list(overrides))
+                  if not o.key_or_group.startswith("hydra")]
+        groups = [o.input_line for o in parsed if (CONFIG_DIR / o.key_or_group).is_dir()]
+        keys = [o.key_or_group for o in parsed if not (CONFIG_DIR / o.key_or_group).is_dir()]
         declared = keys_of(composed(groups, False))[0] if keys else []
     except Exception:  # noqa: BLE001 - Hydra has said what is wrong; this only adds a hint where it can
         return []
-    return [no_such_key(key, declared) for key in keys if key not in declared]
+    sections = {d.split(".")[0] for d in declared}
+    return [no_such_key(key, declared) for key in keys if key not in declared and key not in sections]
 
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # trainloop/
