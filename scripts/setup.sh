@@ -59,7 +59,8 @@ fi
 missing=()
 { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; } || missing+=(libaio-dev)
 command -v ccache >/dev/null || missing+=(ccache)
-{ ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so' || dpkg -s libjemalloc2 >/dev/null 2>&1; } || missing+=(libjemalloc2)
+"$VENV/bin/python" -c 'from trainloop.memory.proc import jemalloc_library as j; raise SystemExit(j() is None)' \
+  || missing+=(libjemalloc2)  # where a run looks for it
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \

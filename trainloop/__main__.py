@@ -95,11 +95,10 @@ def module_run(argv: list[str]) -> str | None:
 
 
 def main() -> None:
-    if sys.platform == "linux":
-        preload = with_jemalloc(sys.orig_argv, os.environ)
-        if preload is not None:  # the same process (pid) starts again, its malloc jemalloc's
-            os.environ["LD_PRELOAD"] = preload
-            os.execv(sys.executable, sys.orig_argv)
+    preload = with_jemalloc(sys.orig_argv, os.environ)  # None off Linux: jemalloc_library finds no .so there
+    if preload is not None:  # the same process (pid) starts again, its malloc jemalloc's
+        os.environ["LD_PRELOAD"] = preload
+        os.execv(sys.executable, sys.orig_argv)
     sys.argv = [sys.argv[0]] + take_launcher_args(sys.argv[1:])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and any(a in ("-m", "--multirun") for a in sys.argv[1:]):
